@@ -1,0 +1,14 @@
+"""hvdsync: communication-efficient drop-in optimizer wrappers for Horovod.
+
+Import the framework adapter you need; this top-level package holds the framework-neutral
+core (layer grouping, validation, statistics) and imports neither torch nor TensorFlow::
+
+    import hvdsync.torch as hvd      # instead of: import horovod.torch as hvd
+"""
+
+from hvdsync.layers import Layer, build_layers
+from hvdsync.stats import SyncStats
+
+__version__ = "0.1.0"
+
+__all__ = ["Layer", "SyncStats", "build_layers", "__version__"]

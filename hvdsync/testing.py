@@ -1,0 +1,144 @@
+"""Run a function on N real Horovod ranks (``horovodrun --gloo``), with a timeout.
+
+Used by hvdsync's tests and benchmarks; usable for your own::
+
+    from hvdsync.testing import run_ranks
+
+    def body(scale):                      # importable: module level of an importable module
+        import hvdsync.torch as hvd
+        hvd.init()
+        return hvd.rank() * scale
+
+    assert run_ranks(body, np=3, args=(2,)) == [0, 2, 4]
+
+Each rank calls ``fn(*args, **kwargs)`` after nothing else (the body calls ``hvd.init()``
+itself); return values must be picklable and come back as a list indexed by rank. A rank
+that raises, a non-zero exit, or a job still running after ``timeout`` seconds (a hang: all
+ranks are killed) raises :class:`RanksFailed`, whose message holds every rank's output.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class RanksFailed(AssertionError):
+    """A multi-rank job failed, crashed or hung; the message has every rank's output."""
+
+
+def _horovodrun() -> str:
+    here = Path(sys.executable).parent / "horovodrun"
+    found = str(here) if here.exists() else shutil.which("horovodrun")
+    if not found:
+        raise RuntimeError("horovodrun not found next to the Python interpreter or on PATH; "
+                           "install Horovod with scripts/install_horovod.sh")
+    return found
+
+
+def run_ranks(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | None = None,
+              timeout: float = 180, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``np`` Horovod ranks (Gloo, this host); return per-rank
+    results, or raise :class:`RanksFailed` with every rank's output."""
+    module, qualname = fn.__module__, fn.__qualname__
+    if module == "__main__" or "<locals>" in qualname:
+        raise ValueError("run_ranks needs a module-level function of an importable module, "
+                         f"got {module}.{qualname}")
+    with tempfile.TemporaryDirectory(prefix="hvdsync-ranks-") as tmp:
+        with open(os.path.join(tmp, "call.pkl"), "wb") as f:
+            pickle.dump((module, qualname, args, kwargs or {}), f)
+        child_env = dict(os.environ)
+        # Ranks must import the caller's module the way the caller did.
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            [p for p in sys.path if p and os.path.isdir(p)])
+        # Several ranks share few cores: one intra-op thread each avoids oversubscription.
+        child_env.setdefault("OMP_NUM_THREADS", "1")
+        child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        child_env.setdefault("PYTHONUNBUFFERED", "1")
+        child_env.update(env or {})
+        cmd = [_horovodrun(), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+               sys.executable, "-m", "hvdsync.testing", tmp]
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=child_env, start_new_session=True, text=True,
+                                errors="replace")
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+            hung = False
+        except subprocess.TimeoutExpired:
+            hung = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        elapsed = time.monotonic() - start
+        results, missing = [], []
+        for r in range(np):
+            path = os.path.join(tmp, f"rank{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                missing.append(r)
+        if hung or proc.returncode != 0 or missing:
+            what = (f"timed out after {timeout:.0f}s (hang?); all ranks killed" if hung
+                    else f"exited with code {proc.returncode}" if proc.returncode
+                    else f"ranks {missing} returned no result")
+            raise RanksFailed(f"{module}.{qualname} on {np} ranks {what} "
+                              f"({elapsed:.1f}s).\n{format_rank_output(output, np)}")
+        return results
+
+
+_PREFIX = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
+
+
+def format_rank_output(output: str, np: int, tail: int = 60) -> str:
+    """Group horovodrun's interleaved ``[rank]<stream>:`` lines by rank (last ``tail`` each)."""
+    per_rank: dict[str, list[str]] = {str(r): [] for r in range(np)}
+    launcher: list[str] = []
+    for line in output.splitlines():
+        m = _PREFIX.match(line)
+        if m:
+            per_rank.setdefault(m.group(1), []).append(m.group(3))
+        else:
+            launcher.append(line)
+    parts = []
+    for r, lines in per_rank.items():
+        parts.append(f"----- rank {r} ({len(lines)} lines, last {tail}) -----")
+        parts.extend(lines[-tail:])
+    parts.append(f"----- launcher (last {tail} lines) -----")
+    parts.extend(launcher[-tail:])
+    return "\n".join(parts)
+
+
+def _rank_main(tmp: str) -> None:
+    with open(os.path.join(tmp, "call.pkl"), "rb") as f:
+        module, qualname, args, kwargs = pickle.load(f)
+    rank = os.environ.get("HOROVOD_RANK", "?")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    try:
+        result = obj(*args, **kwargs)
+    except BaseException:
+        print(f"rank {rank}: {module}.{qualname} raised:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # do not wait for other ranks in Horovod's shutdown
+    with open(os.path.join(tmp, f"rank{rank}.pkl.tmp"), "wb") as f:
+        pickle.dump(result, f)
+    os.replace(os.path.join(tmp, f"rank{rank}.pkl.tmp"), os.path.join(tmp, f"rank{rank}.pkl"))
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])

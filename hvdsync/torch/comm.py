@@ -1,0 +1,106 @@
+"""Communicators: the pieces that move gradient bytes between ranks (torch tensors).
+
+Each ``start_*`` call launches Horovod collectives asynchronously and returns a
+:class:`Pending` whose ``wait()`` blocks and writes the reduced values back into the
+gradients. When the process set has a single rank nothing is sent: a reduction over one rank
+is the identity, so the pending result is ready at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from horovod.torch.mpi_ops import Average, ProcessSet
+from horovod.torch.mpi_ops import grouped_allreduce_async_, sparse_allreduce_async, synchronize
+
+
+@dataclass
+class Pending:
+    """Outstanding collectives for one layer; ``wait()`` finishes them (idempotent)."""
+
+    finishers: list[Callable[[], None]] = field(default_factory=list)
+    nbytes: int = 0
+    collectives: int = 0
+
+    def wait(self) -> None:
+        for f in self.finishers:
+            f()
+        self.finishers.clear()
+
+
+def payload_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor as a collective carries it (values and indices for sparse COO)."""
+    if t.is_sparse:
+        return (t._values().numel() * t._values().element_size()
+                + t._indices().numel() * t._indices().element_size())
+    return t.numel() * t.element_size()
+
+
+class GradientAllreduce:
+    """Averages (or sums) gradients with Horovod: one grouped allreduce per layer and dtype for
+    dense gradients, Horovod's allgather-based path for sparse ones (``sparse_as_dense``
+    densifies them first, as Horovod does)."""
+
+    def __init__(self, compression, op, gradient_predivide_factor: float,
+                 sparse_as_dense: bool, process_set: ProcessSet):
+        self.compression = compression
+        self.op = op
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        # As in Horovod: split the average into a pre- and post-scale (the C++ side applies the
+        # remaining 1/size for Average).
+        if op == Average:
+            self.prescale, self.postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+        else:
+            self.prescale = self.postscale = 1.0
+        self.single_rank = process_set.size() == 1
+
+    def start(self, name: str, params: Sequence[tuple[str, torch.Tensor]]) -> Pending:
+        """Start reducing ``p.grad`` of every ``(param_name, p)`` in ``params`` (grads present).
+
+        Collective names derive from ``name`` and parameter names, so they match across ranks.
+        """
+        pending = Pending()
+        if self.single_rank:
+            return pending
+        dense: dict[torch.dtype, list[torch.Tensor]] = {}
+        for pname, p in params:
+            if p.grad.is_sparse and not self.sparse_as_dense:
+                self._start_sparse(f"{name}.sparse.{pname}", p, pending)
+            else:
+                dense.setdefault(p.grad.dtype, []).append(p)
+        for dtype, group in dense.items():
+            self._start_dense(f"{name}.{str(dtype)[6:]}", group, pending)
+        return pending
+
+    def _start_dense(self, name: str, params: list[torch.Tensor], pending: Pending) -> None:
+        sources = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params]
+        compressed, ctxs = zip(*[self.compression.compress(t) for t in sources])
+        handle = grouped_allreduce_async_(list(compressed), name=name, op=self.op,
+                                          prescale_factor=self.prescale,
+                                          postscale_factor=self.postscale,
+                                          process_set=self.process_set)
+        pending.nbytes += sum(payload_bytes(t) for t in compressed)
+        pending.collectives += 1
+
+        def finish() -> None:
+            outputs = synchronize(handle)
+            for p, out, ctx in zip(params, outputs, ctxs):
+                out = self.compression.decompress(out, ctx)
+                if p.grad.is_sparse:  # sparse_as_dense: back to sparse for the optimizer
+                    p.grad.zero_().add_(out.to_sparse())
+                elif out is not p.grad:
+                    p.grad.copy_(out)
+        pending.finishers.append(finish)
+
+    def _start_sparse(self, name: str, p: torch.Tensor, pending: Pending) -> None:
+        grad = p.grad
+        result = sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set)
+        pending.nbytes += payload_bytes(grad)
+        pending.collectives += 2  # indices and values are two allgathers
+
+        def finish() -> None:
+            p.grad.zero_().add_(result())
+        pending.finishers.append(finish)

@@ -1,0 +1,291 @@
+"""hvdsync's torch ``DistributedOptimizer``: Horovod's contract, hvdsync's control of sends.
+
+The wrapper owns one post-accumulate-grad hook per parameter. When the last parameter of a
+*layer* (see :mod:`hvdsync.layers`) has its gradient for this step, the layer's send starts
+at once, overlapping the rest of backward; ``synchronize()`` (called by ``step()``) sends
+what has not been sent (unused parameters get zero gradients, as in Horovod), waits, and
+writes the reduced gradients back into ``p.grad`` before the wrapped optimizer steps.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Iterable
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from horovod.torch.compression import Compression
+from horovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
+                                   global_process_set)
+
+from hvdsync.config import (check_bool, check_reduce_op, positive_float, positive_int,
+                            reject_unknown_kwargs)
+from hvdsync.layers import Grouping, build_layers
+from hvdsync.stats import SyncStats
+from hvdsync.torch.comm import GradientAllreduce, Pending, payload_bytes
+
+_HOROVOD_ARGS = ("named_parameters", "compression", "backward_passes_per_step", "op",
+                 "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense",
+                 "process_set")
+_HVDSYNC_ARGS = ("layers",)
+
+
+class _DistributedOptimizer:
+    """Mixed in front of the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
+
+    # -- construction -----------------------------------------------------------------------
+    def _hvdsync_init(self, named_parameters, compression, backward_passes_per_step, op,
+                      gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                      layers: Grouping) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        names = _parameter_names(params, named_parameters)
+        self._param_names: dict[torch.Tensor, str] = names
+        by_name = {n: p for p, n in names.items()}
+
+        if groups is not None and layers is not None:
+            raise ValueError("pass either groups (Horovod's) or layers (hvdsync's), not both")
+        grouping = layers if layers is not None else _groups_to_names(groups, names)
+        trainable = [names[p] for p in params if p.requires_grad]
+        self._layers = build_layers(trainable, grouping)
+        self._layer_params: list[list[tuple[str, torch.Tensor]]] = [
+            [(n, by_name[n]) for n in layer.param_names] for layer in self._layers]
+        self._layer_of: dict[torch.Tensor, int] = {
+            p: layer.index for layer in self._layers for p in (by_name[n] for n in layer.param_names)}
+
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._compression = compression
+        self._allreduce = GradientAllreduce(compression, op, gradient_predivide_factor,
+                                            sparse_as_dense, process_set)
+        self.stats = SyncStats([layer.name for layer in self._layers])
+
+        self._pending: dict[int, Pending] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._reset_step_counters()
+        self._hook_handles = []
+        if process_set.included():
+            for p in self._layer_of:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _reset_step_counters(self) -> None:
+        self._passes_left = {p: self.backward_passes_per_step for p in self._layer_of}
+        self._ready_in_layer = [0] * len(self._layers)
+
+    # -- backward: per-parameter hook ---------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        left = self._passes_left[p] - 1
+        if left < 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+        self._passes_left[p] = left
+        if left == 0:
+            li = self._layer_of[p]
+            self._ready_in_layer[li] += 1
+            if self._ready_in_layer[li] == len(self._layer_params[li]):
+                self._send_layer(li)
+
+    def _send_layer(self, li: int) -> None:
+        params = self._layer_params[li]
+        for _, p in params:
+            if p.grad is None:
+                # Unused on this rank; other ranks may have a gradient, so still take part
+                # (Horovod does the same).
+                p.grad = torch.zeros_like(p)
+        self.stats.dense(sum(payload_bytes(p.grad) for _, p in params))
+        pending = self._allreduce.start(f"hvdsync.{self._layers[li].name}", params)
+        self.stats.sent(self._layers[li].name, pending.nbytes, pending.collectives)
+        self._pending[li] = pending
+
+    # -- Horovod's public API ---------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish every layer's reduction; afterwards ``p.grad`` holds the reduced gradients."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        # Layers in fixed order, so every rank starts the remaining collectives alike.
+        for li in range(len(self._layers)):
+            if li not in self._pending:
+                self._send_layer(li)
+        for li in range(len(self._layers)):
+            self._pending[li].wait()
+        self._pending.clear()
+        self._reset_step_counters()
+        self.stats.end_step()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Make ``step()`` not synchronize, for ``synchronize(); clip; step()`` patterns."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pending:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(). This is "
+                                 "prohibited as it can cause a race condition.")
+        return super().zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = positive_int("backward_passes_per_step", passes)
+        self._reset_step_counters()
+
+    def load_state_dict(self, state_dict) -> None:
+        for pending in self._pending.values():
+            pending.wait()
+        self._pending.clear()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._reset_step_counters()
+        super().load_state_dict(state_dict)
+
+    @property
+    def layers(self):
+        """The layers in send order, as :class:`hvdsync.Layer` objects."""
+        return list(self._layers)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
+                         compression: Any = Compression.none,
+                         backward_passes_per_step: int = 1,
+                         op: Any = Average,
+                         gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0,
+                         groups: Any = None,
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set,
+                         *,
+                         layers: Grouping = None,
+                         **unknown: Any) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so ``step()`` uses gradients reduced across Horovod ranks.
+
+    Takes ``horovod.torch.DistributedOptimizer``'s arguments with the same meaning, and with
+    no hvdsync technique enabled gives the same parameters. The returned object is an instance
+    of the wrapped optimizer's class (sharing its ``param_groups`` and ``state``) with
+    ``synchronize()``, ``skip_synchronize()`` and ``stats`` (:class:`hvdsync.SyncStats`).
+
+    Args:
+        optimizer: the torch optimizer to wrap.
+        named_parameters: ``model.named_parameters()``; names identify collectives and group
+            parameters into layers. Without it every parameter is its own layer.
+        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
+        backward_passes_per_step: backward passes accumulated locally before a reduction.
+        op: ``hvd.Average`` (default) or ``hvd.Sum`` (Adasum is not supported).
+        gradient_predivide_factor: with Average, scale by 1/f before and f/size after the sum.
+        num_groups: deprecated Horovod alias of ``groups=int``.
+        groups: Horovod's explicit grouping: an int (contiguous chunks of parameters) or a list
+            of lists of parameters reduced together. Mutually exclusive with ``layers``.
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        process_set: reduce over this Horovod process set only.
+        layers: hvdsync's grouping of parameters into layers (the unit sent together and,
+            with the techniques, decided on): ``None`` groups by module, or a callable /
+            mapping from parameter name to layer name, see :data:`hvdsync.layers.Grouping`.
+    """
+    reject_unknown_kwargs(unknown, _HOROVOD_ARGS + _HVDSYNC_ARGS, "DistributedOptimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is already wrapped by hvdsync.torch.DistributedOptimizer")
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise TypeError("compression must provide compress() and decompress(), e.g. "
+                        f"hvd.Compression.fp16; got {compression!r}")
+    positive_int("backward_passes_per_step", backward_passes_per_step)
+    check_reduce_op(op, average=Average, sum_=Sum, adasum=Adasum, others=(Min, Max, Product),
+                    gradient_predivide_factor=positive_float("gradient_predivide_factor",
+                                                             gradient_predivide_factor))
+    check_bool("sparse_as_dense", sparse_as_dense)
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a horovod ProcessSet, got {process_set!r}")
+    if num_groups:
+        warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+
+    cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
+    wrapped = cls.__new__(cls)
+    # Share the wrapped optimizer's state (param_groups, state, defaults, hooks): it keeps
+    # its own hyper-parameters and anything it already accumulated.
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
+                          gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                          layers)
+    return wrapped
+
+
+def _parameter_names(params: list[torch.Tensor],
+                     named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]]
+                     ) -> dict[torch.Tensor, str]:
+    """Name of every optimized parameter, validating ``named_parameters`` like Horovod."""
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    if isinstance(named_parameters, (str, bytes, dict)) or not isinstance(named_parameters, Iterable):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                         "usually produced by model.named_parameters()")
+    pairs = list(named_parameters)
+    for item in pairs:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                             "tuples, usually produced by model.named_parameters(); got an "
+                             f"item of type {type(item).__name__}")
+    counts = Counter(n for n, _ in pairs)
+    dups = sorted(n for n, c in counts.items() if c > 1)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. "
+                         f"Found duplicates: {', '.join(dups)}")
+    names = {p: n for n, p in pairs}
+    unnamed = [f"param_groups position {i} (shape {tuple(p.shape)})"
+               for i, p in enumerate(params) if p not in names]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters "
+                         f"were not named: {'; '.join(unnamed[:5])}")
+    return {p: names[p] for p in params}
+
+
+def _groups_to_names(groups: Any, names: dict[torch.Tensor, str]) -> Grouping:
+    """Horovod's ``groups`` (int, or lists of tensors) as a name-based grouping."""
+    if groups is None:
+        return None
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        return groups
+    if isinstance(groups, list):
+        out = []
+        for group in groups:
+            if not isinstance(group, (list, tuple)):
+                raise ValueError("groups should be a positive int or a list of lists of "
+                                 "torch.Tensor")
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor")
+                if p not in names:
+                    raise ValueError("groups contains a tensor that the optimizer does not "
+                                     f"optimize (shape {tuple(p.shape)})")
+            out.append([names[p] for p in group if p.requires_grad])
+        return out
+    raise ValueError(f"groups should be a positive int or a list of lists of torch.Tensor, "
+                     f"got {groups!r}")

@@ -1,0 +1,41 @@
+"""Small models and learnable data shared by the tests (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """A 3-layer MLP; ``extra`` is used only when ``use_extra`` is true (unused-parameter tests)
+    and ``never`` is never used."""
+
+    def __init__(self, d_in: int = 12, hidden: int = 16, d_out: int = 4, with_unused: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, d_out)
+        self.with_unused = with_unused
+        if with_unused:
+            self.extra = nn.Linear(hidden, hidden)
+            self.never = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        h = torch.relu(self.fc2(h))
+        if self.with_unused and use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.out(h)
+
+
+def teacher_batches(rank: int, steps: int, batch: int = 16, d_in: int = 12, d_out: int = 4,
+                    seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-rank batches labelled by a fixed random teacher (learnable, different on each rank)."""
+    teacher = torch.Generator().manual_seed(seed)
+    w = torch.randn(d_in, d_out, generator=teacher)
+    g = torch.Generator().manual_seed(seed + 1 + rank)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(batch, d_in, generator=g)
+        out.append((x, (x @ w).argmax(dim=1)))
+    return out

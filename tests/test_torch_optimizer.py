@@ -1,0 +1,221 @@
+"""hvdsync.torch.DistributedOptimizer: construction-time validation, the drop-in API, stats,
+sparse gradients, and single-rank behaviour."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hvdsync.torch as hvd
+from hvdsync.testing import run_ranks
+from tests.models import MLP, teacher_batches
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod_single_rank():
+    hvd.init()  # a standalone process is a world of one rank
+    yield
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+# -- bad input fails at construction, naming the argument -----------------------------------
+def test_unknown_keyword_names_it_and_suggests():
+    m = MLP()
+    with pytest.raises(TypeError, match=r"'backward_passes_per_stp' \(did you mean "
+                                        r"'backward_passes_per_step'\?\)"):
+        hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters(),
+                                 backward_passes_per_stp=2)
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    (dict(backward_passes_per_step=0), ValueError, "backward_passes_per_step must be >= 1"),
+    (dict(backward_passes_per_step=1.5), TypeError, "backward_passes_per_step must be an int"),
+    (dict(op="mean"), ValueError, "op must be one of"),
+    (dict(op=hvd.Adasum), ValueError, "Adasum is not supported"),
+    (dict(op=hvd.Sum, gradient_predivide_factor=2.0), ValueError, "only supported with op=Average"),
+    (dict(gradient_predivide_factor=0.0), ValueError, "gradient_predivide_factor must be"),
+    (dict(gradient_predivide_factor=float("nan")), ValueError, "gradient_predivide_factor must be"),
+    (dict(sparse_as_dense="yes"), TypeError, "sparse_as_dense must be True or False"),
+    (dict(compression="fp16"), TypeError, "compression must provide compress"),
+    (dict(process_set=0), TypeError, "process_set must be a horovod ProcessSet"),
+    (dict(groups=-1), ValueError, "groups must be a positive number"),
+    (dict(groups="all"), ValueError, "groups should be a positive int"),
+    (dict(groups=2, layers=lambda n: n), ValueError, "either groups .* or layers"),
+])
+def test_bad_arguments(kwargs, exc, pattern):
+    m = MLP()
+    with pytest.raises(exc, match=pattern):
+        hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters(), **kwargs)
+
+
+def test_bad_optimizer_type():
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        hvd.DistributedOptimizer(object())
+
+
+def test_named_parameters_must_be_name_tensor_pairs():
+    m = MLP()
+    with pytest.raises(ValueError, match="named_parameters should be a sequence"):
+        hvd.DistributedOptimizer(sgd(m), named_parameters=list(m.parameters()))
+
+
+def test_parameters_without_names():
+    m = MLP()
+    partial = [(n, p) for n, p in m.named_parameters() if not n.startswith("out")]
+    with pytest.raises(ValueError, match=r"were not named: param_groups position 4 \(shape \(4, 16\)\)"):
+        hvd.DistributedOptimizer(sgd(m), named_parameters=partial)
+
+
+def test_duplicate_names():
+    m = MLP()
+    dup = [("w", p) for _, p in m.named_parameters()]
+    with pytest.raises(ValueError, match="Found duplicates: w"):
+        hvd.DistributedOptimizer(sgd(m), named_parameters=dup)
+
+
+def test_double_wrap_refused():
+    m = MLP()
+    opt = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters())
+    with pytest.raises(ValueError, match="already wrapped"):
+        hvd.DistributedOptimizer(opt, named_parameters=m.named_parameters())
+
+
+# -- drop-in behaviour -----------------------------------------------------------------------
+def test_reexports_horovod_torch_api():
+    import horovod.torch as horovod_hvd
+    for name in ("init", "size", "rank", "local_rank", "broadcast_parameters",
+                 "broadcast_optimizer_state", "allreduce", "allgather", "Compression",
+                 "Average", "Sum", "join", "broadcast_object"):
+        assert getattr(hvd, name) is getattr(horovod_hvd, name), name
+    assert hvd.DistributedOptimizer is not horovod_hvd.DistributedOptimizer
+
+
+def test_wrapper_is_the_wrapped_class_and_shares_state():
+    m = MLP()
+    base = sgd(m)
+    opt = hvd.DistributedOptimizer(base, named_parameters=m.named_parameters())
+    assert isinstance(opt, torch.optim.SGD)
+    assert opt.param_groups is base.param_groups and opt.state is base.state
+    assert [layer.name for layer in opt.layers] == ["fc1", "fc2", "out"]
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = teacher_batches(0, 1)[0]
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_single_rank_equals_plain_optimizer_and_sends_nothing():
+    torch.manual_seed(0)
+    ref = MLP()
+    ours = copy.deepcopy(ref)
+    plain = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(ours.parameters(), lr=0.01),
+                                   named_parameters=ours.named_parameters())
+    for x, y in teacher_batches(0, 5):
+        for model, o in ((ref, plain), (ours, opt)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            o.step()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(a, b)
+    assert opt.stats.total.step == 5 and opt.stats.total.bytes_sent == 0
+    assert opt.stats.total.layers_sent == 5 * 3
+
+
+def test_zero_grad_between_backward_and_step_is_refused_like_horovod():
+    m = MLP()
+    opt = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters())
+    x, y = teacher_batches(0, 1)[0]
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_too_many_backward_passes_is_refused_like_horovod():
+    m = MLP()
+    opt = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters(),
+                                   backward_passes_per_step=2)
+    x, y = teacher_batches(0, 1)[0]
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+    with pytest.raises(AssertionError, match="backward_passes_per_step"):
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+
+
+# -- multi-rank: stats and sparse gradients --------------------------------------------------
+def stats_body(steps: int) -> dict:
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    m = MLP()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    for x, y in teacher_batches(hvd.rank(), steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    return dict(stats=opt.stats.as_dict(), summary=opt.stats.summary(),
+                param_bytes=sum(p.numel() * p.element_size() for p in m.parameters()))
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_stats_count_bytes_collectives_and_layers(np_):
+    steps = 4
+    for res in run_ranks(stats_body, np=np_, args=(steps,), timeout=120):
+        s = res["stats"]
+        assert s["total"]["step"] == steps
+        assert s["last"]["bytes_sent"] == res["param_bytes"] == s["last"]["bytes_dense"]
+        assert s["total"]["bytes_sent"] == steps * res["param_bytes"]
+        assert s["last"]["collectives"] == 3  # one grouped allreduce per layer
+        assert {k: v["sent"] for k, v in s["layers"].items()} == {"fc1": steps, "fc2": steps,
+                                                                  "out": steps}
+        assert "hvdsync: 4 steps" in res["summary"] and "fc2" in res["summary"]
+
+
+class EmbedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(dim=1))
+
+
+def sparse_parity_body(sparse_as_dense: bool) -> float:
+    import horovod.torch as horovod_hvd
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    ref = EmbedModel()
+    ours = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(hvd.rank())
+    opts = [(model, wrap(torch.optim.SGD(model.parameters(), lr=0.5),
+                         named_parameters=model.named_parameters(),
+                         sparse_as_dense=sparse_as_dense))
+            for model, wrap in ((ref, horovod_hvd.DistributedOptimizer),
+                                (ours, hvd.DistributedOptimizer))]
+    batches = [(torch.randint(0, 50, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(10)]
+    for model, opt in opts:
+        for ids, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(ids), y).backward()
+            opt.step()
+    return max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_match_horovod(np_, sparse_as_dense):
+    for diff in run_ranks(sparse_parity_body, np=np_, args=(sparse_as_dense,), timeout=120):
+        assert diff <= 1e-6
