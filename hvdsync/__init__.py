@@ -6,9 +6,10 @@ core (layer grouping, validation, statistics) and imports neither torch nor Tens
     import hvdsync.torch as hvd      # instead of: import horovod.torch as hvd
 """
 
+from hvdsync.clipping import ClipConfig
 from hvdsync.layers import Layer, build_layers
 from hvdsync.stats import SyncStats
 
 __version__ = "0.1.0"
 
-__all__ = ["Layer", "SyncStats", "build_layers", "__version__"]
+__all__ = ["ClipConfig", "Layer", "SyncStats", "build_layers", "__version__"]

@@ -53,6 +53,9 @@ def run_ranks(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | 
     """Run ``fn(*args, **kwargs)`` on ``np`` Horovod ranks (Gloo, this host); return per-rank
     results, or raise :class:`RanksFailed` with every rank's output."""
     module, qualname = fn.__module__, fn.__qualname__
+    if module == "__main__":  # run as `python -m pkg.mod`: ranks import it by that name
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else module
     if module == "__main__" or "<locals>" in qualname:
         raise ValueError("run_ranks needs a module-level function of an importable module, "
                          f"got {module}.{qualname}")

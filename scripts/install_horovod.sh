@@ -66,7 +66,8 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   command -v cmake >/dev/null || "$PYTHON" -m pip install -q "cmake<4"
   work=$(mktemp -d "${TMPDIR:-/tmp}/hvd-build.XXXXXX")
   buildlog="$work/build.log"
-  "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+  "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   cat >"$work/cxx" <<'WRAP'
 #!/usr/bin/env bash
 # Compiler wrapper for Horovod 0.28.1 on current torch/TF (see install_horovod.sh).
@@ -102,6 +103,7 @@ WRAP
   fi
   mv "$work"/out/horovod-*.whl "$wheel_dir/"
   log "built in $(( $(date +%s) - start ))s -> $wheel_dir"
+  rm -rf "$work"  # kept only when the build fails, for its log
 fi
 
 "$PYTHON" -m pip install -q --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl

@@ -17,5 +17,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 # Re-export horovod.torch's public API exactly as Horovod has it.
 globals().update({k: v for k, v in vars(_horovod_torch).items() if not k.startswith("_")})
 
+from hvdsync.clipping import ClipConfig  # noqa: E402
 from hvdsync.stats import SyncStats  # noqa: E402
 from hvdsync.torch.optimizer import DistributedOptimizer  # noqa: E402,F811

@@ -9,6 +9,7 @@ writes the reduced gradients back into ``p.grad`` before the wrapped optimizer s
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import Counter
 from collections.abc import Iterable
@@ -20,16 +21,18 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
                                    global_process_set)
 
+from hvdsync.clipping import ClipConfig
 from hvdsync.config import (check_bool, check_reduce_op, positive_float, positive_int,
                             reject_unknown_kwargs)
 from hvdsync.layers import Grouping, build_layers
 from hvdsync.stats import SyncStats
+from hvdsync.torch.clipping import LayerClipper
 from hvdsync.torch.comm import GradientAllreduce, Pending, payload_bytes
 
 _HOROVOD_ARGS = ("named_parameters", "compression", "backward_passes_per_step", "op",
                  "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense",
                  "process_set")
-_HVDSYNC_ARGS = ("layers",)
+_HVDSYNC_ARGS = ("layers", "clip")
 
 
 class _DistributedOptimizer:
@@ -38,7 +41,7 @@ class _DistributedOptimizer:
     # -- construction -----------------------------------------------------------------------
     def _hvdsync_init(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                      layers: Grouping) -> None:
+                      layers: Grouping, clip: ClipConfig | None) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         names = _parameter_names(params, named_parameters)
         self._param_names: dict[torch.Tensor, str] = names
@@ -62,7 +65,14 @@ class _DistributedOptimizer:
         self._compression = compression
         self._allreduce = GradientAllreduce(compression, op, gradient_predivide_factor,
                                             sparse_as_dense, process_set)
-        self.stats = SyncStats([layer.name for layer in self._layers])
+        layer_names = [layer.name for layer in self._layers]
+        self.stats = SyncStats(layer_names)
+        self._clipper = (LayerClipper(clip, len(self._layers), layer_names, self.stats)
+                         if clip is not None else None)
+        #: ``(layer name, time.perf_counter())`` when each layer's send started, for the
+        #: current step (or the last one, after ``step()``): shows sends overlapping backward.
+        self.send_times: list[tuple[str, float]] = []
+        self._step_open = False
 
         self._pending: dict[int, Pending] = {}
         self._synchronized = False
@@ -98,9 +108,16 @@ class _DistributedOptimizer:
                 # Unused on this rank; other ranks may have a gradient, so still take part
                 # (Horovod does the same).
                 p.grad = torch.zeros_like(p)
+        if self._clipper is not None and self._clipper.config.mode == "local":
+            self._clipper.clip(li, [p for _, p in params])
+        name = self._layers[li].name
         self.stats.dense(sum(payload_bytes(p.grad) for _, p in params))
-        pending = self._allreduce.start(f"hvdsync.{self._layers[li].name}", params)
-        self.stats.sent(self._layers[li].name, pending.nbytes, pending.collectives)
+        if not self._step_open:
+            self._step_open = True
+            self.send_times = []
+        self.send_times.append((name, time.perf_counter()))
+        pending = self._allreduce.start(f"hvdsync.{name}", params)
+        self.stats.sent(name, pending.nbytes, pending.collectives)
         self._pending[li] = pending
 
     # -- Horovod's public API ---------------------------------------------------------------
@@ -113,12 +130,18 @@ class _DistributedOptimizer:
         for li in range(len(self._layers)):
             if li not in self._pending:
                 self._send_layer(li)
+        clip_after = self._clipper is not None and self._clipper.config.mode == "global"
         for li in range(len(self._layers)):
             self._pending[li].wait()
+            if clip_after:
+                self._clipper.clip(li, [p for _, p in self._layer_params[li]])
         self._pending.clear()
         self._reset_step_counters()
+        if self._clipper is not None:
+            self._clipper.end_step()
         self.stats.end_step()
         self._synchronized = True
+        self._step_open = False
 
     @contextmanager
     def skip_synchronize(self):
@@ -152,7 +175,18 @@ class _DistributedOptimizer:
         self.backward_passes_per_step = positive_int("backward_passes_per_step", passes)
         self._reset_step_counters()
 
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state plus hvdsync's own under ``"hvdsync"``."""
+        state = super().state_dict()
+        if self._clipper is not None:
+            state["hvdsync"] = {"clip": self._clipper.policy.state_dict()}
+        return state
+
     def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        own = state_dict.pop("hvdsync", {})
+        if self._clipper is not None and "clip" in own:
+            self._clipper.policy.load_state_dict(own["clip"])
         for pending in self._pending.values():
             pending.wait()
         self._pending.clear()
@@ -179,6 +213,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          process_set: ProcessSet = global_process_set,
                          *,
                          layers: Grouping = None,
+                         clip: ClipConfig | dict | float | None = None,
                          **unknown: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across Horovod ranks.
 
@@ -203,6 +238,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         layers: hvdsync's grouping of parameters into layers (the unit sent together and,
             with the techniques, decided on): ``None`` groups by module, or a callable /
             mapping from parameter name to layer name, see :data:`hvdsync.layers.Grouping`.
+        clip: per-layer gradient clipping pipelined with the sends
+            (:class:`hvdsync.ClipConfig`, a dict of its fields, or a number meaning
+            ``max_norm``); see :mod:`hvdsync.clipping`.
     """
     reject_unknown_kwargs(unknown, _HOROVOD_ARGS + _HVDSYNC_ARGS, "DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -219,6 +257,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                     gradient_predivide_factor=positive_float("gradient_predivide_factor",
                                                              gradient_predivide_factor))
     check_bool("sparse_as_dense", sparse_as_dense)
+    clip = ClipConfig.coerce(clip)
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a horovod ProcessSet, got {process_set!r}")
     if num_groups:
@@ -233,7 +272,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
                           gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                          layers)
+                          layers, clip)
     return wrapped
 
 

@@ -1,0 +1,195 @@
+"""Technique 1: per-layer gradient clipping, pipelined with the layer sends.
+
+A *layer* is clipped as soon as backward has produced all its gradients and is then sent at
+once, so clipping never waits for the whole backward pass or for communication (Horovod's
+documented pattern, ``synchronize(); clip_grad_norm_(); step()``, waits for both).
+
+Rules (any combination; the effective norm limit of a layer is the smallest active one):
+
+* ``value=(low, high)``: clamp every gradient element to ``[low, high]`` (applied first);
+* ``max_norm=c``: scale the layer's gradient so its L2 norm is at most ``c``;
+* ``ema=(beta, factor)``: limit ``factor`` times an exponential moving average of the
+  layer's gradient norm (momentum of the norm);
+* ``variance=(beta, k)``: limit ``mean + k * std`` of the layer's gradient norm, both running
+  (exponentially weighted) estimates;
+* ``ratio=r``: limit ``r * max(||theta_l||, eps)``, relative to the layer's parameter norm
+  (layer-wise adaptive gradient clipping, as in AGC).
+
+The adaptive limits start after ``warmup`` observed steps of a layer; only finite norms are
+observed, and the norm seen *before* clipping is what the running statistics track.
+
+Where clipping happens (``mode``):
+
+* ``"local"`` (default, the pipelined design): each rank clips its own gradient before sending
+  it, with limits from its own history. Clipping changes values only, never which collectives
+  run, so ranks need not agree on limits; the average of clipped gradients is sent.
+* ``"global"``: the averaged gradient is clipped after it arrives, layer by layer as each
+  layer's reduction completes. The averaged gradient is identical on every rank, so limits
+  and results are too (no control-plane collective needed).
+
+Non-finite gradients (``nonfinite``): with ``"zero"`` (default) a layer whose local gradient
+holds NaN/Inf is replaced by zeros before sending -- that rank contributes nothing to the
+layer this step instead of poisoning every replica -- and counted as ``nonfinite`` in the
+stats with a warning. ``"propagate"`` sends it unchanged, as plain Horovod would. Either way
+every rank still takes part in every collective, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+NONFINITE_MODES = ("zero", "propagate")
+MODES = ("local", "global")
+
+
+def _finite(name: str, x: Any) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"clip {name} must be a number, got {type(x).__name__} {x!r}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"clip {name} must be finite, got {x}")
+    return x
+
+
+def _pair(name: str, x: Any) -> tuple[float, float]:
+    if not (isinstance(x, (tuple, list)) and len(x) == 2):
+        raise TypeError(f"clip {name} must be a pair of numbers, got {x!r}")
+    return _finite(f"{name}[0]", x[0]), _finite(f"{name}[1]", x[1])
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    """Per-layer clipping rules; see the module docstring. Validated at construction."""
+
+    value: Optional[tuple[float, float]] = None
+    max_norm: Optional[float] = None
+    ema: Optional[tuple[float, float]] = None
+    variance: Optional[tuple[float, float]] = None
+    ratio: Optional[float] = None
+    warmup: int = 10
+    eps: float = 1e-3
+    mode: str = "local"
+    nonfinite: str = "zero"
+
+    def __post_init__(self) -> None:
+        if self.value is not None:
+            low, high = _pair("value", self.value)
+            if not low < high:
+                raise ValueError(f"clip value=(low, high) needs low < high, got ({low}, {high})")
+            object.__setattr__(self, "value", (low, high))
+        if self.max_norm is not None:
+            if _finite("max_norm", self.max_norm) <= 0:
+                raise ValueError(f"clip max_norm must be > 0, got {self.max_norm}")
+            object.__setattr__(self, "max_norm", float(self.max_norm))
+        for name in ("ema", "variance"):
+            spec = getattr(self, name)
+            if spec is not None:
+                beta, mult = _pair(name, spec)
+                if not 0 < beta < 1:
+                    raise ValueError(f"clip {name}=(beta, ...) needs 0 < beta < 1, got {beta}")
+                if mult <= 0 if name == "ema" else mult < 0:
+                    what = "factor must be > 0" if name == "ema" else "k must be >= 0"
+                    raise ValueError(f"clip {name}: {what}, got {mult}")
+                object.__setattr__(self, name, (beta, mult))
+        if self.ratio is not None:
+            if _finite("ratio", self.ratio) <= 0:
+                raise ValueError(f"clip ratio must be > 0, got {self.ratio}")
+            object.__setattr__(self, "ratio", float(self.ratio))
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"clip warmup must be an int >= 0, got {self.warmup!r}")
+        if _finite("eps", self.eps) <= 0:
+            raise ValueError(f"clip eps must be > 0, got {self.eps}")
+        if self.mode not in MODES:
+            raise ValueError(f"clip mode must be one of {MODES}, got {self.mode!r}")
+        if self.nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"clip nonfinite must be one of {NONFINITE_MODES}, "
+                             f"got {self.nonfinite!r}")
+        if not self.has_rule:
+            raise ValueError("clip needs at least one rule: value, max_norm, ema, variance "
+                             "or ratio")
+
+    @property
+    def has_rule(self) -> bool:
+        return any(x is not None for x in (self.value, self.max_norm, self.ema,
+                                           self.variance, self.ratio))
+
+    @property
+    def needs_param_norm(self) -> bool:
+        return self.ratio is not None
+
+    @classmethod
+    def coerce(cls, clip: Any) -> Optional["ClipConfig"]:
+        """``None``, a :class:`ClipConfig`, a dict of its fields, or a number (``max_norm``)."""
+        if clip is None or isinstance(clip, ClipConfig):
+            return clip
+        if isinstance(clip, dict):
+            return cls(**clip)
+        if isinstance(clip, (int, float)) and not isinstance(clip, bool):
+            return cls(max_norm=clip)
+        raise TypeError("clip must be a ClipConfig, a dict of its fields, or a number "
+                        f"(max_norm); got {type(clip).__name__}")
+
+
+class ClipPolicy:
+    """The per-layer clip decision and its running statistics (saveable state).
+
+    Running statistics are exponentially weighted sums of the norm and its square, one pair
+    per (layer, beta) for the betas the config uses, bias-corrected like Adam's moments.
+    """
+
+    def __init__(self, config: ClipConfig, num_layers: int):
+        self.config = config
+        self._betas = sorted({spec[0] for spec in (config.ema, config.variance) if spec})
+        self.count = [0] * num_layers  # finite norms observed per layer
+        self._sums: dict[tuple[int, float], tuple[float, float]] = {}
+
+    def norm_limit(self, layer: int, param_norm: Optional[float] = None) -> float:
+        """The norm this layer's gradient may have now (``inf``: no norm rule applies).
+
+        The ``ratio`` rule is included only when ``param_norm`` is given; adapters that keep
+        the parameter norm on a device apply ``ratio * max(param_norm, eps)`` themselves.
+        """
+        c = self.config
+        limit = math.inf
+        if c.max_norm is not None:
+            limit = c.max_norm
+        if c.ratio is not None and param_norm is not None:
+            limit = min(limit, c.ratio * max(param_norm, c.eps))
+        if self.count[layer] >= max(c.warmup, 1):
+            if c.ema is not None:
+                beta, factor = c.ema
+                limit = min(limit, factor * self._moments(layer, beta)[0])
+            if c.variance is not None:
+                beta, k = c.variance
+                mean, mean_sq = self._moments(layer, beta)
+                limit = min(limit, mean + k * math.sqrt(max(mean_sq - mean * mean, 0.0)))
+        return limit
+
+    def observe(self, layer: int, grad_norm: float) -> None:
+        """Fold this step's (pre-clip) norm into the running statistics; non-finite ignored."""
+        if not math.isfinite(grad_norm):
+            return
+        for beta in self._betas:
+            m, s = self._sums.get((layer, beta), (0.0, 0.0))
+            self._sums[(layer, beta)] = (beta * m + (1 - beta) * grad_norm,
+                                         beta * s + (1 - beta) * grad_norm * grad_norm)
+        self.count[layer] += 1
+
+    def _moments(self, layer: int, beta: float) -> tuple[float, float]:
+        """Bias-corrected running mean of the norm and of its square."""
+        m, s = self._sums.get((layer, beta), (0.0, 0.0))
+        debias = 1.0 - beta ** self.count[layer]
+        return m / debias, s / debias
+
+    def state_dict(self) -> dict:
+        return {"count": list(self.count),
+                "sums": [[layer, beta, m, s] for (layer, beta), (m, s) in self._sums.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["count"]) != len(self.count):
+            raise ValueError(f"clip state is for {len(state['count'])} layers, "
+                             f"this optimizer has {len(self.count)}")
+        self.count = list(state["count"])
+        self._sums = {(int(layer), float(beta)): (m, s) for layer, beta, m, s in state["sums"]}
