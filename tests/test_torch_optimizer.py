@@ -88,11 +88,18 @@ def test_double_wrap_refused():
 # -- drop-in behaviour -----------------------------------------------------------------------
 def test_reexports_horovod_torch_api():
     import horovod.torch as horovod_hvd
-    for name in ("init", "size", "rank", "local_rank", "broadcast_parameters",
-                 "broadcast_optimizer_state", "allreduce", "allgather", "Compression",
+    for name in ("init", "size", "rank", "local_rank", "broadcast_parameters", "allreduce", "allgather", "Compression",
                  "Average", "Sum", "join", "broadcast_object"):
         assert getattr(hvd, name) is getattr(horovod_hvd, name), name
     assert hvd.DistributedOptimizer is not horovod_hvd.DistributedOptimizer
+
+
+def test_broadcast_optimizer_state_initialises_locally():
+    m = MLP()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
+                                   named_parameters=m.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert len(opt.state) == 6 and opt.stats.total.step == 0  # no hvdsync step was taken
 
 
 def test_wrapper_is_the_wrapped_class_and_shares_state():

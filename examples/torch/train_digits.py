@@ -1,6 +1,8 @@
 """Data-parallel training of an MLP on scikit-learn's bundled digits with hvdsync.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py
+    horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --threshold 0.6 --max-skip 8
+    horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --clip 1.0
 
 The only change from a Horovod script is the import line: ``import hvdsync.torch as hvd``.
 Each rank trains on its own shard; rank 0 prints loss and held-out accuracy per epoch and the
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -21,22 +24,19 @@ from torch import nn
 import hvdsync.torch as hvd
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--epochs", type=int, default=8)
-    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
-    ap.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by world size")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-
+def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
+          threshold: Optional[dict] = None, clip: Optional[dict] = None,
+          verbose: bool = True) -> dict[str, Any]:
+    """Train on this rank's shard; return final test accuracy, loss and the stats."""
     hvd.init()
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     torch.set_num_threads(1)
+    say = print if verbose and hvd.rank() == 0 else (lambda *a, **k: None)
 
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     x_train, x_test, y_train, y_test = train_test_split(
-        x, digits.target, test_size=0.25, random_state=args.seed, stratify=digits.target)
+        x, digits.target, test_size=0.25, random_state=0, stratify=digits.target)
     # Each rank trains on its own shard.
     x_train = torch.from_numpy(x_train[hvd.rank()::hvd.size()])
     y_train = torch.from_numpy(y_train[hvd.rank()::hvd.size()])
@@ -44,24 +44,24 @@ def main() -> None:
 
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
                           nn.Linear(64, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=lr * hvd.size(), momentum=0.9)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   threshold=threshold, clip=clip)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
-    if hvd.rank() == 0:
-        print(f"training on {hvd.size()} ranks, {len(x_train)} samples per rank, "
-              f"{len(opt.layers)} layers", flush=True)
+    say(f"training on {hvd.size()} ranks, {len(x_train)} samples per rank, "
+        f"{len(opt.layers)} layers", flush=True)
     # Same number of steps on every rank (shards may differ by one sample).
-    steps = int(hvd.allreduce(torch.tensor(len(x_train) // args.batch_size), op=hvd.Min,
+    steps = int(hvd.allreduce(torch.tensor(len(x_train) // batch_size), op=hvd.Min,
                               name="steps_per_epoch").item())
     start = time.perf_counter()
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(1, epochs + 1):
         model.train()
         perm = torch.randperm(len(x_train))
         total = 0.0
         for i in range(steps):
-            idx = perm[i * args.batch_size:(i + 1) * args.batch_size]
+            idx = perm[i * batch_size:(i + 1) * batch_size]
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
@@ -72,11 +72,28 @@ def main() -> None:
             acc = (model(x_test).argmax(1) == y_test).float().mean()
         loss_avg = hvd.allreduce(torch.tensor(total / steps), name="loss").item()
         acc = hvd.allreduce(acc, name="acc").item()
-        if hvd.rank() == 0:
-            print(f"epoch {epoch:2d}  loss {loss_avg:.4f}  test accuracy {acc:.3f}", flush=True)
-    if hvd.rank() == 0:
-        print(f"done in {time.perf_counter() - start:.1f}s")
-        print(opt.stats.summary())
+        say(f"epoch {epoch:2d}  loss {loss_avg:.4f}  test accuracy {acc:.3f}", flush=True)
+    say(f"done in {time.perf_counter() - start:.1f}s")
+    say(opt.stats.summary())
+    return dict(accuracy=acc, loss=loss_avg, stats=opt.stats.as_dict())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
+    ap.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by world size")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="send a layer only when its accumulated gradient norm reaches this")
+    ap.add_argument("--max-skip", type=int, default=None,
+                    help="with --threshold: sync a layer after this many skipped steps")
+    ap.add_argument("--clip", type=float, default=None, help="per-layer max gradient norm")
+    args = ap.parse_args()
+    threshold = (dict(threshold=args.threshold, max_skip=args.max_skip)
+                 if args.threshold is not None else None)
+    clip = dict(max_norm=args.clip) if args.clip is not None else None
+    train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip)
 
 
 if __name__ == "__main__":

@@ -19,4 +19,20 @@ globals().update({k: v for k, v in vars(_horovod_torch).items() if not k.startsw
 
 from hvdsync.clipping import ClipConfig  # noqa: E402
 from hvdsync.stats import SyncStats  # noqa: E402
+from hvdsync.threshold import ThresholdConfig  # noqa: E402
 from hvdsync.torch.optimizer import DistributedOptimizer  # noqa: E402,F811
+from hvdsync.torch.optimizer import _DistributedOptimizer  # noqa: E402
+
+
+def broadcast_optimizer_state(optimizer, root_rank, model=None, **kwargs):  # noqa: F811
+    """Horovod's ``broadcast_optimizer_state``, also for hvdsync's optimizer.
+
+    Horovod initialises an empty optimizer state by calling ``step()`` on zero gradients; on
+    hvdsync's optimizer that step must stay local (no collectives, no stats, no technique
+    state), as Horovod arranges for its own optimizer.
+    """
+    if isinstance(optimizer, _DistributedOptimizer):
+        with optimizer.skip_synchronize():
+            return _horovod_torch.broadcast_optimizer_state(optimizer, root_rank, model,
+                                                            **kwargs)
+    return _horovod_torch.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)

@@ -15,6 +15,7 @@ import torch
 
 from hvdsync.clipping import ClipConfig, ClipPolicy
 from hvdsync.stats import SyncStats
+from hvdsync.torch.util import norm_of
 
 
 def _dense_view(p: torch.Tensor) -> torch.Tensor:
@@ -25,11 +26,6 @@ def _dense_view(p: torch.Tensor) -> torch.Tensor:
             p.grad = p.grad.coalesce()
         return p.grad._values()
     return p.grad
-
-
-def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all ``tensors`` together, as a float32 0-d tensor on their device."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)).float())
 
 
 class LayerClipper:
@@ -51,16 +47,16 @@ class LayerClipper:
         grads = [_dense_view(p) for p in params]
         if not grads or all(g.numel() == 0 for g in grads):
             return
-        raw_norm = _norm(grads)
+        raw_norm = norm_of(grads)
         norm = raw_norm
         if c.value is not None:
             for g in grads:
                 g.clamp_(*c.value)
-            norm = _norm(grads)
+            norm = norm_of(grads)
         fixed = self.policy.norm_limit(layer)  # max_norm and adaptive rules (host floats)
         limit: torch.Tensor | float = fixed
         if c.ratio is not None:
-            param_norm = _norm([p.detach() for p in params])
+            param_norm = norm_of([p.detach() for p in params])
             limit = (c.ratio * param_norm.clamp(min=c.eps)).clamp(max=fixed)
         finite = torch.isfinite(raw_norm)
         if math.isfinite(fixed) or c.ratio is not None:

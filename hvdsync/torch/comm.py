@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 from horovod.torch.mpi_ops import Average, ProcessSet
-from horovod.torch.mpi_ops import grouped_allreduce_async_, sparse_allreduce_async, synchronize
+from horovod.torch.mpi_ops import (allreduce, grouped_allreduce_async_, sparse_allreduce_async,
+                                   synchronize)
 
 
 @dataclass
@@ -104,3 +105,12 @@ class GradientAllreduce:
         def finish() -> None:
             p.grad.zero_().add_(result())
         pending.finishers.append(finish)
+
+
+def control_allreduce(values: list[float], name: str, process_set: ProcessSet) -> list[float]:
+    """The control plane: one small allreduce (average) of per-layer statistics, so that
+    decisions changing which collectives run are taken from values every rank shares."""
+    if process_set.size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    return allreduce(t, name=name, op=Average, process_set=process_set).tolist()

@@ -26,13 +26,15 @@ from hvdsync.config import (check_bool, check_reduce_op, positive_float, positiv
                             reject_unknown_kwargs)
 from hvdsync.layers import Grouping, build_layers
 from hvdsync.stats import SyncStats
+from hvdsync.threshold import ThresholdConfig
 from hvdsync.torch.clipping import LayerClipper
 from hvdsync.torch.comm import GradientAllreduce, Pending, payload_bytes
+from hvdsync.torch.threshold import AccumulationThreshold
 
 _HOROVOD_ARGS = ("named_parameters", "compression", "backward_passes_per_step", "op",
                  "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense",
                  "process_set")
-_HVDSYNC_ARGS = ("layers", "clip")
+_HVDSYNC_ARGS = ("layers", "clip", "threshold")
 
 
 class _DistributedOptimizer:
@@ -41,7 +43,8 @@ class _DistributedOptimizer:
     # -- construction -----------------------------------------------------------------------
     def _hvdsync_init(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                      layers: Grouping, clip: ClipConfig | None) -> None:
+                      layers: Grouping, clip: ClipConfig | None,
+                      threshold: ThresholdConfig | None) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         names = _parameter_names(params, named_parameters)
         self._param_names: dict[torch.Tensor, str] = names
@@ -69,6 +72,9 @@ class _DistributedOptimizer:
         self.stats = SyncStats(layer_names)
         self._clipper = (LayerClipper(clip, len(self._layers), layer_names, self.stats)
                          if clip is not None else None)
+        self._threshold = (AccumulationThreshold(
+            threshold, [[p for _, p in lp] for lp in self._layer_params], self.state,
+            process_set, self.stats) if threshold is not None else None)
         #: ``(layer name, time.perf_counter())`` when each layer's send started, for the
         #: current step (or the last one, after ``step()``): shows sends overlapping backward.
         self.send_times: list[tuple[str, float]] = []
@@ -86,6 +92,7 @@ class _DistributedOptimizer:
     def _reset_step_counters(self) -> None:
         self._passes_left = {p: self.backward_passes_per_step for p in self._layer_of}
         self._ready_in_layer = [0] * len(self._layers)
+        self._prepared = [False] * len(self._layers)
 
     # -- backward: per-parameter hook ---------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -99,9 +106,14 @@ class _DistributedOptimizer:
             li = self._layer_of[p]
             self._ready_in_layer[li] += 1
             if self._ready_in_layer[li] == len(self._layer_params[li]):
-                self._send_layer(li)
+                self._prepare_layer(li)
+                # With a threshold the send/skip decision needs every layer's accumulation,
+                # so sends start in synchronize(); otherwise right now, overlapping backward.
+                if self._threshold is None:
+                    self._send_layer(li)
 
-    def _send_layer(self, li: int) -> None:
+    def _prepare_layer(self, li: int) -> None:
+        """The layer's local gradient is final: fill unused ones with zeros, clip locally."""
         params = self._layer_params[li]
         for _, p in params:
             if p.grad is None:
@@ -110,8 +122,12 @@ class _DistributedOptimizer:
                 p.grad = torch.zeros_like(p)
         if self._clipper is not None and self._clipper.config.mode == "local":
             self._clipper.clip(li, [p for _, p in params])
-        name = self._layers[li].name
         self.stats.dense(sum(payload_bytes(p.grad) for _, p in params))
+        self._prepared[li] = True
+
+    def _send_layer(self, li: int) -> None:
+        params = self._layer_params[li]
+        name = self._layers[li].name
         if not self._step_open:
             self._step_open = True
             self.send_times = []
@@ -128,10 +144,22 @@ class _DistributedOptimizer:
             return
         # Layers in fixed order, so every rank starts the remaining collectives alike.
         for li in range(len(self._layers)):
-            if li not in self._pending:
-                self._send_layer(li)
+            if not self._prepared[li]:
+                self._prepare_layer(li)
+        if self._threshold is not None:
+            for li, send in enumerate(self._threshold.decide()):
+                if send:
+                    self._threshold.before_send(li)
+                    self._send_layer(li)
+                else:
+                    self._threshold.on_skip(li)
+                    self.stats.skipped(self._layers[li].name)
+        else:
+            for li in range(len(self._layers)):
+                if li not in self._pending:
+                    self._send_layer(li)
         clip_after = self._clipper is not None and self._clipper.config.mode == "global"
-        for li in range(len(self._layers)):
+        for li in sorted(self._pending):
             self._pending[li].wait()
             if clip_after:
                 self._clipper.clip(li, [p for _, p in self._layer_params[li]])
@@ -178,8 +206,13 @@ class _DistributedOptimizer:
     def state_dict(self) -> dict:
         """The wrapped optimizer's state plus hvdsync's own under ``"hvdsync"``."""
         state = super().state_dict()
+        own = {}
         if self._clipper is not None:
-            state["hvdsync"] = {"clip": self._clipper.policy.state_dict()}
+            own["clip"] = self._clipper.policy.state_dict()
+        if self._threshold is not None:
+            own["threshold"] = self._threshold.policy.state_dict()
+        if own:
+            state["hvdsync"] = own
         return state
 
     def load_state_dict(self, state_dict) -> None:
@@ -187,6 +220,8 @@ class _DistributedOptimizer:
         own = state_dict.pop("hvdsync", {})
         if self._clipper is not None and "clip" in own:
             self._clipper.policy.load_state_dict(own["clip"])
+        if self._threshold is not None and "threshold" in own:
+            self._threshold.policy.load_state_dict(own["threshold"])
         for pending in self._pending.values():
             pending.wait()
         self._pending.clear()
@@ -214,6 +249,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          *,
                          layers: Grouping = None,
                          clip: ClipConfig | dict | float | None = None,
+                         threshold: ThresholdConfig | dict | float | None = None,
                          **unknown: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across Horovod ranks.
 
@@ -241,6 +277,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         clip: per-layer gradient clipping pipelined with the sends
             (:class:`hvdsync.ClipConfig`, a dict of its fields, or a number meaning
             ``max_norm``); see :mod:`hvdsync.clipping`.
+        threshold: communicate a layer only when its accumulated gradient is large enough
+            (:class:`hvdsync.ThresholdConfig`, a dict of its fields, or a number); see
+            :mod:`hvdsync.threshold`.
     """
     reject_unknown_kwargs(unknown, _HOROVOD_ARGS + _HVDSYNC_ARGS, "DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -258,6 +297,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                                                              gradient_predivide_factor))
     check_bool("sparse_as_dense", sparse_as_dense)
     clip = ClipConfig.coerce(clip)
+    threshold = ThresholdConfig.coerce(threshold)
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a horovod ProcessSet, got {process_set!r}")
     if num_groups:
@@ -272,7 +312,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
                           gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                          layers, clip)
+                          layers, clip, threshold)
     return wrapped
 
 

@@ -1,0 +1,180 @@
+"""Technique 5 (torch): accumulation thresholds, on 2 and 3 real ranks with different data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hvdsync.torch as hvd
+from hvdsync import ThresholdConfig
+from hvdsync.testing import run_ranks
+from tests.models import MLP, teacher_batches
+
+
+def threshold_body(cfg: dict, opt_name: str, steps: int) -> dict:
+    """Train with a threshold; per step record which layers were sent and, for those, the
+    parameters right after the step (to compare across ranks)."""
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    m = MLP()
+    base = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+            "momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+            "adam": lambda p: torch.optim.Adam(p, lr=0.01)}[opt_name](m.parameters())
+    opt = hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), threshold=cfg)
+    layer_names = [layer.name for layer in opt.layers]
+    named = dict(m.named_parameters())
+    sent_per_step, synced_params, payload = [], [], []
+    before = {n: 0 for n in layer_names}
+    for x, y in teacher_batches(hvd.rank(), steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+        sent = [n for n in layer_names if opt.stats.layers[n].sent > before[n]]
+        before = {n: opt.stats.layers[n].sent for n in layer_names}
+        sent_per_step.append(sent)
+        synced_params.append({n: named[f"{n}.weight"].detach().numpy().copy() for n in sent})
+        payload.append(opt.stats.last.bytes_sent)
+    return dict(sent=sent_per_step, params=synced_params, payload=payload,
+                stats=opt.stats.as_dict(), control_bytes=8 * 2 * len(layer_names),
+                final={n: p.detach().numpy().copy() for n, p in named.items()})
+
+
+def threshold_bodies(cases: list[tuple]) -> list[dict]:
+    return [threshold_body(*c) for c in cases]
+
+
+CASES = {
+    # A threshold in the range of the accumulated norms: a mix of sends and skips.
+    "sgd": (dict(threshold=1.0, max_skip=4), "sgd", 200),
+    "momentum": (dict(threshold=1.0, max_skip=4), "momentum", 200),
+    "adam": (dict(threshold=1.0, max_skip=4), "adam", 200),
+    "relative": (dict(threshold=0.5, relative=True, max_skip=6), "momentum", 60),
+    "global": (dict(threshold=1.5, scope="global", max_skip=4), "momentum", 60),
+    # Never reached: only the bound forces syncs (every 4th step).
+    "bound": (dict(threshold=1e9, max_skip=3), "momentum", 12),
+    "periodic": (dict(threshold=1e9, sync_every=5), "adam", 15),
+}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def runs(request):
+    per_rank = run_ranks(threshold_bodies, np=request.param, args=(list(CASES.values()),),
+                         timeout=300)
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_decisions_and_synced_layers_equal_on_all_ranks(runs, case):
+    results = runs[case]
+    for r in results[1:]:
+        assert r["sent"] == results[0]["sent"], "ranks disagreed on which layers to send"
+    for step, sent in enumerate(results[0]["sent"]):
+        for name in sent:
+            for rank, r in enumerate(results[1:], start=1):
+                diff = np.abs(r["params"][step][name] - results[0]["params"][step][name]).max()
+                assert diff <= 1e-6, f"{case} step {step} layer {name} rank {rank}: {diff}"
+
+
+@pytest.mark.parametrize("case", ["sgd", "momentum", "adam", "relative", "global"])
+def test_mixed_sends_and_skips(runs, case):
+    s = runs[case][0]["stats"]["total"]
+    assert s["layers_sent"] > 0 and s["layers_skipped"] > 0, s
+    assert s["bytes_sent"] < s["bytes_dense"]
+    if case == "global":  # one decision for the whole model
+        assert all(len(sent) in (0, 3) for sent in runs[case][0]["sent"])
+
+
+def test_large_threshold_sends_nothing_until_the_bound(runs):
+    r = runs["bound"][0]
+    assert [len(s) for s in r["sent"]] == [0, 0, 0, 3] * 3
+    # Skipped steps carry only the control-plane bytes.
+    for step, sent in enumerate(r["sent"]):
+        if not sent:
+            assert r["payload"][step] == r["control_bytes"]
+    # After the forced sync the whole model is identical on every rank.
+    for other in runs["bound"][1:]:
+        for n, v in r["final"].items():
+            np.testing.assert_allclose(other["final"][n], v, rtol=0, atol=1e-6)
+
+
+def test_periodic_sync(runs):
+    r = runs["periodic"][0]
+    assert [len(s) for s in r["sent"]] == [0, 0, 0, 0, 3] * 3
+
+
+# -- threshold 0 is Horovod ----------------------------------------------------------------
+def parity_body(opt_name: str, steps: int) -> float:
+    import copy
+
+    import horovod.torch as horovod_hvd
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    ref = MLP()
+    ours = copy.deepcopy(ref)
+
+    def make(model):
+        if opt_name == "adam":
+            return torch.optim.Adam(model.parameters(), lr=0.01)
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opts = [(ref, horovod_hvd.DistributedOptimizer(make(ref), named_parameters=ref.named_parameters())),
+            (ours, hvd.DistributedOptimizer(make(ours), named_parameters=ours.named_parameters(),
+                                            threshold=0.0))]
+    for x, y in teacher_batches(hvd.rank(), steps):
+        for model, opt in opts:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert opts[1][1].stats.total.layers_skipped == 0
+    return max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("opt_name", ["momentum", "adam"])
+def test_threshold_zero_equals_horovod(np_, opt_name):
+    for diff in run_ranks(parity_body, np=np_, args=(opt_name, 20), timeout=120):
+        assert diff <= 1e-6
+
+
+# -- convergence on learnable data ----------------------------------------------------------
+def digits_body(threshold: dict | None, epochs: int, seed: int) -> dict:
+    from examples.torch.train_digits import train
+    return train(epochs=epochs, seed=seed, threshold=threshold, verbose=False)
+
+
+def test_converges_on_digits_while_skipping_half_the_sends():
+    dense = run_ranks(digits_body, np=2, args=(None, 8, 0), timeout=180)[0]
+    sparse = run_ranks(digits_body, np=2, args=(dict(threshold=0.6, max_skip=8), 8, 0),
+                       timeout=180)[0]
+    skipped = sparse["stats"]["total"]["layers_skipped"]
+    sent = sparse["stats"]["total"]["layers_sent"]
+    assert skipped / (skipped + sent) >= 0.5, (skipped, sent)
+    assert sparse["accuracy"] >= dense["accuracy"] - 0.01, (sparse["accuracy"], dense["accuracy"])
+
+
+# -- validation -----------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg, exc, pattern", [
+    (-1.0, ValueError, "threshold must be a finite number >= 0"),
+    (float("nan"), ValueError, "threshold must be a finite number >= 0"),
+    (float("inf"), ValueError, "threshold must be a finite number >= 0"),
+    ("big", TypeError, "threshold must be a ThresholdConfig"),
+    (dict(threshold=1.0, scope="model"), ValueError, "scope must be one of"),
+    (dict(threshold=1.0, max_skip=0), ValueError, "max_skip must be None or an int >= 1"),
+    (dict(threshold=1.0, sync_every=2.5), ValueError, "sync_every must be None or an int"),
+    (dict(threshold=1.0, relative="yes"), TypeError, "relative must be True or False"),
+    (dict(threshhold=1.0), TypeError, "threshhold"),
+])
+def test_bad_threshold_fails_at_construction(cfg, exc, pattern):
+    hvd.init()
+    m = MLP()
+    with pytest.raises(exc, match=pattern):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                 named_parameters=m.named_parameters(), threshold=cfg)
+
+
+def test_threshold_shorthand():
+    assert ThresholdConfig.coerce(0.5) == ThresholdConfig(threshold=0.5)
