@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 
-from benchmarks.common import markdown_table, median_step_time, write_results
+from benchmarks.common import markdown_table, median_step_time, report
 from hvdsync.testing import run_ranks
 
 METHODS = ["horovod (no clip)", "horovod sync->clip_grad_norm_->step", "hvdsync (no clip)",
@@ -86,11 +85,10 @@ def main(argv=None) -> None:
     ref = step["horovod sync->clip_grad_norm_->step"]
     rows = [[m, step[m] * 1e3, step[m] / ref] for m in METHODS]
     table = markdown_table(["method", "step ms", "ratio vs horovod clip pattern"], rows)
-    print(f"clipping step time, {args.np} ranks (Gloo, CPU), MLP {args.depth}x{args.width}, "
-          f"batch {args.batch}\n{table}")
-    cmd = "python -m benchmarks.bench_clipping " + " ".join(sys.argv[1:] if argv is None else argv)
-    write_results(f"clipping_cpu_np{args.np}_{args.depth}x{args.width}_b{args.batch}", {"args": vars(args), "step_seconds": step}, table,
-                  cmd.strip())
+    report(f"clipping_cpu_np{args.np}_{args.depth}x{args.width}_b{args.batch}",
+           f"clipping step time, {args.np} ranks (Gloo, CPU), MLP {args.depth}x{args.width}, "
+           f"batch {args.batch}", table, {"args": vars(args), "step_seconds": step},
+           "benchmarks.bench_clipping", argv)
 
 
 if __name__ == "__main__":

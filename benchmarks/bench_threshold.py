@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 
-from benchmarks.common import markdown_table, write_results
+from benchmarks.common import markdown_table, report
 from hvdsync.testing import run_ranks
 
 CONFIGS = {
@@ -53,11 +52,10 @@ def main(argv=None) -> None:
         data[name] = dict(config=cfg, runs=runs, accuracy=acc, skip_ratio=skip, bytes_ratio=sent)
     table = markdown_table(["config", "accuracy %", "vs dense (pt)", "layer-sends skipped %",
                             "bytes sent / dense"], rows)
-    print(f"accumulation threshold, digits MLP, {args.np} ranks, {args.epochs} epochs, "
-          f"mean of {args.seeds} seeds\n{table}")
-    cmd = "python -m benchmarks.bench_threshold " + " ".join(sys.argv[1:] if argv is None else argv)
-    write_results(f"threshold_digits_np{args.np}", {"args": vars(args), "configs": data}, table,
-                  cmd.strip())
+    report(f"threshold_digits_np{args.np}",
+           f"accumulation threshold, digits MLP, {args.np} ranks, {args.epochs} epochs, "
+           f"mean of {args.seeds} seeds", table, {"args": vars(args), "configs": data},
+           "benchmarks.bench_threshold", argv)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,3 +41,10 @@ def write_results(name: str, data: dict, table: str, command: str) -> Path:
     (RESULTS / f"{name}.md").write_text(
         f"{table}\n\nMade by `{command}` on {meta['date']} ({meta['machine']}).\n")
     return RESULTS / f"{name}.json"
+
+
+def report(name: str, title: str, table: str, data: dict, module: str, argv) -> None:
+    """Print the table under its title and write the results with the command that made them."""
+    print(f"{title}\n{table}")
+    args = sys.argv[1:] if argv is None else list(argv)
+    write_results(name, data, table, " ".join([f"python -m {module}", *args]))

@@ -40,6 +40,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hvdsync.config import coerce_config
+
 NONFINITE_MODES = ("zero", "propagate")
 MODES = ("local", "global")
 
@@ -115,21 +117,10 @@ class ClipConfig:
         return any(x is not None for x in (self.value, self.max_norm, self.ema,
                                            self.variance, self.ratio))
 
-    @property
-    def needs_param_norm(self) -> bool:
-        return self.ratio is not None
-
     @classmethod
     def coerce(cls, clip: Any) -> Optional["ClipConfig"]:
         """``None``, a :class:`ClipConfig`, a dict of its fields, or a number (``max_norm``)."""
-        if clip is None or isinstance(clip, ClipConfig):
-            return clip
-        if isinstance(clip, dict):
-            return cls(**clip)
-        if isinstance(clip, (int, float)) and not isinstance(clip, bool):
-            return cls(max_norm=clip)
-        raise TypeError("clip must be a ClipConfig, a dict of its fields, or a number "
-                        f"(max_norm); got {type(clip).__name__}")
+        return coerce_config(cls, clip, "clip", "max_norm")
 
 
 class ClipPolicy:

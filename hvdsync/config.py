@@ -6,7 +6,9 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional, TypeVar
+
+C = TypeVar("C")
 
 
 def reject_unknown_kwargs(unknown: dict[str, Any], known: Iterable[str], where: str) -> None:
@@ -63,3 +65,16 @@ def check_reduce_op(op: Any, *, average: Any, sum_: Any, adasum: Any, others: It
                          f"Product), got {op!r}")
     if gradient_predivide_factor != 1.0 and op != average:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
+
+
+def coerce_config(cls: type[C], value: Any, arg: str, number_field: str) -> Optional[C]:
+    """A technique's config from what a user may pass: ``None``, the config object, a dict of
+    its fields, or a bare number meaning ``number_field``."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return cls(**value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return cls(**{number_field: value})
+    raise TypeError(f"{arg} must be a {cls.__name__}, a dict of its fields, or a number "
+                    f"({number_field}); got {type(value).__name__}")

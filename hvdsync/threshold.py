@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hvdsync.config import coerce_config
+
 SCOPES = ("layer", "global")
 
 
@@ -70,14 +72,7 @@ class ThresholdConfig:
     @classmethod
     def coerce(cls, value: Any) -> Optional["ThresholdConfig"]:
         """``None``, a :class:`ThresholdConfig`, a dict of its fields, or a number."""
-        if value is None or isinstance(value, ThresholdConfig):
-            return value
-        if isinstance(value, dict):
-            return cls(**value)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return cls(threshold=value)
-        raise TypeError("threshold must be a ThresholdConfig, a dict of its fields, or a "
-                        f"number; got {type(value).__name__}")
+        return coerce_config(cls, value, "threshold", "threshold")
 
 
 class ThresholdPolicy:
