@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -39,3 +40,14 @@ def teacher_batches(rank: int, steps: int, batch: int = 16, d_in: int = 12, d_ou
         x = torch.randn(batch, d_in, generator=g)
         out.append((x, (x @ w).argmax(dim=1)))
     return out
+
+
+def assert_construction_fails(exc: type, pattern: str, **kwargs) -> None:
+    """hvdsync's DistributedOptimizer(SGD(MLP), **kwargs) must raise ``exc`` matching
+    ``pattern`` at construction (single rank, in this process)."""
+    import hvdsync.torch as hvd
+    hvd.init()
+    m = MLP()
+    with pytest.raises(exc, match=pattern):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                 named_parameters=m.named_parameters(), **kwargs)

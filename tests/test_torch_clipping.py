@@ -14,6 +14,7 @@ import torch
 import hvdsync.torch as hvd
 from hvdsync import ClipConfig
 from hvdsync.testing import run_ranks
+from tests.models import assert_construction_fails
 
 SHAPES = {"a.weight": (3, 4), "a.bias": (3,), "b.weight": (2, 3), "b.bias": (2,)}
 LAYERS = {"a": ["a.weight", "a.bias"], "b": ["b.weight", "b.bias"]}
@@ -281,11 +282,7 @@ def test_clip_state_saved_and_restored():
     (dict(max_nrom=1.0), TypeError, "max_nrom"),
 ])
 def test_bad_clip_config_fails_at_construction(cfg, exc, pattern):
-    hvd.init()
-    m = Known()
-    with pytest.raises(exc, match=pattern):
-        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                 named_parameters=m.named_parameters(), clip=cfg)
+    assert_construction_fails(exc, pattern, clip=cfg)
 
 
 def test_clip_shorthands():

@@ -10,7 +10,7 @@ import torch
 
 import hvdsync.torch as hvd
 from hvdsync.testing import run_ranks
-from tests.models import MLP, teacher_batches
+from tests.models import MLP, assert_construction_fails, teacher_batches
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,9 +48,7 @@ def test_unknown_keyword_names_it_and_suggests():
     (dict(groups=2, layers=lambda n: n), ValueError, "either groups .* or layers"),
 ])
 def test_bad_arguments(kwargs, exc, pattern):
-    m = MLP()
-    with pytest.raises(exc, match=pattern):
-        hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters(), **kwargs)
+    assert_construction_fails(exc, pattern, **kwargs)
 
 
 def test_bad_optimizer_type():

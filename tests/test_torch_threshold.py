@@ -9,7 +9,7 @@ import torch
 import hvdsync.torch as hvd
 from hvdsync import ThresholdConfig
 from hvdsync.testing import run_ranks
-from tests.models import MLP, teacher_batches
+from tests.models import MLP, assert_construction_fails, teacher_batches
 
 
 def threshold_body(cfg: dict, opt_name: str, steps: int) -> dict:
@@ -169,12 +169,27 @@ def test_converges_on_digits_while_skipping_half_the_sends():
     (dict(threshhold=1.0), TypeError, "threshhold"),
 ])
 def test_bad_threshold_fails_at_construction(cfg, exc, pattern):
-    hvd.init()
-    m = MLP()
-    with pytest.raises(exc, match=pattern):
-        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                 named_parameters=m.named_parameters(), threshold=cfg)
+    assert_construction_fails(exc, pattern, threshold=cfg)
 
 
 def test_threshold_shorthand():
     assert ThresholdConfig.coerce(0.5) == ThresholdConfig(threshold=0.5)
+
+
+def test_load_state_dict_drops_unsent_accumulations():
+    """After a checkpoint restore a layer must not roll back to a pre-restore sync point."""
+    hvd.init()
+    m = MLP()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=m.named_parameters(),
+                                   threshold=dict(threshold=1e9, max_skip=5))
+    for x, y in teacher_batches(0, 3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    assert opt._threshold.acc and opt._threshold.anchor
+    state = opt.state_dict()
+    assert state["hvdsync"]["threshold"] == {"skipped_for": [3, 3, 3], "step": 3}
+    opt.load_state_dict(state)
+    assert not opt._threshold.acc and not opt._threshold.anchor
+    assert opt._threshold.policy.skipped_for == [3, 3, 3]

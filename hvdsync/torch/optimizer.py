@@ -220,8 +220,10 @@ class _DistributedOptimizer:
         own = state_dict.pop("hvdsync", {})
         if self._clipper is not None and "clip" in own:
             self._clipper.policy.load_state_dict(own["clip"])
-        if self._threshold is not None and "threshold" in own:
-            self._threshold.policy.load_state_dict(own["threshold"])
+        if self._threshold is not None:
+            self._threshold.forget()
+            if "threshold" in own:
+                self._threshold.policy.load_state_dict(own["threshold"])
         for pending in self._pending.values():
             pending.wait()
         self._pending.clear()

@@ -34,6 +34,12 @@ class AccumulationThreshold:
         self.acc: dict[torch.Tensor, torch.Tensor] = {}
         self.anchor: dict[torch.Tensor, tuple[torch.Tensor, Any]] = {}
 
+    def forget(self) -> None:
+        """Drop unsent accumulations and sync points (after a checkpoint restore they would
+        roll layers back to values from before it)."""
+        self.acc.clear()
+        self.anchor.clear()
+
     def decide(self) -> list[bool]:
         """Fold this step's gradients into the accumulations and agree on what to send."""
         acc_norms, param_norms = [], []
