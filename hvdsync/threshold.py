@@ -3,7 +3,7 @@ accumulated is large enough.
 
 Each rank adds every step's gradient of a layer to a local accumulation. Once per step all
 ranks share, in **one** small control-plane allreduce, every layer's accumulation norm
-(averaged over ranks) and parameter norm; from those identical numbers every rank takes the
+(averaged over ranks), and with ``relative=True`` its parameter norm; from those identical numbers every rank takes the
 same decision per layer:
 
 * **send** when the averaged accumulation norm reaches the threshold (``threshold``, or
@@ -84,9 +84,15 @@ class ThresholdPolicy:
         self.skipped_for = [0] * num_layers
         self.step = 0
 
-    def decide(self, acc_norms: list[float], param_norms: list[float]) -> list[bool]:
-        """Which layers to send this step, from rank-averaged norms (shared values only)."""
+    def decide(self, acc_norms: list[float],
+               param_norms: Optional[list[float]] = None) -> list[bool]:
+        """Which layers to send this step, from rank-averaged norms (shared values only);
+        ``param_norms`` is needed only with ``relative=True``."""
         c = self.config
+        if c.relative and param_norms is None:
+            raise ValueError("a relative threshold needs the layers' parameter norms")
+        if param_norms is None:
+            param_norms = [1.0] * len(acc_norms)
         self.step += 1
         n = len(acc_norms)
         if c.sync_every is not None and self.step % c.sync_every == 0:

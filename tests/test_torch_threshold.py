@@ -38,7 +38,8 @@ def threshold_body(cfg: dict, opt_name: str, steps: int) -> dict:
         synced_params.append({n: named[f"{n}.weight"].detach().numpy().copy() for n in sent})
         payload.append(opt.stats.last.bytes_sent)
     return dict(sent=sent_per_step, params=synced_params, payload=payload,
-                stats=opt.stats.as_dict(), control_bytes=8 * 2 * len(layer_names),
+                stats=opt.stats.as_dict(),
+                control_bytes=8 * len(layer_names) * (2 if cfg.get("relative") else 1),
                 final={n: p.detach().numpy().copy() for n, p in named.items()})
 
 

@@ -42,6 +42,7 @@ class AccumulationThreshold:
 
     def decide(self) -> list[bool]:
         """Fold this step's gradients into the accumulations and agree on what to send."""
+        relative = self.policy.config.relative
         acc_norms, param_norms = [], []
         for params in self.layer_params:
             current = []
@@ -54,14 +55,14 @@ class AccumulationThreshold:
                     self.acc[p].add_(p.grad)
                 current.append(self.acc.get(p, p.grad))
             acc_norms.append(norm_of(current))
-            # Parameters as of the last sync: identical on every rank.
-            param_norms.append(norm_of([self.anchor[p][0] if p in self.anchor else p.detach()
-                                        for p in params]))
+            if relative:  # parameters as of the last sync: identical on every rank
+                param_norms.append(norm_of([self.anchor[p][0] if p in self.anchor
+                                            else p.detach() for p in params]))
         local = torch.stack(acc_norms + param_norms).tolist()
         shared = control_allreduce(local, "hvdsync.control.threshold", self.process_set)
         self.stats.control(8 * len(local))
         n = len(self.layer_params)
-        return self.policy.decide(shared[:n], shared[n:])
+        return self.policy.decide(shared[:n], shared[n:] if relative else None)
 
     def before_send(self, layer: int) -> None:
         """The layer syncs now: its gradient becomes the accumulation, and its parameters and
