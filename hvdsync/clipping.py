@@ -136,18 +136,14 @@ class ClipPolicy:
         self.count = [0] * num_layers  # finite norms observed per layer
         self._sums: dict[tuple[int, float], tuple[float, float]] = {}
 
-    def norm_limit(self, layer: int, param_norm: Optional[float] = None) -> float:
-        """The norm this layer's gradient may have now (``inf``: no norm rule applies).
-
-        The ``ratio`` rule is included only when ``param_norm`` is given; adapters that keep
-        the parameter norm on a device apply ``ratio * max(param_norm, eps)`` themselves.
-        """
+    def norm_limit(self, layer: int) -> float:
+        """The norm this layer's gradient may have now from ``max_norm`` and the adaptive
+        rules (``inf``: none applies). The ``ratio`` rule needs the parameter norm, which
+        adapters keep on the device: they apply ``ratio * max(param_norm, eps)`` themselves."""
         c = self.config
         limit = math.inf
         if c.max_norm is not None:
             limit = c.max_norm
-        if c.ratio is not None and param_norm is not None:
-            limit = min(limit, c.ratio * max(param_norm, c.eps))
         if self.count[layer] >= max(c.warmup, 1):
             if c.ema is not None:
                 beta, factor = c.ema
