@@ -25,16 +25,18 @@ from hvdsync.clipping import ClipConfig
 from hvdsync.config import (check_bool, check_reduce_op, positive_float, positive_int,
                             reject_unknown_kwargs)
 from hvdsync.layers import Grouping, build_layers
+from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
 from hvdsync.threshold import ThresholdConfig
 from hvdsync.torch.clipping import LayerClipper
 from hvdsync.torch.comm import GradientAllreduce, Pending, payload_bytes
+from hvdsync.torch.sparse import SparseExchange
 from hvdsync.torch.threshold import AccumulationThreshold
 
 _HOROVOD_ARGS = ("named_parameters", "compression", "backward_passes_per_step", "op",
                  "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense",
                  "process_set")
-_HVDSYNC_ARGS = ("layers", "clip", "threshold")
+_HVDSYNC_ARGS = ("layers", "clip", "threshold", "sparse")
 
 
 class _DistributedOptimizer:
@@ -44,7 +46,7 @@ class _DistributedOptimizer:
     def _hvdsync_init(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
                       layers: Grouping, clip: ClipConfig | None,
-                      threshold: ThresholdConfig | None) -> None:
+                      threshold: ThresholdConfig | None, sparse: SparseConfig | None) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         names = _parameter_names(params, named_parameters)
         self._param_names: dict[torch.Tensor, str] = names
@@ -72,6 +74,8 @@ class _DistributedOptimizer:
         self.stats = SyncStats(layer_names)
         self._clipper = (LayerClipper(clip, len(self._layers), layer_names, self.stats)
                          if clip is not None else None)
+        self._sparse = (SparseExchange(sparse, self._allreduce, self.stats)
+                        if sparse is not None else None)
         self._threshold = (AccumulationThreshold(
             threshold, [[p for _, p in lp] for lp in self._layer_params], self.state,
             process_set, self.stats) if threshold is not None else None)
@@ -81,6 +85,8 @@ class _DistributedOptimizer:
         self._step_open = False
 
         self._pending: dict[int, Pending] = {}
+        self._sparse_queue: list[tuple[int, torch.Tensor]] = []
+        self._named_params = [item for lp in self._layer_params for item in lp]
         self._synchronized = False
         self._should_synchronize = True
         self._reset_step_counters()
@@ -108,9 +114,14 @@ class _DistributedOptimizer:
             if self._ready_in_layer[li] == len(self._layer_params[li]):
                 self._prepare_layer(li)
                 # With a threshold the send/skip decision needs every layer's accumulation,
-                # so sends start in synchronize(); otherwise right now, overlapping backward.
-                if self._threshold is None:
+                # and sparse gradients are sent together after the counts collective, so
+                # those sends start in synchronize(); the rest right now, overlapping backward.
+                if self._threshold is None and not self._has_sparse(li):
                     self._send_layer(li)
+
+    def _has_sparse(self, li: int) -> bool:
+        return self._sparse is not None and any(
+            p.grad is not None and p.grad.is_sparse for _, p in self._layer_params[li])
 
     def _prepare_layer(self, li: int) -> None:
         """The layer's local gradient is final: fill unused ones with zeros, clip locally."""
@@ -118,8 +129,9 @@ class _DistributedOptimizer:
         for _, p in params:
             if p.grad is None:
                 # Unused on this rank; other ranks may have a gradient, so still take part
-                # (Horovod does the same).
-                p.grad = torch.zeros_like(p)
+                # (Horovod does the same), with zero rows where other ranks' are sparse.
+                sparse = self._sparse is not None and self._sparse.is_sparse(p)
+                p.grad = self._sparse.empty_gradient(p) if sparse else torch.zeros_like(p)
         if self._clipper is not None and self._clipper.config.mode == "local":
             self._clipper.clip(li, [p for _, p in params])
         self.stats.dense(sum(payload_bytes(p.grad) for _, p in params))
@@ -132,9 +144,23 @@ class _DistributedOptimizer:
             self._step_open = True
             self.send_times = []
         self.send_times.append((name, time.perf_counter()))
+        if self._sparse is not None:
+            self._sparse_queue += [(li, p) for _, p in params if p.grad.is_sparse]
+            params = [(n, p) for n, p in params if not p.grad.is_sparse]
         pending = self._allreduce.start(f"hvdsync.{name}", params)
-        self.stats.sent(name, pending.nbytes, pending.collectives)
         self._pending[li] = pending
+        if not self._sparse_queue or self._sparse_queue[-1][0] != li:
+            self.stats.sent(name, pending.nbytes, pending.collectives)
+
+    def _send_sparse(self) -> None:
+        """Send the queued sparse gradients together (one grouped collective per route)."""
+        for li, sparse in self._sparse.start(self._sparse_queue).items():
+            pending = self._pending[li]
+            pending.finishers += sparse.finishers
+            pending.nbytes += sparse.nbytes
+            pending.collectives += sparse.collectives
+            self.stats.sent(self._layers[li].name, pending.nbytes, pending.collectives)
+        self._sparse_queue = []
 
     # -- Horovod's public API ---------------------------------------------------------------
     def synchronize(self) -> None:
@@ -142,6 +168,10 @@ class _DistributedOptimizer:
         if not self.process_set.included():
             self._synchronized = True
             return
+        if self._sparse is not None:
+            # Before zero-filling unused parameters: whether to fill sparse or dense depends
+            # on what the other ranks have.
+            self._sparse.share_layouts(self._named_params)
         # Layers in fixed order, so every rank starts the remaining collectives alike.
         for li in range(len(self._layers)):
             if not self._prepared[li]:
@@ -158,6 +188,8 @@ class _DistributedOptimizer:
             for li in range(len(self._layers)):
                 if li not in self._pending:
                     self._send_layer(li)
+        if self._sparse_queue:
+            self._send_sparse()
         clip_after = self._clipper is not None and self._clipper.config.mode == "global"
         for li in sorted(self._pending):
             self._pending[li].wait()
@@ -252,6 +284,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          layers: Grouping = None,
                          clip: ClipConfig | dict | float | None = None,
                          threshold: ThresholdConfig | dict | float | None = None,
+                         sparse: SparseConfig | dict | bool | float | None = None,
                          **unknown: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across Horovod ranks.
 
@@ -282,6 +315,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         threshold: communicate a layer only when its accumulated gradient is large enough
             (:class:`hvdsync.ThresholdConfig`, a dict of its fields, or a number); see
             :mod:`hvdsync.threshold`.
+        sparse: exchange row-sparse gradients (embeddings) with one counts collective and one
+            grouped allgather of deduplicated rows, switching to a dense allreduce where that
+            is cheaper (``True``, :class:`hvdsync.SparseConfig`, a dict of its fields, or a
+            number meaning ``dense_ratio``); see :mod:`hvdsync.sparse`. Exclusive with
+            ``sparse_as_dense``.
     """
     reject_unknown_kwargs(unknown, _HOROVOD_ARGS + _HVDSYNC_ARGS, "DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -300,6 +338,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     check_bool("sparse_as_dense", sparse_as_dense)
     clip = ClipConfig.coerce(clip)
     threshold = ThresholdConfig.coerce(threshold)
+    sparse = SparseConfig.coerce(sparse)
+    if sparse is not None and sparse_as_dense:
+        raise ValueError("sparse_as_dense=True always sends sparse gradients dense; sparse= "
+                         "chooses per step (dense_ratio=0 always sends dense): pass one of them")
+    if sparse is not None and op not in (Average, Sum):
+        raise ValueError("sparse= sums gathered rows, so it supports op=Average or op=Sum only")
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a horovod ProcessSet, got {process_set!r}")
     if num_groups:
@@ -314,7 +358,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
                           gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                          layers, clip, threshold)
+                          layers, clip, threshold, sparse)
     return wrapped
 
 
