@@ -8,11 +8,12 @@ core (layer grouping, validation, statistics) and imports neither torch nor Tens
 
 from hvdsync.clipping import ClipConfig
 from hvdsync.layers import Layer, build_layers
+from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
 from hvdsync.threshold import ThresholdConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["ClipConfig", "Layer", "SparseConfig", "SyncStats", "ThresholdConfig", "build_layers",
+__all__ = ["ClipConfig", "Layer", "SelectConfig", "SparseConfig", "SyncStats", "ThresholdConfig", "build_layers",
            "__version__"]

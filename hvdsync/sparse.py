@@ -54,12 +54,18 @@ class SparseConfig:
 
     ``dense_ratio``: switch a gradient to a dense allreduce when its gathered bytes would
     exceed ``dense_ratio`` times its dense bytes. ``0`` always sends dense, ``math.inf``
-    never does.
+    never does. ``one_round``: share the counts in the same grouped allgather as the rows,
+    routing each gradient by the previous step's counts (one collective round per step, as
+    Horovod's own path); ``False``: counts first in a collective of their own, routes from
+    this step's counts (two rounds).
     """
 
     dense_ratio: float = 1.0
+    one_round: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.one_round, bool):
+            raise TypeError(f"sparse one_round must be True or False, got {self.one_round!r}")
         r = self.dense_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)):
             raise TypeError(f"sparse dense_ratio must be a number, got {type(r).__name__} {r!r}")

@@ -77,10 +77,11 @@ class SyncStats:
         """Plain Horovod would have sent ``nbytes`` more this step."""
         self._current.bytes_dense += nbytes
 
-    def control(self, nbytes: int) -> None:
-        """A control-plane collective (statistics shared between ranks) of ``nbytes``."""
+    def control(self, nbytes: int, collectives: int = 1) -> None:
+        """A control-plane collective (statistics shared between ranks) of ``nbytes``
+        (``collectives=0`` when it rides along in another collective)."""
         self._current.bytes_sent += nbytes
-        self._current.collectives += 1
+        self._current.collectives += collectives
 
     def count(self, name: str, value: float = 1) -> None:
         """Add ``value`` to the technique counter ``name`` for this step."""

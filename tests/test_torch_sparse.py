@@ -35,6 +35,8 @@ def scenario_ids(scenario: str, rank: int, size: int) -> list:
         return [torch.tensor([1, 2, 3, 3, 5])]
     if scenario == "disjoint":
         return [torch.tensor([20 * rank + i for i in range(4)])]
+    if scenario == "few":  # one row per rank
+        return [torch.tensor([rank, rank])]
     if scenario == "nothing":  # no rank has a row
         return [torch.tensor([], dtype=torch.long)]
     if scenario == "dense":  # 15 of 20 rows per rank: gathering would exceed the dense size
@@ -47,8 +49,9 @@ def scenario_ids(scenario: str, rank: int, size: int) -> list:
 
 
 def exchange_cases(cases: dict) -> dict:
-    """On each rank, per case: one backward with hvdsync's sparse exchange, compared with the
-    dense-computed reduction. Returns max differences, coalescedness and the step's stats."""
+    """On each rank, per case: two steps with hvdsync's sparse exchange (the second takes the
+    one-round path, routed by the first step's counts), each compared with the dense-computed
+    reduction. Returns per step the max differences, coalescedness and the step's stats."""
     import torch
     from torch import nn
 
@@ -65,30 +68,48 @@ def exchange_cases(cases: dict) -> dict:
                                else nn.EmbeddingBag(n, d, mode="sum", sparse=True)
                                for n, d, kind in specs)
         model = nn.ModuleDict({"tables": tables, "head": nn.Linear(4, 1)})
+        named = dict(model.named_parameters())
+        # This rank's own gradients, seen by hooks registered before the wrapper's (whose
+        # allreduces start in backward and write in place).
+        local: dict = {}
+        for n, p in named.items():
+            p.register_post_accumulate_grad_hook(
+                lambda p, n=n: local.__setitem__(n, p.grad.to_dense().clone()))
         op = getattr(hvd, cfg.get("op", "Average"))
+        sparse = cfg.get("sparse", True)
+        if "one_round" in cfg:
+            sparse = dict(dense_ratio=1.0 if sparse is True else sparse,
+                          one_round=cfg["one_round"])
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-            sparse=cfg.get("sparse", True), op=op,
+            sparse=sparse, op=op,
             compression=getattr(hvd.Compression, cfg.get("compression", "none")))
         g = torch.Generator().manual_seed(100 + rank)
-        loss = model["head"](torch.ones(1, 4)).sum()
-        for table, ids in zip(tables, scenario_ids(cfg["scenario"], rank, size)):
-            if ids is None:
-                continue
-            emb = table(ids) if isinstance(table, nn.Embedding) else table(ids, torch.tensor([0]))
-            loss = loss + (emb * torch.randn(emb.shape, generator=g)).sum()
-        loss.backward()
-        named = dict(model.named_parameters())
-        local = {n: (p.grad.to_dense() if p.grad is not None else torch.zeros_like(p)).clone()
-                 for n, p in named.items()}
-        opt.synchronize()
-        diffs, coalesced = {}, {}
-        for n, p in named.items():
-            ref = hvd.allreduce(local[n], name=f"ref.{case}.{n}", op=op)
-            diffs[n] = float((p.grad.to_dense() - ref).abs().max())
-            if n.startswith("tables"):
-                coalesced[n] = bool(p.grad.is_sparse and p.grad.is_coalesced())
-        out[case] = dict(diffs=diffs, coalesced=coalesced, stats=opt.stats.last.as_dict())
+        steps = []
+        for scenario in (cfg["scenario"], cfg.get("then", cfg["scenario"])):
+            opt.zero_grad()
+            local.clear()
+            loss = model["head"](torch.ones(1, 4)).sum()
+            for table, ids in zip(tables, scenario_ids(scenario, rank, size)):
+                if ids is None:
+                    continue
+                emb = (table(ids) if isinstance(table, nn.Embedding)
+                       else table(ids, torch.tensor([0])))
+                loss = loss + (emb * torch.randn(emb.shape, generator=g)).sum()
+            loss.backward()
+            for n, p in named.items():
+                local.setdefault(n, torch.zeros_like(p))  # unused here
+            opt.synchronize()
+            diffs, coalesced = {}, {}
+            for n, p in named.items():
+                ref = hvd.allreduce(local[n], name=f"ref.{case}.{len(steps)}.{n}", op=op)
+                diffs[n] = float((p.grad.to_dense() - ref).abs().max())
+                if n.startswith("tables"):
+                    coalesced[n] = bool(p.grad.is_sparse and p.grad.is_coalesced())
+            with opt.skip_synchronize():
+                opt.step()
+            steps.append(dict(diffs=diffs, coalesced=coalesced, stats=opt.stats.last.as_dict()))
+        out[case] = steps
     return out
 
 
@@ -152,6 +173,14 @@ CASES = {
     "sum_dense": dict(scenario="dense", tables=[(20, 4, "emb")], op="Sum"),
     "fp16": dict(scenario="unequal", compression="fp16"),
     "several": dict(scenario="several", tables=[(64, 4, "emb"), (48, 3, "bag"), (16, 2, "emb")]),
+    # The second step's route is predicted from the first's counts, here wrongly: still exact.
+    "sparse_then_dense": dict(scenario="few", then="dense", tables=[(20, 4, "emb")]),
+    "dense_then_sparse": dict(scenario="dense", then="few", tables=[(20, 4, "emb")]),
+    "nothing_then_rows": dict(scenario="nothing", then="unequal"),
+    # Counts first, in a collective of their own, every step.
+    "counts_first": dict(scenario="unequal", one_round=False),
+    "counts_first_dense": dict(scenario="dense", tables=[(20, 4, "emb")], one_round=False),
+    "counts_first_unused": dict(scenario="unused", one_round=False),
 }
 # (case -> expected route counter); the step's counters name the route each table took.
 ROUTES = {"equal": "sparse_gather", "unequal": "sparse_gather", "zero_rows": "sparse_gather",
@@ -159,7 +188,9 @@ ROUTES = {"equal": "sparse_gather", "unequal": "sparse_gather", "zero_rows": "sp
           "nothing": "sparse_none", "dense_switch": "sparse_dense",
           "dense_ratio_inf": "sparse_gather", "always_dense": "sparse_dense",
           "unused_dense": "sparse_dense", "sum": "sparse_gather", "sum_dense": "sparse_dense",
-          "fp16": "sparse_gather"}
+          "fp16": "sparse_gather", "counts_first": "sparse_gather",
+          "counts_first_dense": "sparse_dense", "counts_first_unused": "sparse_gather"}
+ROUTE_COUNTERS = ("sparse_gather", "sparse_dense", "sparse_none")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
@@ -173,33 +204,56 @@ def test_equals_dense_computed_reduction(exchanges, case):
     _, results = exchanges
     tol = 1e-3 if CASES[case].get("compression") == "fp16" else 1e-6
     for rank, res in enumerate(results):
-        r = res[case]
-        assert max(r["diffs"].values()) <= tol, (rank, r["diffs"])
-        assert all(r["coalesced"].values()), (rank, r["coalesced"])
+        for step, r in enumerate(res[case]):
+            assert max(r["diffs"].values()) <= tol, (rank, step, r["diffs"])
+            assert all(r["coalesced"].values()), (rank, step, r["coalesced"])
 
 
 @pytest.mark.parametrize("case", list(ROUTES))
 def test_route_taken(exchanges, case):
+    """Step 1 routes by its own counts; step 2 (same ids) by step 1's, so alike (a route
+    "none" is predicted as a gather of zero rows)."""
     _, results = exchanges
     for res in results:
-        counters = res[case]["stats"]
-        assert counters.get(ROUTES[case]) == 1, counters
-        assert sum(v for k, v in counters.items()
-                   if k in ("sparse_gather", "sparse_dense", "sparse_none")) == 1
+        for step in res[case]:
+            counters = step["stats"]
+            expected = ROUTES[case]
+            if step is res[case][1] and expected == "sparse_none":
+                expected = "sparse_gather"
+            assert counters.get(expected) == 1, counters
+            assert sum(v for k, v in counters.items() if k in ROUTE_COUNTERS) == 1
+
+
+def test_mispredicted_routes_use_the_previous_steps_counts(exchanges):
+    _, results = exchanges
+    for res in results:
+        assert res["sparse_then_dense"][1]["stats"].get("sparse_gather") == 1
+        assert res["dense_then_sparse"][1]["stats"].get("sparse_dense") == 1
+        assert res["nothing_then_rows"][1]["stats"].get("sparse_gather") == 1
+
+
+def test_one_round_per_step(exchanges):
+    """From step 2 the counts ride in the gather: one grouped allgather + the head layer.
+    Counts first costs a collective more every step."""
+    np_, results = exchanges
+    for res in results:
+        assert [s["stats"]["collectives"] for s in res["unequal"]] == [3, 2]
+        assert [s["stats"]["collectives"] for s in res["counts_first"]] == [3, 3]
+        assert [s["stats"]["collectives"] for s in res["several"]] == [3, 2]
 
 
 def test_equal_counts_take_the_fixed_shape_gather(exchanges):
     _, results = exchanges
     for res in results:
-        assert res["equal"]["stats"].get("sparse_gather_equal") == 1
-        assert res["overlap"]["stats"].get("sparse_gather_equal") == 1
-        assert "sparse_gather_equal" not in res["unequal"]["stats"]
+        assert res["equal"][0]["stats"].get("sparse_gather_equal") == 1
+        assert res["overlap"][0]["stats"].get("sparse_gather_equal") == 1
+        assert "sparse_gather_equal" not in res["unequal"][0]["stats"]
 
 
 def test_several_tables_share_one_counts_and_one_gather_collective(exchanges):
     np_, results = exchanges
     for rank, res in enumerate(results):
-        s = res["several"]["stats"]
+        s = res["several"][0]["stats"]
         assert s["sparse_gather"] == 3
         # counts collective + one grouped allgather for the 3 tables + the dense head layer
         assert s["collectives"] == 3, s
@@ -209,19 +263,19 @@ def test_duplicate_rows_summed_before_sending(exchanges):
     """Rows a rank looks up repeatedly travel once: fewer bytes than Horovod would send."""
     np_, results = exchanges
     for res in results:
-        s = res["equal"]["stats"]
+        s = res["equal"][1]["stats"]
         assert s["sparse_duplicate_rows"] == 2  # 8 lookups of 6 distinct rows
         head_bytes = (4 + 1) * 4
         # 6 rows of (4 values + 2 int64 index columns as float32) + head vs Horovod's
         # 8 rows of 4 values and 8 int64 indices + head.
-        assert s["bytes_sent"] - 8 * 2 * 3 == 6 * (4 + 2) * 4 + head_bytes  # minus counts
+        assert s["bytes_sent"] - 8 * 2 * 3 == 6 * (4 + 2) * 4 + head_bytes  # minus the codes
         assert s["bytes_dense"] == 8 * 4 * 4 + 8 * 8 + head_bytes
 
 
 def test_nothing_to_send_sends_no_rows(exchanges):
     np_, results = exchanges
     for res in results:
-        s = res["nothing"]["stats"]
+        s = res["nothing"][0]["stats"]
         assert s["collectives"] == 2  # counts + head; no gather
 
 

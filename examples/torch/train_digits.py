@@ -3,6 +3,7 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --threshold 0.6 --max-skip 8
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --clip 1.0
+    horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --select 1
 
 The only change from a Horovod script is the import line: ``import hvdsync.torch as hvd``.
 Each rank trains on its own shard; rank 0 prints loss and held-out accuracy per epoch and the
@@ -26,7 +27,7 @@ import hvdsync.torch as hvd
 
 def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
           threshold: Optional[dict] = None, clip: Optional[dict] = None,
-          verbose: bool = True) -> dict[str, Any]:
+          select: Optional[dict] = None, verbose: bool = True) -> dict[str, Any]:
     """Train on this rank's shard; return final test accuracy, loss and the stats."""
     hvd.init()
     torch.manual_seed(seed)
@@ -46,7 +47,7 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
                           nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=lr * hvd.size(), momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   threshold=threshold, clip=clip)
+                                   threshold=threshold, clip=clip, select=select)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
@@ -89,11 +90,18 @@ def main() -> None:
     ap.add_argument("--max-skip", type=int, default=None,
                     help="with --threshold: sync a layer after this many skipped steps")
     ap.add_argument("--clip", type=float, default=None, help="per-layer max gradient norm")
+    ap.add_argument("--select", type=float, default=None,
+                    help="push only this many layers per step (or a fraction < 1)")
+    ap.add_argument("--selector", default="hypernet", choices=["hypernet", "norm", "random"])
     args = ap.parse_args()
     threshold = (dict(threshold=args.threshold, max_skip=args.max_skip)
                  if args.threshold is not None else None)
     clip = dict(max_norm=args.clip) if args.clip is not None else None
-    train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip)
+    select = None
+    if args.select is not None:
+        k = int(args.select) if args.select >= 1 else args.select
+        select = dict(k=k, selector=args.selector)
+    train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip, select)
 
 
 if __name__ == "__main__":

@@ -25,18 +25,20 @@ from hvdsync.clipping import ClipConfig
 from hvdsync.config import (check_bool, check_reduce_op, positive_float, positive_int,
                             reject_unknown_kwargs)
 from hvdsync.layers import Grouping, build_layers
+from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
 from hvdsync.threshold import ThresholdConfig
 from hvdsync.torch.clipping import LayerClipper
 from hvdsync.torch.comm import GradientAllreduce, Pending, payload_bytes
+from hvdsync.torch.select import SelectedPushes
 from hvdsync.torch.sparse import SparseExchange
 from hvdsync.torch.threshold import AccumulationThreshold
 
 _HOROVOD_ARGS = ("named_parameters", "compression", "backward_passes_per_step", "op",
                  "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense",
                  "process_set")
-_HVDSYNC_ARGS = ("layers", "clip", "threshold", "sparse")
+_HVDSYNC_ARGS = ("layers", "clip", "threshold", "sparse", "select")
 
 
 class _DistributedOptimizer:
@@ -46,7 +48,8 @@ class _DistributedOptimizer:
     def _hvdsync_init(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
                       layers: Grouping, clip: ClipConfig | None,
-                      threshold: ThresholdConfig | None, sparse: SparseConfig | None) -> None:
+                      threshold: ThresholdConfig | None, sparse: SparseConfig | None,
+                      select: SelectConfig | None) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         names = _parameter_names(params, named_parameters)
         self._param_names: dict[torch.Tensor, str] = names
@@ -76,6 +79,8 @@ class _DistributedOptimizer:
                          if clip is not None else None)
         self._sparse = (SparseExchange(sparse, self._allreduce, self.stats)
                         if sparse is not None else None)
+        self._select = (SelectedPushes(select, self._layer_params, process_set, self.stats)
+                        if select is not None else None)
         self._threshold = (AccumulationThreshold(
             threshold, [[p for _, p in lp] for lp in self._layer_params], self.state,
             process_set, self.stats) if threshold is not None else None)
@@ -86,6 +91,7 @@ class _DistributedOptimizer:
 
         self._pending: dict[int, Pending] = {}
         self._sparse_queue: list[tuple[int, torch.Tensor]] = []
+        self._sparse_done: set[torch.Tensor] = set()
         self._named_params = [item for lp in self._layer_params for item in lp]
         self._synchronized = False
         self._should_synchronize = True
@@ -99,6 +105,7 @@ class _DistributedOptimizer:
         self._passes_left = {p: self.backward_passes_per_step for p in self._layer_of}
         self._ready_in_layer = [0] * len(self._layers)
         self._prepared = [False] * len(self._layers)
+        self._dispatched = [False] * len(self._layers)
 
     # -- backward: per-parameter hook ---------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -117,7 +124,7 @@ class _DistributedOptimizer:
                 # and sparse gradients are sent together after the counts collective, so
                 # those sends start in synchronize(); the rest right now, overlapping backward.
                 if self._threshold is None and not self._has_sparse(li):
-                    self._send_layer(li)
+                    self._dispatch(li)
 
     def _has_sparse(self, li: int) -> bool:
         return self._sparse is not None and any(
@@ -135,7 +142,17 @@ class _DistributedOptimizer:
         if self._clipper is not None and self._clipper.config.mode == "local":
             self._clipper.clip(li, [p for _, p in params])
         self.stats.dense(sum(payload_bytes(p.grad) for _, p in params))
+        if self._select is not None:
+            self._select.layer_ready(li)
         self._prepared[li] = True
+
+    def _dispatch(self, li: int) -> None:
+        """Send the layer, or (with ``select=``) skip it if it is not pushed this step."""
+        self._dispatched[li] = True
+        if self._select is not None and not self._select.pushes(li):
+            self.stats.skipped(self._layers[li].name)
+        else:
+            self._send_layer(li)
 
     def _send_layer(self, li: int) -> None:
         params = self._layer_params[li]
@@ -145,21 +162,22 @@ class _DistributedOptimizer:
             self.send_times = []
         self.send_times.append((name, time.perf_counter()))
         if self._sparse is not None:
-            self._sparse_queue += [(li, p) for _, p in params if p.grad.is_sparse]
-            params = [(n, p) for n, p in params if not p.grad.is_sparse]
-        pending = self._allreduce.start(f"hvdsync.{name}", params)
-        self._pending[li] = pending
-        if not self._sparse_queue or self._sparse_queue[-1][0] != li:
-            self.stats.sent(name, pending.nbytes, pending.collectives)
+            sparse = {p for _, p in params if p.grad.is_sparse or self._sparse.is_sparse(p)}
+            self._sparse_queue += [(li, p) for _, p in params
+                                   if p in sparse and p not in self._sparse_done]
+            params = [(n, p) for n, p in params if p not in sparse]
+        self._add_pending(li, self._allreduce.start(f"hvdsync.{name}", params))
+
+    def _add_pending(self, li: int, pending: Pending) -> None:
+        mine = self._pending.setdefault(li, Pending())
+        mine.finishers += pending.finishers
+        mine.nbytes += pending.nbytes
+        mine.collectives += pending.collectives
 
     def _send_sparse(self) -> None:
         """Send the queued sparse gradients together (one grouped collective per route)."""
-        for li, sparse in self._sparse.start(self._sparse_queue).items():
-            pending = self._pending[li]
-            pending.finishers += sparse.finishers
-            pending.nbytes += sparse.nbytes
-            pending.collectives += sparse.collectives
-            self.stats.sent(self._layers[li].name, pending.nbytes, pending.collectives)
+        for li, pending in self._sparse.start(self._sparse_queue).items():
+            self._add_pending(li, pending)
         self._sparse_queue = []
 
     # -- Horovod's public API ---------------------------------------------------------------
@@ -168,13 +186,23 @@ class _DistributedOptimizer:
         if not self.process_set.included():
             self._synchronized = True
             return
+        held: set[int] = set()
+        self._sparse_done = set()
         if self._sparse is not None:
-            # Before zero-filling unused parameters: whether to fill sparse or dense depends
-            # on what the other ranks have.
-            self._sparse.share_layouts(self._named_params)
+            # Layers with an unused parameter whose layout (sparse or dense) no rank has
+            # shown yet wait for the shared layouts before they are filled and sent.
+            held = {self._layer_of[p] for p in self._sparse.begin(self._named_params)}
         # Layers in fixed order, so every rank starts the remaining collectives alike.
         for li in range(len(self._layers)):
-            if not self._prepared[li]:
+            if not self._prepared[li] and li not in held:
+                self._prepare_layer(li)
+        if self._sparse is not None and self._sparse.config.one_round:
+            items = [(self._layer_of[p], p) for _, p in self._named_params
+                     if p in self._sparse.predicted]
+            for li, pending in self._sparse.start_predicted(items).items():
+                self._add_pending(li, pending)
+            self._sparse_done = {p for _, p in items}
+            for li in sorted(held):
                 self._prepare_layer(li)
         if self._threshold is not None:
             for li, send in enumerate(self._threshold.decide()):
@@ -186,10 +214,13 @@ class _DistributedOptimizer:
                     self.stats.skipped(self._layers[li].name)
         else:
             for li in range(len(self._layers)):
-                if li not in self._pending:
-                    self._send_layer(li)
+                if not self._dispatched[li]:
+                    self._dispatch(li)
         if self._sparse_queue:
             self._send_sparse()
+        for li in sorted(self._pending):
+            self.stats.sent(self._layers[li].name, self._pending[li].nbytes,
+                            self._pending[li].collectives)
         clip_after = self._clipper is not None and self._clipper.config.mode == "global"
         for li in sorted(self._pending):
             self._pending[li].wait()
@@ -197,6 +228,10 @@ class _DistributedOptimizer:
                 self._clipper.clip(li, [p for _, p in self._layer_params[li]])
         self._pending.clear()
         self._reset_step_counters()
+        if self._sparse is not None:
+            self._sparse.end_step()
+        if self._select is not None:
+            self._select.end_step()
         if self._clipper is not None:
             self._clipper.end_step()
         self.stats.end_step()
@@ -243,6 +278,8 @@ class _DistributedOptimizer:
             own["clip"] = self._clipper.policy.state_dict()
         if self._threshold is not None:
             own["threshold"] = self._threshold.policy.state_dict()
+        if self._select is not None:
+            own["select"] = self._select.state_dict(self._param_names)
         if own:
             state["hvdsync"] = own
         return state
@@ -256,6 +293,12 @@ class _DistributedOptimizer:
             self._threshold.forget()
             if "threshold" in own:
                 self._threshold.policy.load_state_dict(own["threshold"])
+        if self._select is not None:
+            if "select" in own:
+                self._select.load_state_dict(
+                    own["select"], {n: p for p, n in self._param_names.items()})
+            else:
+                self._select.forget()
         for pending in self._pending.values():
             pending.wait()
         self._pending.clear()
@@ -263,6 +306,16 @@ class _DistributedOptimizer:
         self._should_synchronize = True
         self._reset_step_counters()
         super().load_state_dict(state_dict)
+
+    @property
+    def selection(self) -> dict[str, list]:
+        """With ``select=``: the last step's per-layer ``local_scores``, rank-averaged
+        ``scores``, ``residual_norms`` and (hypernet) ``alpha``, and the layers chosen for the
+        next step (``next``, layer names). Empty without ``select=``."""
+        if self._select is None:
+            return {}
+        nxt = [layer.name for layer, s in zip(self._layers, self._select.selector.selected) if s]
+        return {**self._select.last, "next": nxt}
 
     @property
     def layers(self):
@@ -285,6 +338,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          clip: ClipConfig | dict | float | None = None,
                          threshold: ThresholdConfig | dict | float | None = None,
                          sparse: SparseConfig | dict | bool | float | None = None,
+                         select: SelectConfig | dict | float | None = None,
                          **unknown: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across Horovod ranks.
 
@@ -320,6 +374,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             is cheaper (``True``, :class:`hvdsync.SparseConfig`, a dict of its fields, or a
             number meaning ``dense_ratio``); see :mod:`hvdsync.sparse`. Exclusive with
             ``sparse_as_dense``.
+        select: push only the top-k layers per step, ranked by a tiny hypernetwork trained
+            alongside the model (or by residual norm / at random); the others accumulate
+            into a residual pushed later (:class:`hvdsync.SelectConfig`, a dict of its fields,
+            or a number meaning ``k``); see :mod:`hvdsync.select`. Exclusive with
+            ``threshold``.
     """
     reject_unknown_kwargs(unknown, _HOROVOD_ARGS + _HVDSYNC_ARGS, "DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -339,6 +398,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     clip = ClipConfig.coerce(clip)
     threshold = ThresholdConfig.coerce(threshold)
     sparse = SparseConfig.coerce(sparse)
+    select = SelectConfig.coerce(select)
+    if select is not None and threshold is not None:
+        raise ValueError("select= and threshold= both decide which layers are sent each step; "
+                         "pass one of them")
     if sparse is not None and sparse_as_dense:
         raise ValueError("sparse_as_dense=True always sends sparse gradients dense; sparse= "
                          "chooses per step (dense_ratio=0 always sends dense): pass one of them")
@@ -358,7 +421,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
                           gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                          layers, clip, threshold, sparse)
+                          layers, clip, threshold, sparse, select)
     return wrapped
 
 

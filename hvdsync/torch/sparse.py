@@ -25,21 +25,32 @@ _INDEX_BYTES = 8  # torch sparse indices are int64
 
 
 class SparseExchange:
-    """Moves the sparse gradients of one step: :meth:`share_layouts` (the counts collective),
-    then :meth:`start` (one grouped allgather, plus one grouped allreduce for gradients routed
-    dense). Uses ``dense``'s compression, op and scale factors."""
+    """Moves the sparse gradients of one step; uses ``dense``'s compression, op and scale
+    factors. Per step the optimizer calls :meth:`begin`, then (one-round protocol)
+    :meth:`start_predicted` and, for what that did not cover, :meth:`start`."""
 
     def __init__(self, config: SparseConfig, dense: GradientAllreduce, stats: SyncStats):
         self.config = config
         self.dense = dense
         self.stats = stats
         self.size = dense.process_set.size()
+        # This step's shared layouts: p -> (layout, per-rank counts, sparse_dim).
         self._layout: dict[torch.Tensor, tuple[str, list[int], int]] = {}
+        # Last shared layout seen with a gradient somewhere: p -> (layout, sparse_dim).
+        self._known: dict[torch.Tensor, tuple[str, int]] = {}
+        # One-round protocol: this step's route per sparse parameter, from the last step.
+        self.predicted: dict[torch.Tensor, str] = {}
+        self._codes: list[int] = []
+        self._params: Sequence[tuple[str, torch.Tensor]] = ()
 
     # -- stage 1 ----------------------------------------------------------------------------
-    def share_layouts(self, params: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Sum local duplicate rows, then agree with every rank on each parameter's gradient
-        layout and per-rank row counts (one allgather of ``2 x len(params)`` int64)."""
+    def begin(self, params: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Sum local duplicate rows and take every parameter's layout code. Counts-first
+        protocol: share them now (one collective) and return ``[]``. One-round protocol:
+        return the parameters that must wait for the shared layouts before they can take part
+        (no gradient here and never seen with one anywhere: sparse or dense is unknown)."""
+        self._params = params
+        self._layout = {}
         codes: list[int] = []
         for _, p in params:
             g = p.grad
@@ -53,42 +64,86 @@ class SparseExchange:
                 codes += [g._nnz(), g.sparse_dim()]
             else:
                 codes += [DENSE, 0]
-        local = torch.tensor([codes], dtype=torch.int64)
-        if self.size == 1:
-            rows = local.tolist()
-        else:
-            rows = allgather(local, name="hvdsync.sparse.layouts",
-                             process_set=self.dense.process_set).tolist()
-            self.stats.control(local.numel() * _INDEX_BYTES)
-        names = [n for n, _ in params]
+        self._codes = codes
+        if not self.config.one_round:
+            local = torch.tensor([codes], dtype=torch.int64)
+            if self.size == 1:
+                self._absorb(local.tolist())
+            else:
+                self._absorb(allgather(local, name="hvdsync.sparse.layouts",
+                                       process_set=self.dense.process_set).tolist())
+                self.stats.control(local.numel() * _INDEX_BYTES)
+            return []
+        return [p for _, p in params if p.grad is None and p not in self._known]
+
+    def _absorb(self, rows: list[list[int]]) -> None:
+        """Take the shared layout codes of every rank (``rows[rank]``)."""
+        names = [n for n, _ in self._params]
         layouts = gradient_layouts([r[0::2] for r in rows], names)
-        self._layout = {}
-        for i, ((name, p), layout) in enumerate(zip(params, layouts)):
+        for i, ((name, p), layout) in enumerate(zip(self._params, layouts)):
             sparse_dims = {r[2 * i + 1] for r in rows if r[2 * i] >= 0}
             if len(sparse_dims) > 1:
                 raise RuntimeError(f"the sparse gradient of {name!r} has different sparse_dim "
                                    f"on different ranks: {sorted(sparse_dims)}")
-            counts = [max(r[2 * i], 0) for r in rows]
-            self._layout[p] = (layout, counts, sparse_dims.pop() if sparse_dims else 0)
+            sdim = sparse_dims.pop() if sparse_dims else 0
+            self._layout[p] = (layout, [max(r[2 * i], 0) for r in rows], sdim)
+            if layout != "absent":
+                self._known[p] = (layout, sdim)
 
     def is_sparse(self, p: torch.Tensor) -> bool:
-        """Whether some rank has a sparse gradient for ``p`` this step (after
-        :meth:`share_layouts`)."""
-        return self._layout.get(p, ("dense",))[0] == "sparse"
+        """Whether ``p``'s gradient travels sparse this step: some rank has it sparse (once the
+        layouts are shared), else as last seen."""
+        if p in self._layout:
+            return self._layout[p][0] == "sparse"
+        return self._known.get(p, ("dense",))[0] == "sparse"
+
+    def _sparse_dim(self, p: torch.Tensor) -> int:
+        return self._layout[p][2] if p in self._layout else self._known[p][1]
 
     def empty_gradient(self, p: torch.Tensor) -> torch.Tensor:
         """A sparse gradient with no rows, for a rank on which ``p`` was not used while others
         have rows: it takes part in the collectives with zero rows."""
-        s = self._layout[p][2]
+        s = self._sparse_dim(p)
         return torch.sparse_coo_tensor(torch.empty(s, 0, dtype=torch.int64, device=p.device),
                                        p.new_empty((0, *p.shape[s:])), p.shape,
                                        is_coalesced=True)
 
+    def end_step(self) -> None:
+        """One-round protocol: next step's routes from this step's shared counts."""
+        self.predicted = {p: self._route(p).route for p, (layout, _, _) in self._layout.items()
+                          if layout == "sparse"}
+
     # -- stages 2 and 3 ---------------------------------------------------------------------
+    def start_predicted(self, items: Sequence[tuple[int, torch.Tensor]]) -> dict[int, Pending]:
+        """One-round protocol: send this rank's layout codes together with the gradients of
+        ``items`` (every parameter in :attr:`predicted`, in a fixed order) in **one** grouped
+        allgather, routed as predicted from the last step's counts; gradients predicted dense
+        go in one grouped allreduce at the same time. Returns when the layouts are shared."""
+        pendings: dict[int, Pending] = {}
+        gather, dense = [], []
+        for li, p in items:
+            pendings.setdefault(li, Pending())
+            if p.grad is None:
+                p.grad = self.empty_gradient(p)
+            elif not p.grad.is_sparse:  # dense here, sparse elsewhere: raises after the gather
+                p.grad = p.grad.to_sparse(self._sparse_dim(p))
+            route = self.predicted[p]
+            self.stats.count(f"sparse_{'dense' if route == 'dense' else 'gather'}")
+            (dense if route == "dense" else gather).append((li, p))
+        codes = torch.tensor([self._codes], dtype=torch.int64)
+        if self.size == 1:
+            self._absorb(codes.tolist())
+            return pendings
+        if dense:
+            self._start_dense(dense, pendings)
+        wait = self._start_gather(gather, pendings, header=codes)
+        self._absorb(wait()[0].tolist())
+        return pendings
+
     def start(self, items: Sequence[tuple[int, torch.Tensor]]) -> dict[int, Pending]:
-        """Start sending ``(layer index, parameter)`` sparse gradients, in a fixed order.
-        Returns one :class:`Pending` per layer; waiting on it writes the reduced, coalesced
-        gradient into ``p.grad``."""
+        """Start sending ``(layer index, parameter)`` sparse gradients, in a fixed order, by
+        routes from this step's shared counts. Returns one :class:`Pending` per layer;
+        waiting on it writes the reduced, coalesced gradient into ``p.grad``."""
         pendings: dict[int, Pending] = {}
         gather: list[tuple[int, torch.Tensor]] = []
         dense: list[tuple[int, torch.Tensor]] = []
@@ -128,8 +183,10 @@ class SparseExchange:
                             f"dtype, which needs an element size dividing 8, got {esize}")
         return sparse_dim * _INDEX_BYTES // esize
 
-    def _start_gather(self, items: list[tuple[int, torch.Tensor]],
-                      pendings: dict[int, Pending]) -> None:
+    def _start_gather(self, items: list[tuple[int, torch.Tensor]], pendings: dict[int, Pending],
+                      header: torch.Tensor | None = None) -> Callable[[], list[torch.Tensor]]:
+        """One grouped allgather of the packed gradients (after ``header``, if given: output
+        0 is then the gathered header). Returns the shared waiter."""
         packed, ctxs = [], []
         for _, p in items:
             g = p.grad
@@ -138,15 +195,17 @@ class SparseExchange:
             row = math.prod(p.shape[g.sparse_dim():])
             packed.append(torch.cat([index_bits, values.reshape(values.shape[0], row)], dim=1))
             ctxs.append(ctx)
-        handle = grouped_allgather_async(packed, name="hvdsync.sparse.gather",
+        first = 0 if header is None else 1
+        handle = grouped_allgather_async(([] if header is None else [header]) + packed,
+                                         name="hvdsync.sparse.gather",
                                          process_set=self.dense.process_set)
         wait = _waiter(handle)
         average = self.dense.op == Average
 
         def finisher(j: int, p: torch.Tensor) -> Callable[[], None]:
             def finish() -> None:
-                out = wait()[j]
-                k = out.shape[1] - math.prod(p.shape[self._layout[p][2]:])
+                out = wait()[first + j]
+                k = out.shape[1] - math.prod(p.shape[self._sparse_dim(p):])
                 indices = _bitcast(out[:, :k], torch.int64).t()
                 values = self.dense.compression.decompress(out[:, k:].contiguous(), ctxs[j])
                 values = values.reshape(out.shape[0], *p.shape[indices.shape[0]:])
@@ -157,7 +216,11 @@ class SparseExchange:
                 p.grad = reduced
             return finish
 
-        self._record(items, packed, pendings, finisher)
+        if header is not None:
+            self.stats.control(header.numel() * header.element_size(), collectives=0 if items else 1)
+        if items:
+            self._record(items, packed, pendings, finisher)
+        return wait
 
     def _start_dense(self, items: list[tuple[int, torch.Tensor]],
                      pendings: dict[int, Pending]) -> None:
@@ -182,7 +245,7 @@ class SparseExchange:
         def finisher(j: int, p: torch.Tensor) -> Callable[[], None]:
             def finish() -> None:
                 out = self.dense.compression.decompress(wait()[j], ctxs[j])
-                s = self._layout[p][2]
+                s = self._sparse_dim(p)
                 present = out[:, -1].nonzero().squeeze(1)
                 values = out[present, :-1].reshape(present.shape[0], *p.shape[s:])
                 indices = torch.stack(torch.unravel_index(present, p.shape[:s]))
@@ -217,7 +280,10 @@ def _waiter(handle) -> Callable[[], list[torch.Tensor]]:
 def _bitcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret a 2-D tensor's rows as ``dtype`` (bit for bit; the row width scales)."""
     width = t.shape[1] * t.element_size() // dtype.itemsize
-    return t.contiguous().flatten().view(dtype).reshape(t.shape[0], width)
+    # A fresh buffer: .contiguous() keeps odd strides on size-1 dimensions, which view rejects.
+    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    flat.view(t.shape).copy_(t)
+    return flat.view(dtype).view(t.shape[0], width)
 
 
 def _flat_rows(indices: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

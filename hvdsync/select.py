@@ -1,0 +1,230 @@
+"""Technique 4: hypernet-selected layer pushes with error feedback.
+
+Each step only ``k`` layers are *pushed* (allreduced); the others add their gradient to a
+local residual (error feedback) and are not updated this step; when a layer is next pushed it
+sends its gradient plus the residual, so nothing a rank computed is lost. Which layers:
+
+* ``selector="hypernet"`` (default): a tiny per-worker MLP -- a learned input embedding, two
+  tanh hidden layers, one sigmoid output per model layer (scores ``alpha`` in (0, 1)) -- is
+  trained alongside the model on the model loss with each layer's weights scaled by
+  ``alpha``. At ``alpha = 1`` that loss's gradient is ``dL/dalpha_l = <g_l, theta_l>``, one
+  dot product per layer from the gradient backward already produced (no second backward).
+  The hypernet takes one Adam step per model step; an EMA (``ema``) of ``|alpha_t -
+  alpha_{t-1}|`` per layer is its score: layers whose scaling the hypernet is still moving
+  are the ones that matter now.
+* ``selector="norm"``: the layers with the largest local accumulation ``||residual + g||``
+  (the classic top-k baseline), ``selector="random"``: ``k`` layers uniformly at random
+  (seeded identically on every rank) -- baselines to measure the hypernet against.
+
+Agreement (DESIGN.md's rule): the scores are averaged over ranks in **one** control-plane
+allreduce per step (``len(layers)`` floats) and every rank picks the same top ``k`` from the
+averaged scores (ties by layer order). A layer not pushed for ``max_wait`` steps is forced
+in (forced layers come first; if more than ``k`` are forced, all of them are pushed, so the
+bound always holds).
+
+Overlap: the scores for step ``t`` exist only after step ``t``'s backward, so the set pushed
+at step ``t + 1`` is the one chosen at the end of step ``t`` -- known before step ``t + 1``'s
+backward, so each pushed layer's allreduce starts the moment its gradient is ready,
+overlapping the rest of backward, as without selection. Step 1 pushes every layer (there are
+no scores yet).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from hvdsync.config import coerce_config
+
+SELECTORS = ("hypernet", "norm", "random")
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """Which layers to push each step; see the module docstring.
+
+    ``k``: layers pushed per step, an int >= 1 or a fraction in (0, 1] of the layers (rounded
+    up). ``max_wait``: a layer is pushed at least every ``max_wait + 1`` steps (``None``: no
+    bound). ``ema``, ``embed_dim``, ``hidden``, ``lr``: the hypernet's score smoothing, input
+    embedding size, hidden width and Adam learning rate. ``seed`` initialises the hypernet and
+    the random selector.
+    """
+
+    k: Union[int, float] = 0.25
+    selector: str = "hypernet"
+    max_wait: Optional[int] = 4
+    ema: float = 0.9
+    embed_dim: int = 8
+    hidden: int = 16
+    lr: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        k = self.k
+        if isinstance(k, bool) or not isinstance(k, (int, float)):
+            raise TypeError(f"select k must be an int or a fraction, got {type(k).__name__} {k!r}")
+        if isinstance(k, int) and k < 1:
+            raise ValueError(f"select k must be >= 1 layers, got {k}")
+        if isinstance(k, float) and not 0 < k <= 1:
+            raise ValueError(f"select k as a fraction must be in (0, 1], got {k}")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"select selector must be one of {SELECTORS}, got {self.selector!r}")
+        if self.max_wait is not None and (isinstance(self.max_wait, bool)
+                                          or not isinstance(self.max_wait, int)
+                                          or self.max_wait < 0):
+            raise ValueError(f"select max_wait must be None or an int >= 0, got {self.max_wait!r}")
+        if not (isinstance(self.ema, (int, float)) and 0 <= self.ema < 1):
+            raise ValueError(f"select ema must be in [0, 1), got {self.ema!r}")
+        for name in ("embed_dim", "hidden"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"select {name} must be an int >= 1, got {v!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"select lr must be a finite number > 0, got {self.lr!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"select seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def coerce(cls, value: Any) -> Optional["SelectConfig"]:
+        """``None``, a :class:`SelectConfig`, a dict of its fields, or a number (``k``)."""
+        return coerce_config(cls, value, "select", "k")
+
+    def layers_per_step(self, num_layers: int) -> int:
+        if isinstance(self.k, float):
+            return max(1, math.ceil(self.k * num_layers))
+        return min(self.k, num_layers)
+
+
+class Hypernet:
+    """The per-worker scorer: embedding -> tanh -> tanh -> sigmoid, trained with Adam on
+    ``dL/dalpha`` (float64 numpy: a few hundred parameters, not worth a device)."""
+
+    def __init__(self, num_layers: int, embed_dim: int, hidden: int, lr: float, seed: int):
+        rng = np.random.default_rng(seed)
+
+        def layer(n_in: int, n_out: int) -> np.ndarray:
+            return rng.standard_normal((n_in, n_out)) / math.sqrt(n_in)
+        self.params = {"embedding": rng.standard_normal(embed_dim),
+                       "w1": layer(embed_dim, hidden), "b1": np.zeros(hidden),
+                       "w2": layer(hidden, hidden), "b2": np.zeros(hidden),
+                       "w3": layer(hidden, num_layers) * 0.1, "b3": np.zeros(num_layers)}
+        self.lr = lr
+        self.m = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.v = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.t = 0
+
+    def forward(self) -> tuple[np.ndarray, tuple]:
+        p = self.params
+        h1 = np.tanh(p["embedding"] @ p["w1"] + p["b1"])
+        h2 = np.tanh(h1 @ p["w2"] + p["b2"])
+        alpha = 1.0 / (1.0 + np.exp(-(h2 @ p["w3"] + p["b3"])))
+        return alpha, (h1, h2)
+
+    def alpha(self) -> np.ndarray:
+        return self.forward()[0]
+
+    def step(self, d_alpha: np.ndarray) -> np.ndarray:
+        """One Adam step on the loss whose gradient w.r.t. alpha is ``d_alpha``; returns the
+        new alpha."""
+        p = self.params
+        alpha, (h1, h2) = self.forward()
+        d_z3 = d_alpha * alpha * (1 - alpha)
+        grads = {"w3": np.outer(h2, d_z3), "b3": d_z3}
+        d_z2 = (p["w3"] @ d_z3) * (1 - h2 ** 2)
+        grads.update(w2=np.outer(h1, d_z2), b2=d_z2)
+        d_z1 = (p["w2"] @ d_z2) * (1 - h1 ** 2)
+        grads.update(w1=np.outer(p["embedding"], d_z1), b1=d_z1, embedding=p["w1"] @ d_z1)
+        self.t += 1
+        b1, b2, eps = 0.9, 0.999, 1e-8
+        for k, g in grads.items():
+            self.m[k] = b1 * self.m[k] + (1 - b1) * g
+            self.v[k] = b2 * self.v[k] + (1 - b2) * g * g
+            m_hat = self.m[k] / (1 - b1 ** self.t)
+            v_hat = self.v[k] / (1 - b2 ** self.t)
+            p[k] = p[k] - self.lr * m_hat / (np.sqrt(v_hat) + eps)
+        return self.alpha()
+
+    def state_dict(self) -> dict:
+        return {"params": {k: v.copy() for k, v in self.params.items()},
+                "m": {k: v.copy() for k, v in self.m.items()},
+                "v": {k: v.copy() for k, v in self.v.items()}, "t": self.t}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("params", "m", "v"):
+            for k, v in state[key].items():
+                if getattr(self, key)[k].shape != np.shape(v):
+                    raise ValueError(f"hypernet state {key}.{k} has shape {np.shape(v)}, "
+                                     f"expected {getattr(self, key)[k].shape}")
+        self.params = {k: np.array(v, dtype=float) for k, v in state["params"].items()}
+        self.m = {k: np.array(v, dtype=float) for k, v in state["m"].items()}
+        self.v = {k: np.array(v, dtype=float) for k, v in state["v"].items()}
+        self.t = int(state["t"])
+
+
+class LayerSelector:
+    """Per-step scores (local), and the shared top-k choice with the wait bound."""
+
+    def __init__(self, config: SelectConfig, num_layers: int):
+        self.config = config
+        self.num_layers = num_layers
+        self.k = config.layers_per_step(num_layers)
+        self.hypernet = (Hypernet(num_layers, config.embed_dim, config.hidden, config.lr,
+                                  config.seed) if config.selector == "hypernet" else None)
+        self.prev_alpha = self.hypernet.alpha() if self.hypernet is not None else None
+        self.ema = np.zeros(num_layers)
+        self.waited = [0] * num_layers
+        self.step = 0
+        #: the layers to push at the next step (step 1: all)
+        self.selected = [True] * num_layers
+
+    def local_scores(self, dots: list[float], acc_norms: list[float]) -> list[float]:
+        """This rank's score per layer from ``<g_l, theta_l>`` and ``||residual_l + g_l||``."""
+        c = self.config
+        if c.selector == "hypernet":
+            alpha = self.hypernet.step(np.asarray(dots, dtype=float))
+            self.ema = c.ema * self.ema + (1 - c.ema) * np.abs(alpha - self.prev_alpha)
+            self.prev_alpha = alpha
+            return self.ema.tolist()
+        if c.selector == "norm":
+            return list(acc_norms)
+        # random: the same draw on every rank (seeded by the step, not by the rank)
+        rng = random.Random(c.seed * 1_000_003 + self.step)
+        return [rng.random() for _ in range(self.num_layers)]
+
+    def choose(self, scores: list[float]) -> list[bool]:
+        """The layers to push next step from rank-averaged ``scores`` (same on every rank)."""
+        self.step += 1
+        n, bound = self.num_layers, self.config.max_wait
+        # a layer not chosen now would have waited waited+1 steps; force it at the bound
+        forced = [i for i in range(n) if bound is not None and self.waited[i] + 1 > bound]
+        rest = sorted((i for i in range(n) if i not in set(forced)),
+                      key=lambda i: (-scores[i], i))
+        chosen = set(forced) | set(rest[:max(0, self.k - len(forced))])
+        self.selected = [i in chosen for i in range(n)]
+        return list(self.selected)
+
+    def pushed(self, mask: list[bool]) -> None:
+        """Record which layers were pushed this step (for the wait bound)."""
+        self.waited = [0 if m else w + 1 for m, w in zip(mask, self.waited)]
+
+    def state_dict(self) -> dict:
+        return {"hypernet": self.hypernet.state_dict() if self.hypernet is not None else None,
+                "prev_alpha": None if self.prev_alpha is None else self.prev_alpha.copy(),
+                "ema": self.ema.copy(), "waited": list(self.waited), "step": self.step,
+                "selected": list(self.selected)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["waited"]) != self.num_layers:
+            raise ValueError(f"select state is for {len(state['waited'])} layers, this "
+                             f"optimizer has {self.num_layers}")
+        if self.hypernet is not None:
+            self.hypernet.load_state_dict(state["hypernet"])
+            self.prev_alpha = np.array(state["prev_alpha"], dtype=float)
+        self.ema = np.array(state["ema"], dtype=float)
+        self.waited = list(state["waited"])
+        self.step = int(state["step"])
+        self.selected = list(state["selected"])

@@ -1,0 +1,264 @@
+"""Technique 4 (torch): selected layer pushes with error feedback, on 2 and 3 real ranks
+with different data per rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hvdsync import SelectConfig
+from hvdsync.select import LayerSelector
+from hvdsync.testing import run_ranks
+from tests.models import assert_construction_fails, teacher_batches
+
+DEPTH = 6  # linear layers in the test model
+
+
+def deep_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    mods = []
+    for i in range(DEPTH):
+        mods.append(nn.Linear(12 if i == 0 else 16, 4 if i == DEPTH - 1 else 16))
+        if i < DEPTH - 1:
+            mods.append(nn.Tanh())
+    return nn.Sequential(*mods)
+
+
+def make_opt(model, opt_name: str):
+    if opt_name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def select_body(cfg: dict, opt_name: str, steps: int) -> dict:
+    """Train with select=cfg. Per step: the layers pushed and the parameters after the step.
+    Also the sum of this rank's local gradients (seen by a hook registered before the
+    wrapper's), the sum of the averaged gradients received, and the final residuals."""
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.set_num_threads(1)
+    model = deep_mlp()
+    named = dict(model.named_parameters())
+    local_sum = {n: torch.zeros_like(p) for n, p in named.items()}
+    def remember(p: torch.Tensor, n: str) -> None:  # a hook must return None
+        local_sum[n].add_(p.grad)
+    for n, p in named.items():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: remember(p, n))
+    opt = hvd.DistributedOptimizer(make_opt(model, opt_name),
+                                   named_parameters=model.named_parameters(), select=cfg)
+    layer_names = [layer.name for layer in opt.layers]
+    received = {n: torch.zeros_like(p) for n, p in named.items()}
+    pushed, params, scores = [], [], []
+    for x, y in teacher_batches(hvd.rank(), steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        pushed.append([ln for ln in layer_names if named[f"{ln}.weight"].grad is not None])
+        for n, p in named.items():
+            if p.grad is not None:
+                received[n].add_(p.grad)
+        with opt.skip_synchronize():
+            opt.step()
+        params.append({n: p.detach().numpy().copy() for n, p in named.items()})
+        scores.append(opt.selection["scores"])
+    residual = {n: opt._select.residual[p].numpy().copy() if p in opt._select.residual
+                else np.zeros(tuple(p.shape), dtype=np.float32) for n, p in named.items()}
+    return dict(pushed=pushed, params=params, scores=scores, layer_names=layer_names,
+                local_sum={n: t.numpy() for n, t in local_sum.items()},
+                received={n: t.numpy() for n, t in received.items()}, residual=residual,
+                stats=opt.stats.as_dict())
+
+
+def select_bodies(cases: list[tuple]) -> list[dict]:
+    return [select_body(*c) for c in cases]
+
+
+CASES = {
+    "hypernet": (dict(k=2, max_wait=3), "momentum", 40),
+    "hypernet_adam": (dict(k=0.25, max_wait=4), "adam", 40),
+    "norm": (dict(k=2, selector="norm", max_wait=3), "momentum", 40),
+    "random": (dict(k=1, selector="random", max_wait=None), "momentum", 40),
+    "forced": (dict(k=1, max_wait=1), "momentum", 20),  # bound forces more than k
+}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def runs(request):
+    per_rank = run_ranks(select_bodies, np=request.param, args=(list(CASES.values()),),
+                         timeout=300)
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_layers_pushed_on_all_ranks_and_replicas_identical(runs, case):
+    results = runs[case]
+    for r in results[1:]:
+        assert r["pushed"] == results[0]["pushed"], "ranks pushed different layers"
+    for step in range(len(results[0]["params"])):
+        for r in results[1:]:
+            for n, v in results[0]["params"][step].items():
+                np.testing.assert_allclose(r["params"][step][n], v, rtol=0, atol=1e-6,
+                                           err_msg=f"{case} step {step} {n}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_residuals_are_exact(runs, case):
+    """mean over ranks of all local gradients == what arrived + mean of the residuals."""
+    results = runs[case]
+    for n in results[0]["local_sum"]:
+        local = np.mean([r["local_sum"][n] for r in results], axis=0)
+        residual = np.mean([r["residual"][n] for r in results], axis=0)
+        np.testing.assert_allclose(results[0]["received"][n] + residual, local, rtol=0,
+                                   atol=1e-5, err_msg=f"{case} {n}")
+    assert any(np.abs(r).max() > 0 for r in results[0]["residual"].values())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_k_layers_per_step_and_wait_bound(runs, case):
+    cfg = CASES[case][0]
+    r = runs[case][0]
+    k = SelectConfig(**cfg).layers_per_step(DEPTH)
+    assert len(r["pushed"][0]) == DEPTH  # step 1 pushes everything (no scores yet)
+    bound = cfg.get("max_wait")
+    for name in r["layer_names"]:
+        waited = 0
+        for sent in r["pushed"]:
+            waited = 0 if name in sent else waited + 1
+            assert bound is None or waited <= bound, (case, name)
+    counts = [len(s) for s in r["pushed"][1:]]
+    if case == "forced":  # max_wait=1: the 5 layers not chosen are forced in the next step
+        assert counts[0::2] == [1] * len(counts[0::2]), counts
+        assert counts[1::2] == [DEPTH - 1] * len(counts[1::2]), counts
+    else:
+        assert all(c == k for c in counts) or bound is not None, counts
+        assert min(counts) >= k
+    assert r["stats"]["total"]["layers_skipped"] > 0
+
+
+def test_hypernet_scores_are_shared_and_move(runs):
+    r = runs["hypernet"]
+    for other in r[1:]:
+        np.testing.assert_allclose(other["scores"], r[0]["scores"], rtol=0, atol=1e-12)
+    assert np.ptp(np.array(r[0]["scores"][-1])) > 0  # layers are ranked apart
+
+
+# -- k = all layers is Horovod ------------------------------------------------------------
+def parity_body(opt_name: str, steps: int) -> float:
+    import copy
+
+    import horovod.torch as horovod_hvd
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    ref = deep_mlp()
+    ours = copy.deepcopy(ref)
+    opts = [(ref, horovod_hvd.DistributedOptimizer(make_opt(ref, opt_name),
+                                                   named_parameters=ref.named_parameters())),
+            (ours, hvd.DistributedOptimizer(make_opt(ours, opt_name),
+                                            named_parameters=ours.named_parameters(),
+                                            select=dict(k=1.0)))]
+    for x, y in teacher_batches(hvd.rank(), steps):
+        for model, opt in opts:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert opts[1][1].stats.total.layers_skipped == 0
+    return max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("opt_name", ["momentum", "adam"])
+def test_all_layers_equals_horovod(np_, opt_name):
+    for diff in run_ranks(parity_body, np=np_, args=(opt_name, 20), timeout=120):
+        assert diff <= 1e-6
+
+
+# -- save / restore -----------------------------------------------------------------------
+def resume_body(selector: str) -> float:
+    """Train 10 steps, checkpoint, train 10 more; a fresh model+optimizer restored from the
+    checkpoint must train the same 10 steps to the same parameters."""
+    import copy
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    batches = teacher_batches(hvd.rank(), 20)
+    cfg = dict(k=2, max_wait=3, selector=selector)
+
+    def run(model, opt, part):
+        for x, y in part:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    model = deep_mlp()
+    opt = hvd.DistributedOptimizer(make_opt(model, "adam"),
+                                   named_parameters=model.named_parameters(), select=cfg)
+    run(model, opt, batches[:10])
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    assert saved_opt["hvdsync"]["select"]["residual"], "no residual to save"
+    run(model, opt, batches[10:])
+
+    model2 = deep_mlp()
+    opt2 = hvd.DistributedOptimizer(make_opt(model2, "adam"),
+                                    named_parameters=model2.named_parameters(), select=cfg)
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    run(model2, opt2, batches[10:])
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(),
+                                                          model2.parameters()))
+
+
+@pytest.mark.parametrize("selector", ["hypernet", "norm"])
+def test_save_restore_resumes_identically(selector):
+    for diff in run_ranks(resume_body, np=2, args=(selector,), timeout=120):
+        assert diff == 0.0
+
+
+# -- converges --------------------------------------------------------------------------------
+def digits_body(select: dict | None) -> float:
+    from examples.torch.train_digits import train
+    return train(epochs=8, select=select, verbose=False)["accuracy"]
+
+
+def test_converges_on_digits_pushing_one_layer_in_three():
+    acc = run_ranks(digits_body, np=2, args=(dict(k=1, max_wait=4),), timeout=180)[0]
+    assert acc >= 0.9, acc
+
+
+# -- the selector alone -------------------------------------------------------------------
+def test_choose_topk_with_forced_layers():
+    sel = LayerSelector(SelectConfig(k=2, selector="norm", max_wait=2), 5)
+    sel.pushed([True] * 5)
+    assert sel.choose([0.1, 0.5, 0.3, 0.9, 0.0]) == [False, True, False, True, False]
+    sel.pushed(sel.selected)
+    sel.choose([0.1, 0.5, 0.3, 0.9, 0.0])
+    sel.pushed(sel.selected)
+    # layers 0, 2, 4 have waited 2 steps: all forced in although k = 2
+    assert sel.choose([0.1, 0.5, 0.3, 0.9, 0.0]) == [True, False, True, False, True]
+
+
+def test_hypernet_descends_its_objective():
+    """The hypernet's alpha moves against dL/dalpha."""
+    sel = LayerSelector(SelectConfig(k=1, lr=0.05), 3)
+    a0 = sel.hypernet.alpha()
+    for _ in range(50):
+        sel.local_scores([1.0, -1.0, 0.0], [0.0] * 3)
+    a1 = sel.hypernet.alpha()
+    assert a1[0] < a0[0] and a1[1] > a0[1]
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    (dict(select=0), ValueError, "k must be >= 1"),
+    (dict(select=1.5), ValueError, r"fraction must be in \(0, 1\]"),
+    (dict(select=dict(k=2, selector="best")), ValueError, "selector must be one of"),
+    (dict(select=dict(k=2, max_wait=-1)), ValueError, "max_wait"),
+    (dict(select=dict(k=2, ema=1.0)), ValueError, "ema must be in"),
+    (dict(select=dict(k=2, lr=0)), ValueError, "lr must be"),
+    (dict(select="top2"), TypeError, "select must be a SelectConfig"),
+    (dict(select=2, threshold=1.0), ValueError, "pass one of them"),
+])
+def test_bad_config_fails_at_construction(kwargs, exc, pattern):
+    assert_construction_fails(exc, pattern, **kwargs)
