@@ -27,6 +27,16 @@ tensor, and never asks whether a dense allreduce would be cheaper. hvdsync, per 
 3. sums duplicate rows across ranks (and divides by the number of ranks for ``Average``),
    handing the optimizer a coalesced sparse gradient (``SparseAdam`` and ``SGD`` accept it).
 
+Rounds. Each Horovod collective that must finish before the next can start costs a round
+trip (negotiation plus transfer), which for small gradients costs more than the bytes.
+Counts first, then rows, is two rounds per step where Horovod's own path takes one. So by
+default (``one_round=True``) the counts of step ``t`` travel as the first tensor of step
+``t``'s grouped allgather, and each gradient takes the route that step ``t - 1``'s counts
+chose (shared, so identical on every rank); a wrong guess costs bytes, never correctness.
+Gradients with no history yet (the first step, a table first used later) take the
+counts-first path in a second round of that step. ``one_round=False`` always shares the
+counts first, in a collective of their own, and routes by the current step's counts.
+
 Enabled with ``sparse=True`` (or a :class:`SparseConfig`); without it sparse gradients take
 Horovod's own path, and ``sparse_as_dense=True`` keeps Horovod's meaning (the two are
 exclusive).

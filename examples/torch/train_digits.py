@@ -97,10 +97,8 @@ def main() -> None:
     threshold = (dict(threshold=args.threshold, max_skip=args.max_skip)
                  if args.threshold is not None else None)
     clip = dict(max_norm=args.clip) if args.clip is not None else None
-    select = None
-    if args.select is not None:
-        k = int(args.select) if args.select >= 1 else args.select
-        select = dict(k=k, selector=args.selector)
+    k = args.select if args.select is None or args.select < 1 else int(args.select)
+    select = None if k is None else dict(k=k, selector=args.selector)
     train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip, select)
 
 

@@ -13,7 +13,8 @@ comparison. Rank 0 prints held-out accuracy and the communication stats.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -21,6 +22,10 @@ import torch
 from torch import nn
 
 import hvdsync.torch as hvd
+
+if __package__ in (None, ""):  # run as a script: make the examples package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from examples.torch.loop import fit_steps  # noqa: E402
 
 CLASSES = 4
 
@@ -93,23 +98,13 @@ def train(steps: int = 400, batch_size: int = 64, lr: float = 0.5, seed: int = 0
                                        sparse=sparse)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        x, y = data.batch(rng, batch_size)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        if step % max(steps // 5, 1) == 0 or step == steps:
-            with torch.no_grad():
-                acc = (model(x_test).argmax(1) == y_test).float().mean().item()
-            say(f"step {step:4d}  loss {loss.item():.4f}  test accuracy {acc:.3f}", flush=True)
-    say(f"done in {time.perf_counter() - start:.1f}s")
+    acc, loss = fit_steps(model, opt, lambda: data.batch(rng, batch_size), steps, x_test,
+                          y_test, say)
     stats: Optional[dict] = None
     if not horovod:
         say(opt.stats.summary())
         stats = opt.stats.as_dict()
-    return dict(accuracy=acc, loss=loss.item(), stats=stats,
+    return dict(accuracy=acc, loss=loss, stats=stats,
                 params={n: p.detach().clone() for n, p in model.named_parameters()})
 
 
