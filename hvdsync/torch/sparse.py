@@ -138,6 +138,9 @@ class SparseExchange:
             self._start_dense(dense, pendings)
         wait = self._start_gather(gather, pendings, header=codes)
         self._absorb(wait()[0].tolist())
+        for _, p in gather:
+            if len(set(self._layout[p][1])) == 1:
+                self.stats.count("sparse_gather_equal")
         return pendings
 
     def start(self, items: Sequence[tuple[int, torch.Tensor]]) -> dict[int, Pending]:
