@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
+
+from hvdsync.testing import run_ranks
 
 
 class MLP(nn.Module):
@@ -51,3 +56,16 @@ def assert_construction_fails(exc: type, pattern: str, **kwargs) -> None:
     with pytest.raises(exc, match=pattern):
         hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                                  named_parameters=m.named_parameters(), **kwargs)
+
+
+def apply_each(body: Callable[..., Any], cases: list[tuple]) -> list:
+    """On a rank: ``body(*case)`` for every case."""
+    return [body(*case) for case in cases]
+
+
+def run_cases(body: Callable[..., Any], np: int, cases: dict[str, tuple],
+              timeout: float) -> dict[str, list]:
+    """Run ``body(*case)`` for every case in **one** ``np``-rank job (a launch costs seconds);
+    per case name, every rank's result."""
+    per_rank = run_ranks(apply_each, np=np, args=(body, list(cases.values())), timeout=timeout)
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}

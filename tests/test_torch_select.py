@@ -11,7 +11,7 @@ from torch import nn
 from hvdsync import SelectConfig
 from hvdsync.select import LayerSelector
 from hvdsync.testing import run_ranks
-from tests.models import assert_construction_fails, teacher_batches
+from tests.models import assert_construction_fails, run_cases, teacher_batches
 
 DEPTH = 6  # linear layers in the test model
 
@@ -71,10 +71,6 @@ def select_body(cfg: dict, opt_name: str, steps: int) -> dict:
                 stats=opt.stats.as_dict())
 
 
-def select_bodies(cases: list[tuple]) -> list[dict]:
-    return [select_body(*c) for c in cases]
-
-
 CASES = {
     "hypernet": (dict(k=2, max_wait=3), "momentum", 40),
     "hypernet_adam": (dict(k=0.25, max_wait=4), "adam", 40),
@@ -86,9 +82,7 @@ CASES = {
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
 def runs(request):
-    per_rank = run_ranks(select_bodies, np=request.param, args=(list(CASES.values()),),
-                         timeout=300)
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
+    return run_cases(select_body, request.param, CASES, timeout=300)
 
 
 @pytest.mark.parametrize("case", list(CASES))

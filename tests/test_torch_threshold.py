@@ -9,7 +9,7 @@ import torch
 import hvdsync.torch as hvd
 from hvdsync import ThresholdConfig
 from hvdsync.testing import run_ranks
-from tests.models import MLP, assert_construction_fails, teacher_batches
+from tests.models import MLP, assert_construction_fails, run_cases, teacher_batches
 
 
 def threshold_body(cfg: dict, opt_name: str, steps: int) -> dict:
@@ -43,10 +43,6 @@ def threshold_body(cfg: dict, opt_name: str, steps: int) -> dict:
                 final={n: p.detach().numpy().copy() for n, p in named.items()})
 
 
-def threshold_bodies(cases: list[tuple]) -> list[dict]:
-    return [threshold_body(*c) for c in cases]
-
-
 CASES = {
     # A threshold in the range of the accumulated norms: a mix of sends and skips.
     "sgd": (dict(threshold=1.0, max_skip=4), "sgd", 200),
@@ -62,9 +58,7 @@ CASES = {
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
 def runs(request):
-    per_rank = run_ranks(threshold_bodies, np=request.param, args=(list(CASES.values()),),
-                         timeout=300)
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
+    return run_cases(threshold_body, request.param, CASES, timeout=300)
 
 
 @pytest.mark.parametrize("case", list(CASES))
