@@ -82,7 +82,7 @@ def exchange_cases(cases: dict) -> dict:
                           one_round=cfg["one_round"])
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-            sparse=sparse, op=op,
+            sparse=sparse, op=op, clip=cfg.get("clip"),
             compression=getattr(hvd.Compression, cfg.get("compression", "none")))
         g = torch.Generator().manual_seed(100 + rank)
         steps = []
@@ -159,6 +159,7 @@ def mismatched_layout() -> str:
 
 CASES = {
     "equal": dict(scenario="equal"),
+    "equal_clipped": dict(scenario="equal", clip=1e9),  # through the clipper, nothing clipped
     "unequal": dict(scenario="unequal"),
     "zero_rows": dict(scenario="zero_rows"),
     "unused": dict(scenario="unused"),
@@ -183,7 +184,8 @@ CASES = {
     "counts_first_unused": dict(scenario="unused", one_round=False),
 }
 # (case -> expected route counter); the step's counters name the route each table took.
-ROUTES = {"equal": "sparse_gather", "unequal": "sparse_gather", "zero_rows": "sparse_gather",
+ROUTES = {"equal": "sparse_gather", "equal_clipped": "sparse_gather",
+          "unequal": "sparse_gather", "zero_rows": "sparse_gather",
           "unused": "sparse_gather", "overlap": "sparse_gather", "disjoint": "sparse_gather",
           "nothing": "sparse_none", "dense_switch": "sparse_dense",
           "dense_ratio_inf": "sparse_gather", "always_dense": "sparse_dense",
@@ -263,10 +265,9 @@ def test_several_tables_share_one_counts_and_one_gather_collective(exchanges):
 def test_duplicate_rows_summed_before_sending(exchanges):
     """Rows a rank looks up repeatedly travel once: fewer bytes than Horovod would send."""
     np_, results = exchanges
-    for res in results:
-        s = res["equal"][1]["stats"]
+    head_bytes = (4 + 1) * 4
+    for s in (res[case][1]["stats"] for res in results for case in ("equal", "equal_clipped")):
         assert s["sparse_duplicate_rows"] == 2  # 8 lookups of 6 distinct rows
-        head_bytes = (4 + 1) * 4
         # 6 rows of (4 values + 2 int64 index columns as float32) + head vs Horovod's
         # 8 rows of 4 values and 8 int64 indices + head.
         assert s["bytes_sent"] - 8 * 2 * 3 == 6 * (4 + 2) * 4 + head_bytes  # minus the codes

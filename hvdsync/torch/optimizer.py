@@ -139,9 +139,12 @@ class _DistributedOptimizer:
                 # (Horovod does the same), with zero rows where other ranks' are sparse.
                 sparse = self._sparse is not None and self._sparse.is_sparse(p)
                 p.grad = self._sparse.empty_gradient(p) if sparse else torch.zeros_like(p)
+            # What plain Horovod would send: a sparse gradient as backward left it.
+            self.stats.dense(payload_bytes(p.grad))
+            if p.grad.is_sparse and self._sparse is not None:
+                self._sparse.coalesce(p)  # before clipping, so the duplicates are counted
         if self._clipper is not None and self._clipper.config.mode == "local":
             self._clipper.clip(li, [p for _, p in params])
-        self.stats.dense(sum(payload_bytes(p.grad) for _, p in params))
         if self._select is not None:
             self._select.layer_ready(li)
         self._prepared[li] = True

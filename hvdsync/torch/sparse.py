@@ -57,10 +57,7 @@ class SparseExchange:
             if g is None:
                 codes += [ABSENT, 0]
             elif g.is_sparse:
-                before = g._nnz()
-                if not g.is_coalesced():
-                    p.grad = g = g.coalesce()
-                self.stats.count("sparse_duplicate_rows", before - g._nnz())
+                g = self.coalesce(p)
                 codes += [g._nnz(), g.sparse_dim()]
             else:
                 codes += [DENSE, 0]
@@ -75,6 +72,15 @@ class SparseExchange:
                 self.stats.control(local.numel() * _INDEX_BYTES)
             return []
         return [p for _, p in params if p.grad is None and p not in self._known]
+
+    def coalesce(self, p: torch.Tensor) -> torch.Tensor:
+        """Sum ``p``'s duplicate gradient rows (counted in ``sparse_duplicate_rows``)."""
+        g = p.grad
+        if not g.is_coalesced():
+            before = g._nnz()
+            p.grad = g = g.coalesce()
+            self.stats.count("sparse_duplicate_rows", before - g._nnz())
+        return g
 
     def _absorb(self, rows: list[list[int]]) -> None:
         """Take the shared layout codes of every rank (``rows[rank]``)."""
