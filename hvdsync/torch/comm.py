@@ -16,6 +16,8 @@ from horovod.torch.mpi_ops import Average, ProcessSet
 from horovod.torch.mpi_ops import (allreduce, grouped_allreduce_async_, sparse_allreduce_async,
                                    synchronize)
 
+from hvdsync.stats import SyncStats
+
 
 @dataclass
 class Pending:
@@ -107,10 +109,13 @@ class GradientAllreduce:
         pending.finishers.append(finish)
 
 
-def control_allreduce(values: list[float], name: str, process_set: ProcessSet) -> list[float]:
+def control_allreduce(values: list[float], name: str, process_set: ProcessSet,
+                      stats: SyncStats) -> list[float]:
     """The control plane: one small allreduce (average) of per-layer statistics, so that
-    decisions changing which collectives run are taken from values every rank shares."""
+    decisions changing which collectives run are taken from values every rank shares.
+    Counted in ``stats`` when a collective runs (not on a single rank)."""
     if process_set.size() == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
+    stats.control(t.numel() * t.element_size())
     return allreduce(t, name=name, op=Average, process_set=process_set).tolist()

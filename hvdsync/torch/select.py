@@ -15,6 +15,7 @@ from horovod.torch.mpi_ops import ProcessSet
 from hvdsync.select import LayerSelector, SelectConfig
 from hvdsync.stats import SyncStats
 from hvdsync.torch.comm import control_allreduce
+from hvdsync.torch.util import norm_of
 
 
 class SelectedPushes:
@@ -68,13 +69,11 @@ class SelectedPushes:
             if not push:
                 for _, p in self.layer_params[li]:
                     p.grad = None
-        norms = [self._residual_norm(li) for li in range(len(mask))]
+        norms = torch.stack([self._residual_norm(li) for li in range(len(mask))]).tolist()
         dots = [float(d) if d is not None else 0.0 for d in self._dots]
         self._dots = [None] * len(mask)
         local = self.selector.local_scores(dots, norms)
-        shared = control_allreduce(local, "hvdsync.select.scores", self.process_set)
-        if self.process_set.size() > 1:
-            self.stats.control(8 * len(local))
+        shared = control_allreduce(local, "hvdsync.select.scores", self.process_set, self.stats)
         self.selector.pushed(mask)
         self.selector.choose(shared)
         self.stats.count("residual_norm", sum(n * n for n in norms) ** 0.5)
@@ -82,12 +81,11 @@ class SelectedPushes:
         if self.selector.hypernet is not None:
             self.last["alpha"] = self.selector.prev_alpha.tolist()
 
-    def _residual_norm(self, li: int) -> float:
+    def _residual_norm(self, li: int) -> torch.Tensor:
         rs = [self.residual[p] for _, p in self.layer_params[li] if p in self.residual]
         if not rs:
-            return 0.0
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(r.float())
-                                                            for r in rs])))
+            return torch.zeros((), device=self.layer_params[li][0][1].device)
+        return norm_of(rs)
 
     def forget(self) -> None:
         self.residual.clear()

@@ -59,8 +59,8 @@ class AccumulationThreshold:
                 param_norms.append(norm_of([self.anchor[p][0] if p in self.anchor
                                             else p.detach() for p in params]))
         local = torch.stack(acc_norms + param_norms).tolist()
-        shared = control_allreduce(local, "hvdsync.control.threshold", self.process_set)
-        self.stats.control(8 * len(local))
+        shared = control_allreduce(local, "hvdsync.control.threshold", self.process_set,
+                                   self.stats)
         n = len(self.layer_params)
         return self.policy.decide(shared[:n], shared[n:] if relative else None)
 
