@@ -7,6 +7,7 @@ core (layer grouping, validation, statistics) and imports neither torch nor Tens
 """
 
 from hvdsync.clipping import ClipConfig
+from hvdsync.delay import DelayConfig
 from hvdsync.layers import Layer, build_layers
 from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
@@ -15,5 +16,5 @@ from hvdsync.threshold import ThresholdConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["ClipConfig", "Layer", "SelectConfig", "SparseConfig", "SyncStats", "ThresholdConfig", "build_layers",
-           "__version__"]
+__all__ = ["ClipConfig", "DelayConfig", "Layer", "SelectConfig", "SparseConfig", "SyncStats",
+           "ThresholdConfig", "build_layers", "__version__"]

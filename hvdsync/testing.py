@@ -52,30 +52,13 @@ def run_ranks(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | 
               timeout: float = 180, env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` Horovod ranks (Gloo, this host); return per-rank
     results, or raise :class:`RanksFailed` with every rank's output."""
-    module, qualname = fn.__module__, fn.__qualname__
-    if module == "__main__":  # run as `python -m pkg.mod`: ranks import it by that name
-        spec = getattr(sys.modules["__main__"], "__spec__", None)
-        module = spec.name if spec is not None else module
-    if module == "__main__" or "<locals>" in qualname:
-        raise ValueError("run_ranks needs a module-level function of an importable module, "
-                         f"got {module}.{qualname}")
     with tempfile.TemporaryDirectory(prefix="hvdsync-ranks-") as tmp:
-        with open(os.path.join(tmp, "call.pkl"), "wb") as f:
-            pickle.dump((module, qualname, args, kwargs or {}), f)
-        child_env = dict(os.environ)
-        # Ranks must import the caller's module the way the caller did.
-        child_env["PYTHONPATH"] = os.pathsep.join(
-            [p for p in sys.path if p and os.path.isdir(p)])
-        # Several ranks share few cores: one intra-op thread each avoids oversubscription.
-        child_env.setdefault("OMP_NUM_THREADS", "1")
-        child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        child_env.setdefault("PYTHONUNBUFFERED", "1")
-        child_env.update(env or {})
+        name = write_call(tmp, fn, args, kwargs)
         cmd = [_horovodrun(), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-               sys.executable, "-m", "hvdsync.testing", tmp]
+               *rank_command(tmp)]
         start = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=child_env, start_new_session=True, text=True,
+                                env=rank_env(env), start_new_session=True, text=True,
                                 errors="replace")
         try:
             output, _ = proc.communicate(timeout=timeout)
@@ -84,22 +67,61 @@ def run_ranks(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | 
             hung = True
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
-        elapsed = time.monotonic() - start
-        results, missing = [], []
-        for r in range(np):
-            path = os.path.join(tmp, f"rank{r}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    results.append(pickle.load(f))
-            else:
-                missing.append(r)
-        if hung or proc.returncode != 0 or missing:
-            what = (f"timed out after {timeout:.0f}s (hang?); all ranks killed" if hung
-                    else f"exited with code {proc.returncode}" if proc.returncode
-                    else f"ranks {missing} returned no result")
-            raise RanksFailed(f"{module}.{qualname} on {np} ranks {what} "
-                              f"({elapsed:.1f}s).\n{format_rank_output(output, np)}")
-        return results
+        return collect_results(tmp, np, name, hung, proc.returncode, timeout,
+                               time.monotonic() - start, output)
+
+
+# -- pieces for launchers of ranks (run_ranks above; benchmarks/network.py) -----------------
+def write_call(tmp: str, fn: Callable[..., Any], args: tuple, kwargs: dict | None) -> str:
+    """Write the call every rank makes into ``tmp``; returns ``module.qualname``."""
+    module, qualname = fn.__module__, fn.__qualname__
+    if module == "__main__":  # run as `python -m pkg.mod`: ranks import it by that name
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else module
+    if module == "__main__" or "<locals>" in qualname:
+        raise ValueError("run_ranks needs a module-level function of an importable module, "
+                         f"got {module}.{qualname}")
+    with open(os.path.join(tmp, "call.pkl"), "wb") as f:
+        pickle.dump((module, qualname, args, kwargs or {}), f)
+    return f"{module}.{qualname}"
+
+
+def rank_command(tmp: str) -> list[str]:
+    """The command a rank runs to make the call written by :func:`write_call`."""
+    return [sys.executable, "-m", "hvdsync.testing", tmp]
+
+
+def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for rank processes: this one, plus what ranks need to import the caller's
+    modules, and one intra-op thread each (several ranks share few cores)."""
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p and os.path.isdir(p)])
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    child_env.update(extra or {})
+    return child_env
+
+
+def collect_results(tmp: str, np: int, name: str, hung: bool, returncode: int | None,
+                    timeout: float, elapsed: float, output: str) -> list[Any]:
+    """Every rank's result from ``tmp``, or :class:`RanksFailed` with the ranks' output
+    (``output`` in horovodrun's ``[rank]<stream>:`` line format)."""
+    results, missing = [], []
+    for r in range(np):
+        path = os.path.join(tmp, f"rank{r}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+        else:
+            missing.append(r)
+    if hung or returncode != 0 or missing:
+        what = (f"timed out after {timeout:.0f}s (hang?); all ranks killed" if hung
+                else f"exited with code {returncode}" if returncode
+                else f"ranks {missing} returned no result")
+        raise RanksFailed(f"{name} on {np} ranks {what} ({elapsed:.1f}s).\n"
+                          f"{format_rank_output(output, np)}")
+    return results
 
 
 _PREFIX = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")

@@ -4,6 +4,7 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --threshold 0.6 --max-skip 8
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --clip 1.0
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --select 1
+    horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --delay 2 --average-every 8
 
 The only change from a Horovod script is the import line: ``import hvdsync.torch as hvd``.
 Each rank trains on its own shard; rank 0 prints loss and held-out accuracy per epoch and the
@@ -27,7 +28,8 @@ import hvdsync.torch as hvd
 
 def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
           threshold: Optional[dict] = None, clip: Optional[dict] = None,
-          select: Optional[dict] = None, verbose: bool = True) -> dict[str, Any]:
+          select: Optional[dict] = None, delay: Optional[dict] = None,
+          verbose: bool = True) -> dict[str, Any]:
     """Train on this rank's shard; return final test accuracy, loss and the stats."""
     hvd.init()
     torch.manual_seed(seed)
@@ -47,7 +49,7 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
                           nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=lr * hvd.size(), momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   threshold=threshold, clip=clip, select=select)
+                                   threshold=threshold, clip=clip, select=select, delay=delay)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
@@ -68,6 +70,7 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
             loss.backward()
             opt.step()
             total += loss.item()
+        opt.flush()  # with --delay: identical replicas before evaluating (else a no-op)
         model.eval()
         with torch.no_grad():
             acc = (model(x_test).argmax(1) == y_test).float().mean()
@@ -93,13 +96,20 @@ def main() -> None:
     ap.add_argument("--select", type=float, default=None,
                     help="push only this many layers per step (or a fraction < 1)")
     ap.add_argument("--selector", default="hypernet", choices=["hypernet", "norm", "random"])
+    ap.add_argument("--delay", type=int, default=None, metavar="STALENESS",
+                    help="update with the local gradient at once, fold in global gradients "
+                         "at most this many steps late")
+    ap.add_argument("--average-every", type=int, default=8,
+                    help="with --delay: average the parameters every this many steps")
     args = ap.parse_args()
     threshold = (dict(threshold=args.threshold, max_skip=args.max_skip)
                  if args.threshold is not None else None)
     clip = dict(max_norm=args.clip) if args.clip is not None else None
     k = args.select if args.select is None or args.select < 1 else int(args.select)
     select = None if k is None else dict(k=k, selector=args.selector)
-    train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip, select)
+    delay = (dict(staleness=args.delay, average_every=args.average_every)
+             if args.delay is not None else None)
+    train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip, select, delay)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 globals().update({k: v for k, v in vars(_horovod_torch).items() if not k.startswith("_")})
 
 from hvdsync.clipping import ClipConfig  # noqa: E402
+from hvdsync.delay import DelayConfig  # noqa: E402
 from hvdsync.select import SelectConfig  # noqa: E402
 from hvdsync.sparse import SparseConfig  # noqa: E402
 from hvdsync.stats import SyncStats  # noqa: E402

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 from horovod.torch.mpi_ops import Average, ProcessSet
-from horovod.torch.mpi_ops import (allreduce, grouped_allreduce_async_, sparse_allreduce_async,
-                                   synchronize)
+from horovod.torch.mpi_ops import (allreduce, grouped_allreduce_async_, poll,
+                                   sparse_allreduce_async, synchronize)
 
 from hvdsync.stats import SyncStats
 
@@ -26,11 +26,21 @@ class Pending:
     finishers: list[Callable[[], None]] = field(default_factory=list)
     nbytes: int = 0
     collectives: int = 0
+    #: Horovod handles of the dense collectives, to ask whether they are done without waiting
+    handles: list[int] = field(default_factory=list)
+    #: False once a collective without a pollable handle (Horovod's sparse path) is added
+    pollable: bool = True
 
     def wait(self) -> None:
         for f in self.finishers:
             f()
         self.finishers.clear()
+
+    def ready(self) -> bool:
+        """Whether ``wait()`` would return at once (never blocks)."""
+        if not self.finishers:
+            return True
+        return self.pollable and all(poll(h) for h in self.handles)
 
 
 def payload_bytes(t: torch.Tensor) -> int:
@@ -61,25 +71,30 @@ class GradientAllreduce:
         self.single_rank = process_set.size() == 1
 
     def start(self, name: str, params: Sequence[tuple[str, torch.Tensor]]) -> Pending:
-        """Start reducing ``p.grad`` of every ``(param_name, p)`` in ``params`` (grads present).
+        """Start reducing ``p.grad`` of every ``(param_name, p)`` in ``params`` (grads present)
+        in place.
 
         Collective names derive from ``name`` and parameter names, so they match across ranks.
         """
+        return self.start_tensors(name, [(pname, p.grad) for pname, p in params])
+
+    def start_tensors(self, name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> Pending:
+        """Start reducing every ``(param_name, gradient)`` tensor in place."""
         pending = Pending()
         if self.single_rank:
             return pending
         dense: dict[torch.dtype, list[torch.Tensor]] = {}
-        for pname, p in params:
-            if p.grad.is_sparse and not self.sparse_as_dense:
-                self._start_sparse(f"{name}.sparse.{pname}", p, pending)
+        for pname, grad in tensors:
+            if grad.is_sparse and not self.sparse_as_dense:
+                self._start_sparse(f"{name}.sparse.{pname}", grad, pending)
             else:
-                dense.setdefault(p.grad.dtype, []).append(p)
+                dense.setdefault(grad.dtype, []).append(grad)
         for dtype, group in dense.items():
             self._start_dense(f"{name}.{str(dtype)[6:]}", group, pending)
         return pending
 
-    def _start_dense(self, name: str, params: list[torch.Tensor], pending: Pending) -> None:
-        sources = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params]
+    def _start_dense(self, name: str, grads: list[torch.Tensor], pending: Pending) -> None:
+        sources = [g.to_dense() if g.is_sparse else g for g in grads]
         compressed, ctxs = zip(*[self.compression.compress(t) for t in sources])
         handle = grouped_allreduce_async_(list(compressed), name=name, op=self.op,
                                           prescale_factor=self.prescale,
@@ -87,25 +102,26 @@ class GradientAllreduce:
                                           process_set=self.process_set)
         pending.nbytes += sum(payload_bytes(t) for t in compressed)
         pending.collectives += 1
+        pending.handles.append(handle)
 
         def finish() -> None:
             outputs = synchronize(handle)
-            for p, out, ctx in zip(params, outputs, ctxs):
+            for grad, out, ctx in zip(grads, outputs, ctxs):
                 out = self.compression.decompress(out, ctx)
-                if p.grad.is_sparse:  # sparse_as_dense: back to sparse for the optimizer
-                    p.grad.zero_().add_(out.to_sparse())
-                elif out is not p.grad:
-                    p.grad.copy_(out)
+                if grad.is_sparse:  # sparse_as_dense: back to sparse for the optimizer
+                    grad.zero_().add_(out.to_sparse())
+                elif out is not grad:
+                    grad.copy_(out)
         pending.finishers.append(finish)
 
-    def _start_sparse(self, name: str, p: torch.Tensor, pending: Pending) -> None:
-        grad = p.grad
+    def _start_sparse(self, name: str, grad: torch.Tensor, pending: Pending) -> None:
         result = sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set)
         pending.nbytes += payload_bytes(grad)
         pending.collectives += 2  # indices and values are two allgathers
+        pending.pollable = False
 
         def finish() -> None:
-            p.grad.zero_().add_(result())
+            grad.zero_().add_(result())
         pending.finishers.append(finish)
 
 

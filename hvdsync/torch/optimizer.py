@@ -24,6 +24,7 @@ from horovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSe
 from hvdsync.clipping import ClipConfig
 from hvdsync.config import (check_bool, check_reduce_op, positive_float, positive_int,
                             reject_unknown_kwargs)
+from hvdsync.delay import DelayConfig
 from hvdsync.layers import Grouping, build_layers
 from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
@@ -31,6 +32,7 @@ from hvdsync.stats import SyncStats
 from hvdsync.threshold import ThresholdConfig
 from hvdsync.torch.clipping import LayerClipper
 from hvdsync.torch.comm import GradientAllreduce, Pending, payload_bytes
+from hvdsync.torch.delay import DelayedGradients
 from hvdsync.torch.select import SelectedPushes
 from hvdsync.torch.sparse import SparseExchange
 from hvdsync.torch.threshold import AccumulationThreshold
@@ -38,7 +40,7 @@ from hvdsync.torch.threshold import AccumulationThreshold
 _HOROVOD_ARGS = ("named_parameters", "compression", "backward_passes_per_step", "op",
                  "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense",
                  "process_set")
-_HVDSYNC_ARGS = ("layers", "clip", "threshold", "sparse", "select")
+_HVDSYNC_ARGS = ("layers", "clip", "threshold", "sparse", "select", "delay")
 
 
 class _DistributedOptimizer:
@@ -49,7 +51,7 @@ class _DistributedOptimizer:
                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
                       layers: Grouping, clip: ClipConfig | None,
                       threshold: ThresholdConfig | None, sparse: SparseConfig | None,
-                      select: SelectConfig | None) -> None:
+                      select: SelectConfig | None, delay: DelayConfig | None) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         names = _parameter_names(params, named_parameters)
         self._param_names: dict[torch.Tensor, str] = names
@@ -84,6 +86,8 @@ class _DistributedOptimizer:
         self._threshold = (AccumulationThreshold(
             threshold, [[p for _, p in lp] for lp in self._layer_params], self.state,
             process_set, self.stats) if threshold is not None else None)
+        self._delay = (DelayedGradients(delay, self._allreduce, self._layer_params, layer_names,
+                                        process_set, self.stats) if delay is not None else None)
         #: ``(layer name, time.perf_counter())`` when each layer's send started, for the
         #: current step (or the last one, after ``step()``): shows sends overlapping backward.
         self.send_times: list[tuple[str, float]] = []
@@ -169,7 +173,10 @@ class _DistributedOptimizer:
             self._sparse_queue += [(li, p) for _, p in params
                                    if p in sparse and p not in self._sparse_done]
             params = [(n, p) for n, p in params if p not in sparse]
-        self._add_pending(li, self._allreduce.start(f"hvdsync.{name}", params))
+        if self._delay is not None:
+            self._add_pending(li, self._delay.start(li, f"hvdsync.{name}", params))
+        else:
+            self._add_pending(li, self._allreduce.start(f"hvdsync.{name}", params))
 
     def _add_pending(self, li: int, pending: Pending) -> None:
         mine = self._pending.setdefault(li, Pending())
@@ -231,6 +238,8 @@ class _DistributedOptimizer:
                 self._clipper.clip(li, [p for _, p in self._layer_params[li]])
         self._pending.clear()
         self._reset_step_counters()
+        if self._delay is not None:
+            self._delay.fold(self.state)
         if self._sparse is not None:
             self._sparse.end_step()
         if self._select is not None:
@@ -260,7 +269,26 @@ class _DistributedOptimizer:
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        return super().step(closure)
+        result = super().step(closure)
+        if self._delay is not None:
+            self._delay.after_optimizer_step(self.state)
+        return result
+
+    def flush(self) -> int:
+        """With ``delay=``: wait for every outstanding global gradient and average the
+        parameters (and, with ``optimizer_state="average"``, the optimizer state), so every
+        replica is identical -- e.g. before evaluating or saving, or at the end of training.
+        Call it on every rank (it is a collective unless the last step already averaged).
+
+        The outstanding global gradients are not folded in as another optimizer step: the
+        averaged parameters already hold every rank's local contribution of those steps,
+        whose average is their global gradient. Returns how many this rank dropped (also
+        counted as ``discarded`` in ``stats``); training that ends on a multiple of
+        ``average_every`` steps has none. Without ``delay=`` it does nothing and returns 0.
+        """
+        if self._delay is None or not self.process_set.included():
+            return 0
+        return self._delay.flush(self.state)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pending:
@@ -283,6 +311,8 @@ class _DistributedOptimizer:
             own["threshold"] = self._threshold.policy.state_dict()
         if self._select is not None:
             own["select"] = self._select.state_dict(self._param_names)
+        if self._delay is not None:
+            own["delay"] = self._delay.policy.state_dict()
         if own:
             state["hvdsync"] = own
         return state
@@ -302,6 +332,10 @@ class _DistributedOptimizer:
                     own["select"], {n: p for p, n in self._param_names.items()})
             else:
                 self._select.forget()
+        if self._delay is not None:
+            self._delay.discard()
+            if "delay" in own:
+                self._delay.policy.load_state_dict(own["delay"])
         for pending in self._pending.values():
             pending.wait()
         self._pending.clear()
@@ -319,6 +353,13 @@ class _DistributedOptimizer:
             return {}
         nxt = [layer.name for layer, s in zip(self._layers, self._select.selector.selected) if s]
         return {**self._select.last, "next": nxt}
+
+    @property
+    def delay_status(self) -> dict[str, Any]:
+        """With ``delay=``: finished ``step`` count, ids (step numbers) of the ``outstanding``
+        global gradients, the ids the last step folded in (``last_folded``, newest first) and
+        the ``staleness`` histogram ``{lag in steps: count}``. Empty without ``delay=``."""
+        return self._delay.status() if self._delay is not None else {}
 
     @property
     def layers(self):
@@ -342,6 +383,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          threshold: ThresholdConfig | dict | float | None = None,
                          sparse: SparseConfig | dict | bool | float | None = None,
                          select: SelectConfig | dict | float | None = None,
+                         delay: DelayConfig | dict | bool | int | None = None,
                          **unknown: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across Horovod ranks.
 
@@ -382,6 +424,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             into a residual pushed later (:class:`hvdsync.SelectConfig`, a dict of its fields,
             or a number meaning ``k``); see :mod:`hvdsync.select`. Exclusive with
             ``threshold``.
+        delay: update with the local gradient at once and fold in each step's global
+            gradient when it arrives (at most ``staleness`` steps late), averaging the
+            parameters every ``average_every`` steps (:class:`hvdsync.DelayConfig`, a dict
+            of its fields, ``True`` for the defaults, or an int meaning ``staleness``); see
+            :mod:`hvdsync.delay`. Needs ``op=Average``; not combinable with ``threshold``,
+            ``select``, ``sparse`` or global-mode ``clip``. Call :meth:`flush` before
+            evaluating or saving to make the replicas identical.
     """
     reject_unknown_kwargs(unknown, _HOROVOD_ARGS + _HVDSYNC_ARGS, "DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -402,6 +451,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     threshold = ThresholdConfig.coerce(threshold)
     sparse = SparseConfig.coerce(sparse)
     select = SelectConfig.coerce(select)
+    delay = DelayConfig.coerce(delay)
+    if delay is not None:
+        _check_delay_combination(op, clip, threshold, sparse, select)
     if select is not None and threshold is not None:
         raise ValueError("select= and threshold= both decide which layers are sent each step; "
                          "pass one of them")
@@ -424,8 +476,24 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
                           gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                          layers, clip, threshold, sparse, select)
+                          layers, clip, threshold, sparse, select, delay)
     return wrapped
+
+
+def _check_delay_combination(op, clip, threshold, sparse, select) -> None:
+    """delay= replaces the gradient exchange itself; refuse what it cannot be combined with."""
+    if op != Average:
+        raise ValueError("delay= mixes local gradients with averaged global ones, so it needs "
+                         "op=Average")
+    others = {"threshold": threshold, "select": select, "sparse": sparse}
+    given = [name for name, value in others.items() if value is not None]
+    if given:
+        raise ValueError(f"delay= cannot be combined with {', '.join(given)}= (each of them "
+                         "decides what is sent each step); pass one of them")
+    if clip is not None and clip.mode == "global":
+        raise ValueError("delay= folds the global gradient in later, so clip mode 'global' "
+                         "(clipping the averaged gradient before the step) does not apply; "
+                         "use clip mode 'local'")
 
 
 def _parameter_names(params: list[torch.Tensor],
