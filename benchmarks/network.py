@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -87,6 +88,8 @@ class EmulatedNetwork:
 
     # -- set up / tear down ---------------------------------------------------------------
     def __enter__(self) -> "EmulatedNetwork":
+        # A plain SIGTERM (e.g. `kill`) would skip __exit__ and leave the namespaces behind.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
         try:
             self._create()
         except BaseException:

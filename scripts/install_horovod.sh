@@ -13,25 +13,35 @@
 # Usage:  PYTHON=.venv/bin/python scripts/install_horovod.sh
 # Env:    HVDSYNC_WHEEL_CACHE  where built wheels are kept (default ~/.cache/hvdsync/wheels)
 #         HOROVOD_VERSION      (default 0.28.1)
+#         HOROVOD_SDIST        a local Horovod sdist to build (machines without an index)
+#         HVDSYNC_FRAMEWORKS   "torch,tensorflow" (default) or "torch"
+#         HOROVOD_NCCL_HOME / HOROVOD_NCCL_INCLUDE + HOROVOD_NCCL_LIB, with nvcc on PATH:
+#                              build with NCCL (GPU); see README "GPU" for the recipe
 #         MAX_JOBS             parallel compile jobs (default: number of cores)
 set -euo pipefail
 
 PYTHON=${PYTHON:-python}
 HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
+FRAMEWORKS=${HVDSYNC_FRAMEWORKS:-torch,tensorflow}
+case ",$FRAMEWORKS," in *,tensorflow,*) with_tf=1 ;; *) with_tf=0 ;; esac
 CACHE=${HVDSYNC_WHEEL_CACHE:-$HOME/.cache/hvdsync/wheels}
 
 log() { echo "[install_horovod] $*" >&2; }
 
 verify() {
-  TF_CPP_MIN_LOG_LEVEL=2 \
+  WITH_TF=$with_tf TF_CPP_MIN_LOG_LEVEL=2 \
   "$PYTHON" - <<'PY'
+import os
 import horovod.torch as ht
-import horovod.tensorflow as htf
 ht.init()
 assert ht.gloo_built(), "Horovod was built without Gloo"
 assert ht.size() == 1, ht.size()
-htf.init()
-print(f"[install_horovod] horovod {__import__('horovod').__version__} OK: torch+tensorflow, gloo_built={ht.gloo_built()}, nccl_built={bool(ht.nccl_built())}")
+if os.environ["WITH_TF"] == "1":
+    import horovod.tensorflow as htf
+    htf.init()
+print(f"[install_horovod] horovod {__import__('horovod').__version__} OK: torch"
+      f"{'+tensorflow' if os.environ['WITH_TF'] == '1' else ''}, gloo_built={ht.gloo_built()}, "
+      f"nccl_built={bool(ht.nccl_built())}")
 PY
 }
 
@@ -51,6 +61,7 @@ PY
 )
 cuda_tag=cpu
 if command -v nvcc >/dev/null 2>&1 && [ -n "${HOROVOD_NCCL_HOME:-}${HOROVOD_NCCL_LIB:-}" ]; then cuda_tag=nccl; fi
+[ $with_tf = 1 ] || cuda_tag="$cuda_tag-torchonly"
 key="horovod${HOROVOD_VERSION}-${versions}-${cuda_tag}"
 wheel_dir="$CACHE/$key"
 
@@ -66,8 +77,12 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   command -v cmake >/dev/null || "$PYTHON" -m pip install -q "cmake<4"
   work=$(mktemp -d "${TMPDIR:-/tmp}/hvd-build.XXXXXX")
   buildlog="$work/build.log"
-  "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION" \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  if [ -n "${HOROVOD_SDIST:-}" ]; then
+    cp "$HOROVOD_SDIST" "$work/"
+  else
+    "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION" \
+      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  fi
   cat >"$work/cxx" <<'WRAP'
 #!/usr/bin/env bash
 # Compiler wrapper for Horovod 0.28.1 on current torch/TF (see install_horovod.sh).
@@ -87,12 +102,13 @@ WRAP
   chmod +x "$work/cxx"
   export HVD_REAL_CXX=${CXX:-g++}
   export CXX="$work/cxx"
-  export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1
+  export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1
+  if [ $with_tf = 1 ]; then export HOROVOD_WITH_TENSORFLOW=1; else export HOROVOD_WITHOUT_TENSORFLOW=1; fi
   export HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_MXNET=1
   export CMAKE_POLICY_VERSION_MINIMUM=3.5
   export MAX_JOBS=${MAX_JOBS:-$(nproc)}
   export MAKEFLAGS="-j${MAX_JOBS}"
-  if [ "$cuda_tag" = nccl ]; then export HOROVOD_GPU_OPERATIONS=NCCL; fi
+  case "$cuda_tag" in nccl*) export HOROVOD_GPU_OPERATIONS=NCCL ;; esac
   mkdir -p "$wheel_dir"
   log "build log: $buildlog"
   start=$(date +%s)
@@ -108,7 +124,7 @@ fi
 
 "$PYTHON" -m pip install -q --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
 # Horovod's runtime dependencies (its wheel was installed with --no-deps to keep torch/TF as they are).
-"$PYTHON" -m pip install -q cloudpickle psutil pyyaml packaging cffi
+"$PYTHON" -m pip install -q ${PIP_OFFLINE_ARGS:-} cloudpickle psutil pyyaml packaging cffi
 if ! verify; then
   log "Horovod installed from $wheel_dir but failed verification"
   exit 1

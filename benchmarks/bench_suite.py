@@ -1,0 +1,345 @@
+"""The standard benchmark: wall time to a target accuracy, final accuracy, bytes and
+collectives per step for hvdsync's techniques and their peers, side by side in one run, on an
+emulated slow network.
+
+    bash scripts/bench.sh             # the standard set (see --help for the grid)
+    bash scripts/bench.sh --quick     # < 10 minutes: digits + CNN, 2 ranks, 100 Mbit/s, 1 seed
+
+Peers, all trained in the same job one after the other from the same initial weights and data
+streams: plain ``horovod.torch.DistributedOptimizer``; Horovod with ``Compression.fp16``;
+PyTorch DDP (Gloo) with the PowerSGD communication hook (rank 2, after 10 plain steps; the
+ranks join a ``torch.distributed`` process group the way torchrun's env:// rendezvous does);
+hvdsync with nothing enabled, with each technique, and a recommended combination.
+
+Per method: training time (evaluation excluded; the slowest rank) until the held-out accuracy
+first reaches the target -- plain Horovod's final accuracy minus 0.5 point, computed in the
+same run -- final accuracy (mean over seeds, each the mean over ranks: replicas may differ
+with local updates), payload bytes per rank per step, collectives per step, and the time per
+step relative to plain Horovod. Results: ``benchmarks/results/suite[_quick].{json,md}`` and
+plots ``suite[_quick]_accuracy.png`` (accuracy vs training time), ``..._bytes.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+from benchmarks.common import RESULTS, markdown_table, report
+from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
+from benchmarks.workloads import WORKLOADS
+from hvdsync.testing import RanksFailed
+
+THRESHOLD = dict(threshold=0.05, relative=True, max_skip=8)
+METHODS: dict[str, dict[str, Any]] = {
+    "horovod": dict(kind="horovod"),
+    # Horovod's fp16 compression crashes on sparse gradients (its sparse path hands
+    # decompress() no context), so on embeddings it runs with a dense embedding gradient
+    "horovod fp16": dict(kind="horovod", fp16=True, dense_model=True),
+    "ddp+powersgd": dict(kind="ddp", dense_model=True),
+    "hvdsync": dict(kind="hvdsync", kwargs={}),
+    "hvdsync clip": dict(kind="hvdsync", kwargs=dict(clip=dict(max_norm=5.0))),
+    "hvdsync threshold": dict(kind="hvdsync", kwargs=dict(threshold=THRESHOLD),
+                              dense_model=True),
+    "hvdsync select": dict(kind="hvdsync", kwargs=dict(select=dict(k=0.5)), dense_model=True),
+    "hvdsync delay": dict(kind="hvdsync", kwargs=dict(delay=dict(staleness=4, average_every=32)),
+                          dense_model=True),
+    "hvdsync sparse": dict(kind="hvdsync", kwargs=dict(sparse=True), sparse_only=True),
+    "hvdsync recommended": dict(kind="hvdsync", fp16=True,
+                                kwargs=dict(delay=dict(staleness=4, average_every=32)),
+                                sparse_kwargs=dict(sparse=True)),
+}
+RECOMMENDED = ("delay= (staleness 4, average every 32) + fp16; with sparse gradients: "
+               "sparse= + fp16")
+
+
+def _powersgd_bytes(model, rank: int = 2, min_rate: float = 2.0) -> int:
+    """Bytes per step PowerSGD's hook hands to allreduce (P and Q for compressible matrices,
+    the whole tensor otherwise), by the hook's own rule."""
+    total = 0
+    for p in model.parameters():
+        if p.ndim <= 1:
+            total += p.numel() * 4
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        total += ((n + m) * rank if (n + m) * rank * min_rate < n * m else n * m) * 4
+    return total
+
+
+def run_method(name: str, workload_name: str, seed: int, steps: int | None = None) -> dict:
+    """Train one method on this rank; returns the (train seconds, accuracy) curve and stats."""
+    import horovod.torch as horovod
+    import torch
+    from torch import nn
+
+    import hvdsync.torch as hvd
+    from hvdsync.torch.comm import payload_bytes
+    spec = METHODS[name]
+    w = WORKLOADS[workload_name]
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    dense = spec.get("dense_model", False) or not w.has_sparse
+    model = w.make_model(not dense)
+    base = w.make_optimizer(model, hvd.size())
+    compression = hvd.Compression.fp16 if spec.get("fp16") else hvd.Compression.none
+    handed = [0]
+    if spec["kind"] in ("horovod", "ddp"):
+        for p in model.parameters():  # what this rank hands to collectives, per step
+            p.register_post_accumulate_grad_hook(
+                lambda p: handed.__setitem__(0, handed[0] + payload_bytes(p.grad)))
+    if spec["kind"] == "horovod":
+        opt = horovod.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                           compression=compression)
+        horovod.broadcast_parameters(model.state_dict(), root_rank=0)
+        net = model
+    elif spec["kind"] == "ddp":
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+        net = nn.parallel.DistributedDataParallel(model)
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                       start_powerSGD_iter=10)
+        net.register_comm_hook(state, powersgd.powerSGD_hook)
+        opt = base
+        assert dist.is_initialized()
+    else:
+        kwargs = dict(spec["kwargs"])
+        if w.has_sparse and "sparse_kwargs" in spec:
+            kwargs = dict(spec["sparse_kwargs"])
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                       compression=compression, **kwargs)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        net = model
+    next_batch = w.batches(hvd.rank(), hvd.size(), seed)
+    x_test, y_test = w.test_set(seed)
+    steps = steps or w.steps
+    batches = [next_batch() for _ in range(steps)]
+
+    def accuracy() -> float:
+        with torch.no_grad():
+            return (model(x_test).argmax(1) == y_test).float().mean().item()
+
+    horovod.allreduce(torch.zeros(1), name=f"start.{name}.{seed}")  # start together
+    curve, train_s = [], 0.0
+    for step, (x, y) in enumerate(batches, start=1):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        if step == steps and spec["kind"] == "hvdsync":
+            opt.flush()
+        train_s += time.perf_counter() - t0
+        if step % w.eval_every == 0 or step == steps:
+            curve.append((train_s, accuracy()))
+    if spec["kind"] == "hvdsync":
+        total = opt.stats.total
+        nbytes, collectives = total.bytes_sent / steps, total.collectives / steps
+    elif spec["kind"] == "horovod":
+        nbytes = handed[0] / steps * (0.5 if spec.get("fp16") else 1.0)
+        # tensors handed to Horovod (it fuses them); a sparse one is two allgathers
+        collectives = sum(2 if p.grad is not None and p.grad.is_sparse else 1
+                          for p in model.parameters())
+    else:
+        nbytes = _powersgd_bytes(model)
+        collectives = 3  # per DDP bucket (one bucket here): rank-1 tensors, P, Q
+    return dict(curve=curve, train_s=train_s, bytes_per_step=nbytes,
+                collectives_per_step=collectives, step_s=train_s / steps)
+
+
+def suite_body(workload: str, methods: list[str], seeds: list[int], ddp_addr: str,
+               ddp_port: int, ddp_iface: str) -> dict:
+    """On each rank: every (seed, method) in turn; the DDP process group is joined once."""
+    import os
+
+    import torch.distributed as dist
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    if any(METHODS[m]["kind"] == "ddp" for m in methods):
+        os.environ["GLOO_SOCKET_IFNAME"] = ddp_iface
+        dist.init_process_group("gloo", init_method=f"tcp://{ddp_addr}:{ddp_port}",
+                                rank=hvd.rank(), world_size=hvd.size())
+    out: dict[str, list] = {m: [] for m in methods}
+    run_method("horovod", workload, 99, steps=20)  # warm-up: first-use costs land here
+    for seed in seeds:
+        for m in methods:
+            out[m].append(run_method(m, workload, seed))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+def summarize(per_rank: list[dict], methods: list[str]) -> dict:
+    """Combine ranks (slowest rank's time, mean accuracy) and seeds; time to target."""
+    combined = {}
+    for m in methods:
+        runs = []
+        for s in range(len(per_rank[0][m])):
+            ranks = [r[m][s] for r in per_rank]
+            points = len(ranks[0]["curve"])
+            curve = [(max(r["curve"][i][0] for r in ranks),
+                      statistics.mean(r["curve"][i][1] for r in ranks)) for i in range(points)]
+            runs.append(dict(curve=curve, step_s=max(r["step_s"] for r in ranks),
+                             bytes_per_step=statistics.mean(r["bytes_per_step"] for r in ranks),
+                             collectives_per_step=ranks[0]["collectives_per_step"]))
+        combined[m] = runs
+    finals = [run["curve"][-1][1] for run in combined["horovod"]]
+    target = statistics.mean(finals) - 0.005
+    table = {}
+    for m, runs in combined.items():
+        reached = [next((t for t, a in run["curve"] if a >= target), None) for run in runs]
+        ok = [t for t in reached if t is not None]
+        table[m] = dict(
+            final_accuracy=statistics.mean(run["curve"][-1][1] for run in runs),
+            final_sd=statistics.stdev(run["curve"][-1][1] for run in runs) if len(runs) > 1 else 0.0,
+            time_to_target=statistics.mean(ok) if len(ok) == len(runs) else None,
+            reached=f"{len(ok)}/{len(runs)}",
+            step_s=statistics.mean(run["step_s"] for run in runs),
+            bytes_per_step=statistics.mean(run["bytes_per_step"] for run in runs),
+            collectives_per_step=runs[0]["collectives_per_step"],
+            curve=[(statistics.mean(run["curve"][i][0] for run in runs),
+                    statistics.mean(run["curve"][i][1] for run in runs))
+                   for i in range(len(runs[0]["curve"]))])
+    return dict(target=target, methods=table)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def rows_for(cell: str, summary: dict) -> list[list]:
+    base = summary["methods"]["horovod"]
+    rows = []
+    for m, v in summary["methods"].items():
+        ttt = v["time_to_target"]
+        base_ttt = base["time_to_target"]
+        rows.append([cell, m,
+                     f"{ttt:.1f}" if ttt is not None else f"not reached ({v['reached']})",
+                     f"{ttt / base_ttt:.2f}" if ttt is not None and base_ttt else "-",
+                     f"{v['final_accuracy'] * 100:.2f} +- {v['final_sd'] * 100:.2f}",
+                     f"{v['step_s'] / base['step_s']:.2f}",
+                     _human_bytes(v["bytes_per_step"]),
+                     f"{v['bytes_per_step'] / base['bytes_per_step']:.2f}",
+                     f"{v['collectives_per_step']:.1f}"])
+    return rows
+
+
+def plot(results: dict, name: str) -> list[str]:
+    """accuracy vs training time per cell, and bytes per step per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells = list(results)
+    cols = min(3, len(cells))
+    rows = math.ceil(len(cells) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
+    for ax, cell in zip(axes.flat, cells):
+        s = results[cell]
+        for m, v in s["methods"].items():
+            t, a = zip(*v["curve"])
+            ax.plot(t, [x * 100 for x in a], marker=".", label=m,
+                    linewidth=2.2 if m.startswith("hvdsync rec") else 1.2)
+        ax.axhline(s["target"] * 100, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(cell, fontsize=9)
+        ax.set_xlabel("training time, slowest rank (s)")
+        ax.set_ylabel("held-out accuracy %")
+        ax.set_ylim(bottom=max(0, s["target"] * 100 - 40))
+    for ax in list(axes.flat)[len(cells):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    acc_path = RESULTS / f"{name}_accuracy.png"
+    fig.savefig(acc_path, dpi=90)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 3.8), squeeze=False)
+    for ax, cell in zip(axes.flat, cells):
+        ms = results[cell]["methods"]
+        base = ms["horovod"]["bytes_per_step"]
+        ax.barh(list(ms), [v["bytes_per_step"] / base for v in ms.values()])
+        ax.set_title(cell, fontsize=9)
+        ax.set_xlabel("bytes per rank per step / plain Horovod")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    bytes_path = RESULTS / f"{name}_bytes.png"
+    fig.savefig(bytes_path, dpi=90)
+    plt.close(fig)
+    return [str(acc_path), str(bytes_path)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="digits + CNN, 2 ranks, 100 Mbit/s, 1 seed (< 10 minutes)")
+    ap.add_argument("--workloads", nargs="+", default=["digits_mlp", "zipf_embedding",
+                                                       "teacher_cnn"], choices=list(WORKLOADS))
+    ap.add_argument("--np", type=int, nargs="+", default=[4])
+    ap.add_argument("--nets", nargs="+", default=["100"],
+                    help="link rates in Mbit/s and/or 'loopback'")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--name", default=None,
+                    help="results file name (default: suite, or suite_quick with --quick)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.workloads, args.np, args.nets, args.seeds = ["digits_mlp", "teacher_cnn"], [2], \
+            ["100"], 1
+    reason = namespaces_unavailable()
+    results, rows = {}, []
+    for net_name in args.nets:
+        if net_name != "loopback" and reason:
+            print(f"skipping the {net_name} Mbit/s network: {reason}; use --nets loopback")
+            continue
+        for np_ in args.np:
+            for wl in args.workloads:
+                methods = [m for m in args.methods
+                           if not METHODS[m].get("sparse_only") or WORKLOADS[wl].has_sparse]
+                if "horovod" not in methods:
+                    methods.insert(0, "horovod")
+                started = time.monotonic()
+                if net_name == "loopback":
+                    call = (wl, methods, list(range(args.seeds)), "127.0.0.1", 29511, "lo")
+                    label = "loopback"
+                    per_rank = run_ranks_on(None, suite_body, np_, args=call, timeout=7200)
+                else:
+                    label = f"{float(net_name):g} Mbit/s"
+                    with EmulatedNetwork(np_, rate_mbit=float(net_name)) as net:
+                        call = (wl, methods, list(range(args.seeds)), net.addresses[0], 29511,
+                                "hvs0")
+                        try:
+                            per_rank = run_ranks_on(net, suite_body, np_, args=call,
+                                                    timeout=7200)
+                        except RanksFailed as e:  # report it, go on with the other cells
+                            print(f"{wl}, {np_} ranks, {label} FAILED:\n{e}", flush=True)
+                            continue
+                cell = f"{wl}, {np_} ranks, {label}"
+                results[cell] = summarize(per_rank, methods)
+                rows += rows_for(cell, results[cell])
+                print(f"{cell}: {time.monotonic() - started:.0f} s", flush=True)
+                # written after every cell, so a long run interrupted keeps what it measured
+                write(results, rows, args, argv)
+    if not results:
+        print("nothing was run")
+
+
+def write(results: dict, rows: list, args, argv) -> None:
+    name = args.name or ("suite_quick" if args.quick else "suite")
+    plots = plot(results, name)
+    data = dict(recommended=RECOMMENDED, seeds=args.seeds, cells=results, plots=plots)
+    report(name, f"hvdsync vs peers (recommended = {RECOMMENDED})",
+           markdown_table(HEADERS, rows), json.loads(json.dumps(data)),
+           "benchmarks.bench_suite", argv)
+
+
+HEADERS = ["workload, ranks, link", "method", "time to target (s)", "vs horovod",
+           "final accuracy % (mean +- sd over seeds)", "time/step vs horovod",
+           "bytes/rank/step", "bytes vs horovod", "collectives/step"]
+
+if __name__ == "__main__":
+    main()

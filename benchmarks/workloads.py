@@ -1,0 +1,150 @@
+"""The benchmark workloads: learnable data available offline, a model, an optimizer.
+
+* ``digits_mlp``: scikit-learn's bundled digits, each rank sampling batches from its shard;
+  the 3-layer MLP of ``examples/torch/train_digits.py`` with momentum SGD.
+* ``teacher_cnn``: 16x16 Gaussian images labelled by a fixed random convolutional teacher
+  (planted: the task has an exact answer); a 5-conv-layer student CNN with Adam.
+* ``zipf_embedding``: bags of Zipf-distributed ids labelled by a planted teacher
+  (``examples/torch/train_zipf_embeddings.py``) with a 10k x 32 ``EmbeddingBag`` (sparse
+  gradients) and momentum SGD.
+
+Every rank draws its own data stream; the held-out set is the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass
+class Workload:
+    name: str
+    make_model: Callable[[bool], nn.Module]  # (sparse embeddings?) -> model
+    make_optimizer: Callable[[nn.Module, int], torch.optim.Optimizer]  # (model, world size)
+    batches: Callable[[int, int, int], Callable[[], tuple]]  # (rank, size, seed) -> next()
+    test_set: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # seed -> (x, y)
+    steps: int
+    eval_every: int
+    has_sparse: bool = False
+
+
+# -- digits MLP -------------------------------------------------------------------------------
+def _digits():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    d = load_digits()
+    x = (d.data / 16.0).astype(np.float32)
+    return train_test_split(x, d.target, test_size=0.25, random_state=0, stratify=d.target)
+
+
+def _digits_batches(rank: int, size: int, seed: int, batch: int = 32):
+    x_train, _, y_train, _ = _digits()
+    x = torch.from_numpy(x_train[rank::size])
+    y = torch.from_numpy(y_train[rank::size])
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+
+    def next_batch():
+        idx = torch.randint(len(x), (batch,), generator=g)
+        return x[idx], y[idx]
+    return next_batch
+
+
+def _digits_test(seed: int):
+    _, x_test, _, y_test = _digits()
+    return torch.from_numpy(x_test), torch.from_numpy(y_test)
+
+
+DIGITS = Workload(
+    "digits_mlp",
+    lambda sparse: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+                                 nn.Linear(64, 10)),
+    lambda m, size: torch.optim.SGD(m.parameters(), lr=0.05 * size, momentum=0.9),
+    _digits_batches, _digits_test, steps=240, eval_every=20)
+
+
+# -- planted-teacher CNN ----------------------------------------------------------------------
+class _ConvTeacher:
+    """A fixed random conv net labelling 1x16x16 Gaussian images into 10 classes."""
+
+    def __init__(self, seed: int = 4321):
+        g = torch.Generator().manual_seed(seed)
+        self.conv = torch.randn(8, 1, 5, 5, generator=g) / 5.0
+        self.lin = torch.randn(8 * 4 * 4, 10, generator=g) / 8.0
+
+    @torch.no_grad()
+    def label(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(nn.functional.conv2d(x, self.conv, padding=2))
+        h = nn.functional.avg_pool2d(h, 4).flatten(1)
+        return (h @ self.lin).argmax(1)
+
+
+def _student_cnn(sparse: bool) -> nn.Module:
+    c = 32
+    return nn.Sequential(
+        nn.Conv2d(1, c, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(2 * c * 16, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def _teacher_batches(rank: int, size: int, seed: int, batch: int = 32):
+    teacher = _ConvTeacher()
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+
+    def next_batch():
+        x = torch.randn(batch, 1, 16, 16, generator=g)
+        return x, teacher.label(x)
+    return next_batch
+
+
+def _teacher_test(seed: int):
+    x = torch.randn(2000, 1, 16, 16, generator=torch.Generator().manual_seed(10**6 + seed))
+    return x, _ConvTeacher().label(x)
+
+
+TEACHER_CNN = Workload(
+    "teacher_cnn", _student_cnn,
+    lambda m, size: torch.optim.Adam(m.parameters(), lr=1e-3),
+    _teacher_batches, _teacher_test, steps=300, eval_every=25)
+
+
+# -- Zipf embedding bags ------------------------------------------------------------------------
+VOCAB, DIM = 10000, 32
+
+
+def _zipf_data():
+    from examples.torch.train_zipf_embeddings import ZipfTeacherData
+    return ZipfTeacherData(vocab=VOCAB, bag=16)
+
+
+def _zipf_model(sparse: bool) -> nn.Module:
+    from examples.torch.train_zipf_embeddings import BagClassifier
+    m = BagClassifier(VOCAB, dim=DIM, hidden=64)
+    if not sparse:  # PowerSGD (DDP) needs dense gradients
+        m.embedding.sparse = False
+    return m
+
+
+def _zipf_batches(rank: int, size: int, seed: int, batch: int = 64):
+    data = _zipf_data()
+    rng = np.random.default_rng([seed, rank])
+    return lambda: data.batch(rng, batch)
+
+
+def _zipf_test(seed: int):
+    return _zipf_data().batch(np.random.default_rng([seed, 10**6]), 4000)
+
+
+ZIPF = Workload(
+    "zipf_embedding", _zipf_model,
+    lambda m, size: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9),
+    _zipf_batches, _zipf_test, steps=300, eval_every=25, has_sparse=True)
+
+WORKLOADS = {w.name: w for w in (DIGITS, TEACHER_CNN, ZIPF)}
