@@ -31,6 +31,7 @@ from typing import Any
 from benchmarks.common import RESULTS, markdown_table, report
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
 from benchmarks.workloads import WORKLOADS
+from hvdsync.stats import human_bytes
 from hvdsync.testing import RanksFailed
 
 THRESHOLD = dict(threshold=0.05, relative=True, max_skip=8)
@@ -205,14 +206,6 @@ def summarize(per_rank: list[dict], methods: list[str]) -> dict:
     return dict(target=target, methods=table)
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def rows_for(cell: str, summary: dict) -> list[list]:
     base = summary["methods"]["horovod"]
     rows = []
@@ -224,7 +217,7 @@ def rows_for(cell: str, summary: dict) -> list[list]:
                      f"{ttt / base_ttt:.2f}" if ttt is not None and base_ttt else "-",
                      f"{v['final_accuracy'] * 100:.2f} +- {v['final_sd'] * 100:.2f}",
                      f"{v['step_s'] / base['step_s']:.2f}",
-                     _human_bytes(v["bytes_per_step"]),
+                     human_bytes(v["bytes_per_step"]),
                      f"{v['bytes_per_step'] / base['bytes_per_step']:.2f}",
                      f"{v['collectives_per_step']:.1f}"])
     return rows

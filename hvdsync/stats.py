@@ -118,8 +118,8 @@ class SyncStats:
         steps = max(t.step, 1)
         ratio = f"{t.bytes_sent / t.bytes_dense:.3f}" if t.bytes_dense else "n/a"
         lines = [
-            f"hvdsync: {t.step} steps, {_human(t.bytes_sent)} sent "
-            f"({_human(t.bytes_sent / steps)}/step, {ratio} of dense), "
+            f"hvdsync: {t.step} steps, {human_bytes(t.bytes_sent)} sent "
+            f"({human_bytes(t.bytes_sent / steps)}/step, {ratio} of dense), "
             f"{t.collectives / steps:.1f} collectives/step, "
             f"layers sent {t.layers_sent} / skipped {t.layers_skipped}",
         ]
@@ -129,13 +129,14 @@ class SyncStats:
         lines.append(f"  {'layer':<{width}}  {'sent':>6}  {'skipped':>7}  {'bytes':>9}")
         for name, lc in list(self.layers.items())[:max_layers]:
             lines.append(f"  {name:<{width}}  {lc.sent:>6}  {lc.skipped:>7}  "
-                         f"{_human(lc.bytes_sent):>9}")
+                         f"{human_bytes(lc.bytes_sent):>9}")
         if len(self.layers) > max_layers:
             lines.append(f"  ... {len(self.layers) - max_layers} more layers")
         return "\n".join(lines)
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 KiB``, ``3.2 MiB``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
