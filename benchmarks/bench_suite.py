@@ -86,9 +86,12 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
     model = w.make_model(not dense)
     base = w.make_optimizer(model, hvd.size())
     compression = hvd.Compression.fp16 if spec.get("fp16") else hvd.Compression.none
-    handed = [0]
-    if spec["kind"] in ("horovod", "ddp"):
-        for p in model.parameters():  # what this rank hands to collectives, per step
+    # Horovod's payload per step: the dense gradients' size, except that sparse ones can only
+    # be measured (a hook, on Horovod's runs with sparse gradients only: it costs time).
+    handed = [sum(p.numel() * p.element_size() for p in model.parameters())]
+    if spec["kind"] == "horovod" and not dense:
+        handed[0] = 0
+        for p in model.parameters():
             p.register_post_accumulate_grad_hook(
                 lambda p: handed.__setitem__(0, handed[0] + payload_bytes(p.grad)))
     if spec["kind"] == "horovod":
@@ -138,7 +141,8 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         total = opt.stats.total
         nbytes, collectives = total.bytes_sent / steps, total.collectives / steps
     elif spec["kind"] == "horovod":
-        nbytes = handed[0] / steps * (0.5 if spec.get("fp16") else 1.0)
+        per_step = handed[0] / steps if not dense else handed[0]
+        nbytes = per_step * (0.5 if spec.get("fp16") else 1.0)
         # tensors handed to Horovod (it fuses them); a sparse one is two allgathers
         collectives = sum(2 if p.grad is not None and p.grad.is_sparse else 1
                           for p in model.parameters())
