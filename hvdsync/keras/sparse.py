@@ -1,0 +1,127 @@
+"""Sparse grouped allgather for Keras ``IndexedSlices`` gradients (technique 3; the rules live
+in :mod:`hvdsync.sparse`).
+
+Per step: each rank sums its duplicate rows, then **one** small allgather shares every sparse
+gradient's distinct-row count from every rank; from those (identical everywhere) each
+gradient takes the same route on every rank: ``gather`` (the indices and values of all such
+gradients in **one** grouped allgather; equal counts give a fixed-shape gather, unequal ones
+Horovod's uneven-size allgather), ``dense`` (scattered into a dense buffer with a "present"
+column and allreduced, when gathering would cost more) or ``none`` (no rank has a row).
+Duplicate rows across ranks are summed (divided by the number of ranks for ``Average``).
+
+In Keras the counts always travel first, in a collective of their own (``one_round`` is a torch
+option: routing by the previous step's counts needs state that outlives one step's traced
+graph; the counts-first route is what the rules describe and costs one extra small round).
+Dense gradients of the step are reduced per layer as on the plain path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from horovod.tensorflow import mpi_ops
+from horovod.tensorflow.mpi_ops import Average, Sum
+
+from hvdsync.keras.comm import Reducer, coalesce, payload_bytes
+from hvdsync.keras.techniques import EagerTechnique, StepLayout
+from hvdsync.sparse import SparseConfig, choose_route
+from hvdsync.stats import SyncStats
+
+_INDEX_BYTES = 8  # int64 row indices
+
+
+class EagerSparse(EagerTechnique):
+    accepts_sparse = True
+
+    def __init__(self, config: SparseConfig, reducer: Reducer, stats: SyncStats):
+        self.config = config
+        self.reducer = reducer
+        self.stats = stats
+        #: the last step's routes per sparse variable path, for logging and tests
+        self.last_routes: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+    def before_apply(self, layout: StepLayout, grads: list, values: list) -> list:
+        out = list(grads)
+        sparse: list[tuple[int, int, tf.IndexedSlices]] = []  # (layer, position, gradient)
+        for li, positions in layout.layers:
+            name = layout.names[li]
+            dense = [p for p in positions if not isinstance(grads[p], tf.IndexedSlices)]
+            for p in positions:
+                self.stats.dense(payload_bytes(grads[p]))
+                if p not in dense:
+                    g = coalesce(grads[p])
+                    self.stats.count("sparse_duplicate_rows",
+                                     int(tf.shape(grads[p].indices)[0]) - int(tf.shape(g.indices)[0]))
+                    sparse.append((li, p, g))
+            if dense:
+                layer = [grads[p] for p in dense]
+                for p, r in zip(dense, self.reducer.reduce(layer, name=f"hvdsync.{name}")):
+                    out[p] = r
+                self.stats.sent(name, sum(self.reducer.wire_bytes(g) for g in layer),
+                                self.reducer.collectives(layer))
+        if not sparse:
+            return out
+        size = self.reducer.size
+        local = np.array([[int(tf.shape(g.indices)[0]) for _, _, g in sparse]], dtype=np.int64)
+        self.stats.control(local.nbytes)
+        counts = (local if size == 1 else
+                  mpi_ops.allgather(tf.constant(local), name="hvdsync.sparse.counts",
+                                    process_set=self.reducer.process_set).numpy())
+        routes = []
+        for k, (li, p, g) in enumerate(sparse):
+            row = int(np.prod(g.values.shape[1:])) * g.values.dtype.size
+            dense_bytes = int(np.prod(g.dense_shape)) * g.values.dtype.size
+            routes.append(choose_route(counts[:, k], row + _INDEX_BYTES, dense_bytes,
+                                       self.config.dense_ratio))
+        gather = [k for k, r in enumerate(routes) if r.route == "gather"]
+        dense = [k for k, r in enumerate(routes) if r.route == "dense"]
+        scale = 1.0 / size if self.reducer.op == Average else 1.0
+        self.last_routes = {}
+        for k, r in enumerate(routes):
+            self.last_routes[layout.key(sparse[k][1])] = (r.route, r.counts)
+            self.stats.count(f"sparse_{r.route}")
+            if r.route == "gather" and r.equal_counts:
+                self.stats.count("sparse_gather_equal")
+        per_layer: dict[int, list[int]] = {}
+        if gather:
+            tensors = []
+            for k in gather:
+                g = sparse[k][2]
+                tensors += [g.values, g.indices]
+                per_layer.setdefault(sparse[k][0], [0, 0])
+                per_layer[sparse[k][0]][0] += payload_bytes(g)
+            gathered = (tensors if size == 1 else
+                        mpi_ops.grouped_allgather(tensors, name="hvdsync.sparse.rows",
+                                                  process_set=self.reducer.process_set))
+            for j, k in enumerate(gather):
+                li, p, g = sparse[k]
+                merged = coalesce(tf.IndexedSlices(gathered[2 * j], gathered[2 * j + 1],
+                                                   g.dense_shape))
+                out[p] = tf.IndexedSlices(merged.values * tf.cast(scale, g.values.dtype),
+                                          merged.indices, g.dense_shape)
+            first = sparse[gather[0]][0]
+            per_layer[first][1] += 1
+        if dense:
+            buffers = []
+            for k in dense:
+                g = sparse[k][2]
+                shape = [int(d) for d in g.dense_shape]
+                flat = tf.reshape(g.values, [-1, int(np.prod(shape[1:]))])
+                rows = tf.concat([flat, tf.ones([tf.shape(flat)[0], 1], flat.dtype)], axis=1)
+                buffers.append(tf.scatter_nd(tf.expand_dims(g.indices, 1), rows,
+                                             [shape[0], flat.shape[1] + 1]))
+                per_layer.setdefault(sparse[k][0], [0, 0])
+                per_layer[sparse[k][0]][0] += payload_bytes(buffers[-1])
+            summed = (buffers if size == 1 else
+                      mpi_ops._grouped_allreduce(buffers, name="hvdsync.sparse.dense", op=Sum,
+                                                 process_set=self.reducer.process_set))
+            for j, k in enumerate(dense):
+                li, p, g = sparse[k]
+                present = tf.cast(tf.where(summed[j][:, -1] > 0)[:, 0], g.indices.dtype)
+                rows = tf.gather(summed[j][:, :-1], present) * tf.cast(scale, g.values.dtype)
+                out[p] = tf.IndexedSlices(tf.reshape(rows, [-1, *g.values.shape[1:]]),
+                                          present, g.dense_shape)
+            per_layer[sparse[dense[0]][0]][1] += 1
+        for li, (nbytes, collectives) in sorted(per_layer.items()):
+            self.stats.sent(layout.names[li], nbytes, collectives)
+        return out

@@ -1,0 +1,204 @@
+"""Shared pieces of the Keras tests: a small model on planted-teacher data (different data on
+every rank), a rank body that trains through ``model.fit`` and records what the tests check."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+IN, HIDDEN, CLASSES = 12, 16, 4
+
+
+def key(v) -> str:
+    """A variable's name without the model's auto-numbered prefix (``fc1/kernel``)."""
+    return "/".join(v.path.split("/")[-2:])
+
+
+def teacher_data(rank: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` samples labelled by a fixed random linear teacher; rank-specific inputs."""
+    teacher = np.random.default_rng(seed).standard_normal((IN, CLASSES))
+    x = np.random.default_rng(1000 + rank).standard_normal((n, IN)).astype("float32")
+    return x, np.argmax(x @ teacher, axis=1).astype("int32")
+
+
+def token_data(rank: int, n: int, vocab: int = 40, length: int = 6):
+    """Bags of token ids (a Zipf-ish skew) labelled by whether a planted token set appears."""
+    rng = np.random.default_rng(2000 + rank)
+    p = 1.0 / np.arange(1, vocab + 1)
+    ids = rng.choice(vocab, size=(n, length), p=p / p.sum()).astype("int32")
+    y = (np.isin(ids, [3, 7, 11, 19]).sum(axis=1) >= 1).astype("int32")
+    return ids, y
+
+
+def mlp(seed: int = 0, dtype: str = "float32"):
+    """Three named Dense layers (fc1, fc2, out); the same initial weights for the same seed."""
+    import keras
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((IN,), dtype=dtype),
+        keras.layers.Dense(HIDDEN, activation="tanh", name="fc1", dtype=dtype),
+        keras.layers.Dense(HIDDEN, activation="tanh", name="fc2", dtype=dtype),
+        keras.layers.Dense(CLASSES, name="out", dtype=dtype),
+    ])
+
+
+def embedding_model(seed: int = 0, vocab: int = 40):
+    """An Embedding (IndexedSlices gradient) averaged over the bag, then a Dense head."""
+    import keras
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((6,), dtype="int32")
+    e = keras.layers.Embedding(vocab, 8, name="emb")(inp)
+    x = keras.layers.GlobalAveragePooling1D()(e)
+    out = keras.layers.Dense(2, name="head")(x)
+    return keras.Model(inp, out)
+
+
+def make_optimizer(name: str, lr: float):
+    import keras
+    return {"sgd": lambda: keras.optimizers.SGD(lr),
+            "momentum": lambda: keras.optimizers.SGD(lr, momentum=0.9),
+            "adam": lambda: keras.optimizers.Adam(lr)}[name]()
+
+
+class Recorder:
+    """A Keras callback (built lazily: keras is imported in the rank) recording, per batch,
+    the model's weights and the optimizer's last step stats."""
+
+    @staticmethod
+    def make(record_weights: bool = True):
+        import keras
+
+        class _Recorder(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.weights, self.steps, self.logs, self.sent, self.lr = [], [], [], [], []
+                self._sent_before = {}
+
+            def on_train_batch_end(self, batch, logs=None):
+                opt = self.model.optimizer
+                self.lr.append(float(keras.ops.convert_to_numpy(opt.learning_rate)))
+                now = {n: c.sent for n, c in opt.stats.layers.items()}
+                self.sent.append([n for n in now if now[n] > self._sent_before.get(n, 0)])
+                self._sent_before = now
+                if record_weights:
+                    self.weights.append({key(v): np.array(v.numpy()) for v in
+                                         self.model.trainable_variables})
+                self.steps.append(opt.stats.last.as_dict())
+                self.logs.append(dict(logs or {}))
+        return _Recorder()
+
+
+def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int = 10,
+             batch: int = 16, model: str = "mlp", dtype: str = "float32",
+             record_weights: bool = True, callbacks: tuple = ("broadcast",),
+             epochs: int = 1, validation: bool = False, save_to: Optional[str] = None,
+             vocab: int = 40, seed_by_rank: bool = False, warmup: Optional[dict] = None,
+             reference: bool = False) -> dict[str, Any]:
+    """Train on this rank's data through ``model.fit`` with hvdsync's optimizer."""
+    import keras
+    import tensorflow as tf
+    import hvdsync.keras as hvd
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    if model == "mlp":
+        m = mlp(seed=hvd.rank() if seed_by_rank else 0, dtype=dtype)
+        x, y = teacher_data(hvd.rank(), steps * batch)
+    else:
+        m = embedding_model(vocab=vocab)
+        x, y = token_data(hvd.rank(), steps * batch, vocab=vocab)
+    opt = hvd.DistributedOptimizer(make_optimizer(opt_name, lr), **options)
+    m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy"])
+    rec = Recorder.make(record_weights)
+    cbs = [rec]
+    if "broadcast" in callbacks:
+        cbs.insert(0, hvd.callbacks.BroadcastGlobalVariablesCallback(0))
+    if "metric_average" in callbacks:
+        cbs.append(hvd.callbacks.MetricAverageCallback())
+    if "stats" in callbacks:
+        cbs.append(hvd.callbacks.SyncStatsCallback())
+    if "flush" in callbacks:
+        cbs.append(hvd.callbacks.FlushCallback())
+    if warmup is not None:
+        cbs.append(hvd.callbacks.LearningRateWarmupCallback(**warmup))
+    init = {key(v): np.array(v.numpy()) for v in m.trainable_variables}
+    hist = m.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=cbs,
+                 validation_data=(x[:64], y[:64]) if validation else None)
+    out = dict(weights=rec.weights, steps=rec.steps, logs=rec.logs, history=hist.history,
+               stats=opt.stats.as_dict(),
+               layers=[layer.name.split("/")[-1] for layer in opt.hvdsync_layers],
+               final={key(v): np.array(v.numpy()) for v in m.trainable_variables},
+               rank=hvd.rank(), size=hvd.size(), selection=opt.selection,
+               delay=opt.delay_status, routes=opt.sparse_routes,
+               # weights after the broadcast = the common start
+               start=init, sent=rec.sent, lr=rec.lr)
+    if save_to is not None and hvd.rank() == 0:
+        m.save(save_to)
+    if reference:
+        passes = options.get("backward_passes_per_step", 1)
+        ref = emulate(hvd.size(), opt_name, lr, steps * epochs // passes, batch, model=model,
+                      dtype=dtype,
+                      vocab=vocab, clip=options.get("clip"), op=options.get("op"),
+                      passes=passes,
+                      average_passes=options.get("average_aggregated_gradients", False))
+        out["reference"] = ref
+        out["max_diff"] = max(float(np.abs(out["final"][k] - ref[k]).max()) for k in ref)
+    return out
+
+
+def emulate(size: int, opt_name: str, lr: float, steps: int, batch: int, model: str = "mlp",
+            dtype: str = "float32", vocab: int = 40, clip: Optional[dict] = None,
+            op: Any = None, passes: int = 1, average_passes: bool = False) -> dict:
+    """Plain averaged-gradient training in one process, with a plain Keras optimizer: every
+    rank's batch gradient computed at the same weights (clipped per layer first with ``clip``
+    ``max_norm``/``value``), averaged (summed with ``op=Sum``), applied -- the reference the
+    distributed runs must equal."""
+    import keras
+    import tensorflow as tf
+    import horovod.tensorflow as htf
+    m = mlp(dtype=dtype) if model == "mlp" else embedding_model(vocab=vocab)
+    opt = make_optimizer(opt_name, lr)
+    n = steps * batch * passes
+    data = [teacher_data(r, n) if model == "mlp" else token_data(r, n, vocab=vocab)
+            for r in range(size)]
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    variables = m.trainable_variables
+    layer_of = [v.path.rsplit("/", 1)[0] for v in variables]
+    for s in range(steps):
+        total = None
+        for r in range(size):
+            local = None
+            for k in range(passes):
+                lo = (s * passes + k) * batch
+                x, y = data[r][0][lo:lo + batch], data[r][1][lo:lo + batch]
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, m(x))
+                g = [tf.convert_to_tensor(t) for t in tape.gradient(loss, variables)]
+                local = g if local is None else [a + b for a, b in zip(local, g)]
+            if passes > 1 and average_passes:
+                local = [t / passes for t in local]
+            if clip:
+                local = _clip_layers(local, layer_of, clip)
+            total = local if total is None else [a + b for a, b in zip(total, local)]
+        if op is not htf.Sum:
+            total = [t / size for t in total]
+        opt.apply(total, variables)
+    return {key(v): np.array(v.numpy()) for v in variables}
+
+
+def _clip_layers(grads: list, layer_of: list, clip: dict) -> list:
+    import tensorflow as tf
+    if "value" in clip:
+        grads = [tf.clip_by_value(g, *clip["value"]) for g in grads]
+    if "max_norm" in clip:
+        for layer in dict.fromkeys(layer_of):
+            idx = [i for i, n in enumerate(layer_of) if n == layer]
+            norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(grads[i])) for i in idx]))
+            scale = tf.minimum(tf.cast(clip["max_norm"], norm.dtype) / norm, 1.0)
+            for i in idx:
+                grads[i] = grads[i] * scale
+    return grads

@@ -1,0 +1,255 @@
+"""hvdsync.keras with no technique: the same weights as plain averaged-gradient training,
+through ``model.fit`` in compiled mode on 2 and 3 real ranks; callbacks; save/load; errors."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from hvdsync.testing import run_ranks
+from tests.keras_models import fit_body, key, mlp, teacher_data
+from tests.models import apply_each
+
+
+def _parity_cases():
+    import horovod.tensorflow as htf
+    f64 = dict(dtype="float64", reference=True, record_weights=False)
+    return {
+        "sgd": ({}, "sgd", 0.1, 12, 16),
+        "momentum": ({}, "momentum", 0.05, 12, 16),
+        "adam": ({}, "adam", 0.01, 12, 16),
+        "sum": (dict(op=htf.Sum), "sgd", 0.05, 12, 16),
+        "predivide": (dict(gradient_predivide_factor=2.0), "momentum", 0.05, 12, 16),
+        "groups": (dict(groups=2), "momentum", 0.05, 8, 16),
+        "passes": (dict(backward_passes_per_step=2), "sgd", 0.05, 8, 16),
+        "passes_avg": (dict(backward_passes_per_step=2, average_aggregated_gradients=True),
+                       "momentum", 0.05, 8, 16),
+        "fp16": (dict(compression=htf.Compression.fp16), "momentum", 0.05, 12, 16),
+    }, f64
+
+
+def parity_rank(np_: int) -> list:
+    cases, common = _parity_cases()
+    out = []
+    for name, (opts, opt_name, lr, steps, batch) in cases.items():
+        kw = dict(common)
+        if name == "fp16":
+            kw["dtype"] = "float32"
+        r = fit_body(opts, opt_name, lr, steps, batch, **kw)
+        out.append((name, r["max_diff"], r["stats"]["total"], r["final"]))
+    for name, opts in (("embedding", {}), ("embedding_dense", dict(sparse_as_dense=True))):
+        r = fit_body(opts, "sgd", 0.5, 12, 16, model="emb", reference=True,
+                     record_weights=False)
+        out.append((name, r["max_diff"], r["stats"]["total"], r["final"]))
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def parity(request):
+    return request.param, run_ranks(parity_rank, np=request.param, args=(request.param,),
+                                    timeout=400)
+
+
+def test_no_technique_equals_averaged_gradient_training(parity):
+    np_, ranks = parity
+    for rank_result in ranks:
+        for name, diff, _, _ in rank_result:
+            tol = 1e-3 if name == "fp16" else 1e-5
+            assert diff <= tol, f"{name} on {np_} ranks: max |w - reference| = {diff:.2e}"
+
+
+def test_replicas_identical(parity):
+    _, ranks = parity
+    for i, (name, _, _, final) in enumerate(ranks[0]):
+        for other in ranks[1:]:
+            for k in final:
+                np.testing.assert_array_equal(final[k], other[i][3][k], err_msg=f"{name} {k}")
+
+
+def test_stats_count_what_horovod_sends(parity):
+    np_, ranks = parity
+    by_name = {name: total for name, _, total, _ in ranks[0]}
+    # mlp float64: fc1 12x16+16, fc2 16x16+16, out 16x4+4 parameters, 8 bytes each
+    per_step = (12 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4) * 8
+    t = by_name["sgd"]
+    assert t["step"] == 12 and t["bytes_sent"] == t["bytes_dense"] == 12 * per_step
+    assert t["collectives"] == 12 * 3 and t["layers_sent"] == 12 * 3
+    assert by_name["groups"]["collectives"] == 8 * 2  # groups=2: two grouped allreduces
+    assert by_name["passes"]["step"] == 4  # 8 batches: one exchange per two
+    fp16 = by_name["fp16"]  # float32 model, fp16 on the wire
+    assert fp16["bytes_sent"] * 2 == fp16["bytes_dense"]
+    emb = by_name["embedding"]
+    assert emb["bytes_sent"] == emb["bytes_dense"]  # Horovod's sparse path: rows as computed
+
+
+# -- callbacks -------------------------------------------------------------------------------
+def callbacks_rank() -> dict:
+    out = {}
+    # ranks start from different weights: the broadcast must make them rank 0's
+    r = fit_body({}, "sgd", 0.1, 6, 16, seed_by_rank=True,
+                 callbacks=("broadcast", "metric_average", "stats"), epochs=2,
+                 validation=True)
+    out["broadcast"] = dict(first=r["weights"][0], history=r["history"], logs=r["logs"],
+                            final=r["final"])
+    r = fit_body({}, "sgd", 0.1, 6, 16, seed_by_rank=True, callbacks=(), epochs=1)
+    out["no_broadcast"] = r["weights"][0]
+    r = fit_body({}, "sgd", 0.1, 6, 16, callbacks=("broadcast",), epochs=3,
+                 warmup=dict(initial_lr=0.4, warmup_epochs=2))
+    out["warmup"] = r["lr"]
+    r = fit_body(dict(clip=dict(max_norm=0.05)), "sgd", 0.1, 4, 16,
+                 callbacks=("broadcast", "stats"))
+    out["clip_logs"] = r["logs"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def callbacks_run():
+    return run_ranks(callbacks_rank, np=3, timeout=400)
+
+
+def test_broadcast_callback_starts_every_rank_from_rank0(callbacks_run):
+    first = [r["broadcast"]["first"] for r in callbacks_run]
+    for k in first[0]:
+        for other in first[1:]:
+            np.testing.assert_array_equal(first[0][k], other[k])
+    unsynced = [r["no_broadcast"] for r in callbacks_run]
+    assert any(not np.array_equal(unsynced[0][k], unsynced[1][k]) for k in unsynced[0])
+
+
+def test_metric_average_callback(callbacks_run):
+    hist = [r["broadcast"]["history"] for r in callbacks_run]
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        for other in hist[1:]:
+            assert other[key] == pytest.approx(hist[0][key], rel=1e-6), key
+    # without averaging the ranks' validation losses differ (different data)
+
+
+def test_sync_stats_callback_puts_stats_in_logs_and_history(callbacks_run):
+    logs = callbacks_run[0]["broadcast"]["logs"]
+    assert logs, "no batch logs recorded"
+    hist = callbacks_run[0]["broadcast"]["history"]
+    assert hist["hvd_dense_ratio"] == [pytest.approx(1.0)] * 2
+    assert hist["hvd_collectives"] == [pytest.approx(3.0)] * 2
+    assert hist["hvd_sent"] == [pytest.approx(3.0)] * 2
+    per_step_kib = (12 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4) * 4 / 1024
+    assert hist["hvd_kib"][0] == pytest.approx(per_step_kib)
+    clip_hist = callbacks_run[0]["clip_logs"]
+    assert clip_hist  # batch logs exist; clipping counted per batch by the stats callback
+
+
+def test_learning_rate_warmup_callback(callbacks_run):
+    lr = callbacks_run[0]["warmup"]  # 6 batches/epoch, 3 epochs, warmup 2 epochs, 3 ranks
+    expected = [0.4 / 3 * ((e + b / 6) * 2 / 2 + 1) if e < 2 else 0.4
+                for e in range(3) for b in range(6)]
+    assert lr == pytest.approx(expected, rel=1e-5)
+
+
+# -- saving ----------------------------------------------------------------------------------
+def save_rank(path: str, options: dict, steps: int) -> dict:
+    return fit_body(options, "adam", 0.01, steps, 16, record_weights=False, save_to=path)
+
+
+@pytest.mark.parametrize("options", [{}, dict(threshold=dict(threshold=0.5, max_skip=3)),
+                                     dict(select=dict(k=1)), dict(clip=dict(ema=(0.9, 1.0)))],
+                         ids=["plain", "threshold", "select", "clip"])
+def test_save_and_load_round_trip(tmp_path, options):
+    import keras
+    import hvdsync.keras as hvd
+    path = str(tmp_path / "model.keras")
+    ranks = run_ranks(save_rank, np=2, args=(path, options, 7), timeout=300)
+    saved = ranks[0]
+    hvd.init()
+    model = hvd.load_model(path, **options)
+    opt = model.optimizer
+    assert isinstance(opt, keras.optimizers.Adam) and hasattr(opt, "stats")
+    for v in model.trainable_variables:
+        np.testing.assert_array_equal(v.numpy(), saved["final"][key(v)])
+    assert int(opt.iterations.numpy()) == 7
+    if options:
+        technique = next(iter(options))
+        state = opt._hvdsync_state()
+        assert technique in state
+        if technique == "threshold":
+            assert state["threshold"]["policy"]["step"] == 7
+        if technique == "select":
+            assert state["select"]["selector"]["step"] == 7
+        if technique == "clip":
+            assert sum(state["clip"]["count"]) == 7 * 3
+    # training continues from the restored state
+    x, y = teacher_data(0, 32)
+    model.fit(x, y, batch_size=16, verbose=0)
+    assert int(opt.iterations.numpy()) == 9
+    # plain Keras loads the model (the optimizer as the class it wraps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = keras.models.load_model(path)
+    for v in plain.trainable_variables:
+        np.testing.assert_array_equal(v.numpy(), saved["final"][key(v)])
+    if not options:  # nothing of hvdsync's in the file: the optimizer state loads too
+        assert int(plain.optimizer.iterations.numpy()) == 7
+
+
+def test_load_model_refuses_state_of_an_unconfigured_technique(tmp_path):
+    import hvdsync.keras as hvd
+    path = str(tmp_path / "model.keras")
+    run_ranks(save_rank, np=2, args=(path, dict(threshold=0.5), 3), timeout=300)
+    hvd.init()
+    with pytest.raises(ValueError, match="threshold="):
+        hvd.load_model(path)
+
+
+# -- construction errors -----------------------------------------------------------------------
+def _fails(exc, pattern, optimizer=None, **kwargs):
+    import keras
+    import hvdsync.keras as hvd
+    hvd.init()
+    with pytest.raises(exc, match=pattern):
+        hvd.DistributedOptimizer(optimizer if optimizer is not None
+                                 else keras.optimizers.SGD(0.1), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,exc,pattern", [
+    (dict(clipp=1.0), TypeError, "did you mean 'clip'"),
+    (dict(clip=dict(max_norm=-1)), ValueError, "max_norm must be > 0"),
+    (dict(threshold=0.5, select=1), ValueError, "pass one of them"),
+    (dict(delay=2, sparse=True), ValueError, "pass one of them"),
+    (dict(sparse=True, sparse_as_dense=True), ValueError, "sparse_as_dense"),
+    (dict(backward_passes_per_step=0), ValueError, "backward_passes_per_step must be >= 1"),
+    (dict(device_dense="/gpu:0"), ValueError, "device_dense"),
+    (dict(clip=dict(max_norm=1.0, mode="global"), threshold=0.5), ValueError, "plain path"),
+    (dict(threshold=0.5, backward_passes_per_step=2), ValueError, "backward_passes_per_step"),
+    (dict(compression="fp16"), TypeError, "compress"),
+    (dict(layers=3, groups=2), ValueError, "either groups"),
+])
+def test_bad_arguments_fail_at_construction(kwargs, exc, pattern):
+    _fails(exc, pattern, **kwargs)
+
+
+def test_bad_optimizer_and_op():
+    import keras
+    import horovod.tensorflow as htf
+    import hvdsync.keras as hvd
+    _fails(TypeError, "keras.optimizers.Optimizer", optimizer=object())
+    _fails(ValueError, "needs op=Average", delay=1, op=htf.Sum)
+    _fails(ValueError, "Adasum", op=htf.Adasum)
+    hvd.init()
+    wrapped = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="already wrapped"):
+        hvd.DistributedOptimizer(wrapped)
+
+
+def test_single_process_fit_works_and_counts_nothing_sent():
+    """Without horovodrun (one rank) fit trains locally; stats show no bytes sent."""
+    import keras
+    import hvdsync.keras as hvd
+    hvd.init()
+    m = mlp()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), clip=1.0)
+    m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = teacher_data(0, 64)
+    m.fit(x, y, batch_size=16, verbose=0)
+    assert opt.stats.total.step == 4 and opt.stats.total.bytes_sent == 0
+    assert [layer.name.split("/")[-1] for layer in opt.hvdsync_layers] == ["fc1", "fc2", "out"]
