@@ -97,7 +97,8 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
              record_weights: bool = True, callbacks: tuple = ("broadcast",),
              epochs: int = 1, validation: bool = False, save_to: Optional[str] = None,
              vocab: int = 40, seed_by_rank: bool = False, warmup: Optional[dict] = None,
-             reference: bool = False) -> dict[str, Any]:
+             reference: bool = False, data_rank: Optional[int] = None,
+             slow_rank: Optional[int] = None, evaluate: bool = False) -> dict[str, Any]:
     """Train on this rank's data through ``model.fit`` with hvdsync's optimizer."""
     import keras
     import tensorflow as tf
@@ -106,10 +107,11 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
     tf.config.threading.set_intra_op_parallelism_threads(1)
     if model == "mlp":
         m = mlp(seed=hvd.rank() if seed_by_rank else 0, dtype=dtype)
-        x, y = teacher_data(hvd.rank(), steps * batch)
+        x, y = teacher_data(hvd.rank() if data_rank is None else data_rank, steps * batch)
     else:
         m = embedding_model(vocab=vocab)
-        x, y = token_data(hvd.rank(), steps * batch, vocab=vocab)
+        x, y = token_data(hvd.rank() if data_rank is None else data_rank, steps * batch,
+                          vocab=vocab)
     opt = hvd.DistributedOptimizer(make_optimizer(opt_name, lr), **options)
     m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
@@ -123,6 +125,9 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
         cbs.append(hvd.callbacks.SyncStatsCallback())
     if "flush" in callbacks:
         cbs.append(hvd.callbacks.FlushCallback())
+    if slow_rank is not None and hvd.rank() == slow_rank:
+        cbs.append(keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda *_, **__: __import__("time").sleep(0.03)))
     if warmup is not None:
         cbs.append(hvd.callbacks.LearningRateWarmupCallback(**warmup))
     init = {key(v): np.array(v.numpy()) for v in m.trainable_variables}
@@ -135,7 +140,12 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
                rank=hvd.rank(), size=hvd.size(), selection=opt.selection,
                delay=opt.delay_status, routes=opt.sparse_routes,
                # weights after the broadcast = the common start
-               start=init, sent=rec.sent, lr=rec.lr)
+               start=init, sent=rec.sent, lr=rec.lr,
+               opt_vars={v.name: np.array(v.numpy()) for v in opt.variables
+                         if v.name not in ("iteration", "learning_rate")})
+    if evaluate:
+        xt, yt = (teacher_data(99, 1024) if model == "mlp" else token_data(99, 1024, vocab=vocab))
+        out["test_accuracy"] = float(m.evaluate(xt, yt, verbose=0, return_dict=True)["accuracy"])
     if save_to is not None and hvd.rank() == 0:
         m.save(save_to)
     if reference:
@@ -143,6 +153,7 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
         ref = emulate(hvd.size(), opt_name, lr, steps * epochs // passes, batch, model=model,
                       dtype=dtype,
                       vocab=vocab, clip=options.get("clip"), op=options.get("op"),
+                      data_rank=data_rank,
                       passes=passes,
                       average_passes=options.get("average_aggregated_gradients", False))
         out["reference"] = ref
@@ -152,7 +163,8 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
 
 def emulate(size: int, opt_name: str, lr: float, steps: int, batch: int, model: str = "mlp",
             dtype: str = "float32", vocab: int = 40, clip: Optional[dict] = None,
-            op: Any = None, passes: int = 1, average_passes: bool = False) -> dict:
+            op: Any = None, passes: int = 1, average_passes: bool = False,
+            data_rank: Optional[int] = None) -> dict:
     """Plain averaged-gradient training in one process, with a plain Keras optimizer: every
     rank's batch gradient computed at the same weights (clipped per layer first with ``clip``
     ``max_norm``/``value``), averaged (summed with ``op=Sum``), applied -- the reference the
@@ -164,7 +176,7 @@ def emulate(size: int, opt_name: str, lr: float, steps: int, batch: int, model: 
     opt = make_optimizer(opt_name, lr)
     n = steps * batch * passes
     data = [teacher_data(r, n) if model == "mlp" else token_data(r, n, vocab=vocab)
-            for r in range(size)]
+            for r in (range(size) if data_rank is None else [data_rank] * size)]
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     variables = m.trainable_variables
     layer_of = [v.path.rsplit("/", 1)[0] for v in variables]
@@ -181,11 +193,13 @@ def emulate(size: int, opt_name: str, lr: float, steps: int, batch: int, model: 
                 local = g if local is None else [a + b for a, b in zip(local, g)]
             if passes > 1 and average_passes:
                 local = [t / passes for t in local]
-            if clip:
+            if clip and clip.get("mode", "local") == "local":
                 local = _clip_layers(local, layer_of, clip)
             total = local if total is None else [a + b for a, b in zip(total, local)]
         if op is not htf.Sum:
             total = [t / size for t in total]
+        if clip and clip.get("mode") == "global":
+            total = _clip_layers(total, layer_of, clip)
         opt.apply(total, variables)
     return {key(v): np.array(v.numpy()) for v in variables}
 

@@ -280,8 +280,9 @@ class _DistributedOptimizer:
         return t.status() if isinstance(t, EagerDelay) else {}
 
     @property
-    def sparse_routes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """With ``sparse=``: the last step's route and per-rank row counts per variable."""
+    def sparse_routes(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
+        """With ``sparse=``: per variable, the last step's route, per-rank distinct-row counts
+        and the rows handed to the optimizer (duplicates across ranks summed)."""
         t = getattr(self._hv, "technique", None)
         return dict(t.last_routes) if isinstance(t, EagerSparse) else {}
 

@@ -5,7 +5,7 @@ Per step: each rank sums its duplicate rows, then **one** small allgather shares
 gradient's distinct-row count from every rank; from those (identical everywhere) each
 gradient takes the same route on every rank: ``gather`` (the indices and values of all such
 gradients in **one** grouped allgather; equal counts give a fixed-shape gather, unequal ones
-Horovod's uneven-size allgather), ``dense`` (scattered into a dense buffer with a "present"
+Horovod's uneven-size allgather; each row carries its index bit-cast into extra value columns), ``dense`` (scattered into a dense buffer with a "present"
 column and allreduced, when gathering would cost more) or ``none`` (no rank has a row).
 Duplicate rows across ranks are summed (divided by the number of ranks for ``Average``).
 
@@ -37,8 +37,9 @@ class EagerSparse(EagerTechnique):
         self.config = config
         self.reducer = reducer
         self.stats = stats
-        #: the last step's routes per sparse variable path, for logging and tests
-        self.last_routes: dict[str, tuple[str, tuple[int, ...]]] = {}
+        #: the last step's route, per-rank row counts and rows handed to the optimizer (after
+        #: summing duplicates across ranks) per sparse variable path, for logging and tests
+        self.last_routes: dict[str, tuple[str, tuple[int, ...], int]] = {}
 
     def before_apply(self, layout: StepLayout, grads: list, values: list) -> list:
         out = list(grads)
@@ -76,31 +77,32 @@ class EagerSparse(EagerTechnique):
         gather = [k for k, r in enumerate(routes) if r.route == "gather"]
         dense = [k for k, r in enumerate(routes) if r.route == "dense"]
         scale = 1.0 / size if self.reducer.op == Average else 1.0
-        self.last_routes = {}
         for k, r in enumerate(routes):
-            self.last_routes[layout.key(sparse[k][1])] = (r.route, r.counts)
             self.stats.count(f"sparse_{r.route}")
             if r.route == "gather" and r.equal_counts:
                 self.stats.count("sparse_gather_equal")
         per_layer: dict[int, list[int]] = {}
         if gather:
-            tensors = []
+            # One grouped allgather per value dtype (Horovod groups need one dtype): each
+            # gradient as rows of [values..., its index bit-cast into the value dtype].
+            by_dtype: dict[tf.DType, list[int]] = {}
             for k in gather:
-                g = sparse[k][2]
-                tensors += [g.values, g.indices]
-                per_layer.setdefault(sparse[k][0], [0, 0])
-                per_layer[sparse[k][0]][0] += payload_bytes(g)
-            gathered = (tensors if size == 1 else
-                        mpi_ops.grouped_allgather(tensors, name="hvdsync.sparse.rows",
-                                                  process_set=self.reducer.process_set))
-            for j, k in enumerate(gather):
-                li, p, g = sparse[k]
-                merged = coalesce(tf.IndexedSlices(gathered[2 * j], gathered[2 * j + 1],
-                                                   g.dense_shape))
-                out[p] = tf.IndexedSlices(merged.values * tf.cast(scale, g.values.dtype),
-                                          merged.indices, g.dense_shape)
-            first = sparse[gather[0]][0]
-            per_layer[first][1] += 1
+                by_dtype.setdefault(sparse[k][2].values.dtype, []).append(k)
+            for dtype, ks in by_dtype.items():
+                packed = [_pack(sparse[k][2]) for k in ks]
+                for k, t in zip(ks, packed):
+                    per_layer.setdefault(sparse[k][0], [0, 0])
+                    per_layer[sparse[k][0]][0] += payload_bytes(t)
+                gathered = (packed if size == 1 else
+                            mpi_ops.grouped_allgather(packed,
+                                                      name=f"hvdsync.sparse.rows.{dtype.name}",
+                                                      process_set=self.reducer.process_set))
+                for k, t in zip(ks, gathered):
+                    li, p, g = sparse[k]
+                    merged = coalesce(_unpack(t, g))
+                    out[p] = tf.IndexedSlices(merged.values * tf.cast(scale, g.values.dtype),
+                                              merged.indices, g.dense_shape)
+                per_layer[sparse[ks[0]][0]][1] += 1
         if dense:
             buffers = []
             for k in dense:
@@ -122,6 +124,30 @@ class EagerSparse(EagerTechnique):
                 out[p] = tf.IndexedSlices(tf.reshape(rows, [-1, *g.values.shape[1:]]),
                                           present, g.dense_shape)
             per_layer[sparse[dense[0]][0]][1] += 1
+        self.last_routes = {}
+        for k, r in enumerate(routes):
+            p = sparse[k][1]
+            rows = int(tf.shape(out[p].indices)[0]) if r.route != "none" else 0
+            self.last_routes[layout.key(p)] = (r.route, r.counts, rows)
         for li, (nbytes, collectives) in sorted(per_layer.items()):
             self.stats.sent(layout.names[li], nbytes, collectives)
         return out
+
+
+def _pack(g: tf.IndexedSlices) -> tf.Tensor:
+    """``[rows, width + k]``: each row's values, then its int64 index bit-cast into ``k``
+    columns of the value dtype (bit-for-bit: an allgather copies bytes, no arithmetic)."""
+    rows = tf.reshape(g.values, [tf.shape(g.values)[0], -1])
+    index = tf.bitcast(tf.cast(g.indices, tf.int64), g.values.dtype)
+    if index.shape.rank == 1:  # same width (float64)
+        index = tf.expand_dims(index, 1)
+    return tf.concat([rows, index], axis=1)
+
+
+def _unpack(packed: tf.Tensor, like: tf.IndexedSlices) -> tf.IndexedSlices:
+    k = 8 // packed.dtype.size
+    width = int(packed.shape[1]) - k
+    index = packed[:, width:]
+    index = tf.bitcast(index[:, 0] if k == 1 else index, tf.int64)
+    values = tf.reshape(packed[:, :width], [-1, *like.values.shape[1:]])
+    return tf.IndexedSlices(values, tf.cast(index, like.indices.dtype), like.dense_shape)
