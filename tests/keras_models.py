@@ -98,7 +98,8 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
              epochs: int = 1, validation: bool = False, save_to: Optional[str] = None,
              vocab: int = 40, seed_by_rank: bool = False, warmup: Optional[dict] = None,
              reference: bool = False, data_rank: Optional[int] = None,
-             slow_rank: Optional[int] = None, evaluate: bool = False) -> dict[str, Any]:
+             slow_rank: Optional[int] = None, evaluate: bool = False,
+             horovod_peer: bool = False) -> dict[str, Any]:
     """Train on this rank's data through ``model.fit`` with hvdsync's optimizer."""
     import keras
     import tensorflow as tf
@@ -112,10 +113,15 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
         m = embedding_model(vocab=vocab)
         x, y = token_data(hvd.rank() if data_rank is None else data_rank, steps * batch,
                           vocab=vocab)
-    opt = hvd.DistributedOptimizer(make_optimizer(opt_name, lr), **options)
+    if horovod_peer:  # Horovod's own path: DistributedGradientTape, plain optimizer
+        from benchmarks.keras_peers import horovod_tape_model
+        m = horovod_tape_model(m)
+        opt = make_optimizer(opt_name, lr)
+    else:
+        opt = hvd.DistributedOptimizer(make_optimizer(opt_name, lr), **options)
     m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
-    rec = Recorder.make(record_weights)
+    rec = Recorder.make(record_weights and not horovod_peer)
     cbs = [rec]
     if "broadcast" in callbacks:
         cbs.insert(0, hvd.callbacks.BroadcastGlobalVariablesCallback(0))
@@ -131,8 +137,12 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
     if warmup is not None:
         cbs.append(hvd.callbacks.LearningRateWarmupCallback(**warmup))
     init = {key(v): np.array(v.numpy()) for v in m.trainable_variables}
+    if horovod_peer:
+        cbs = [c for c in cbs if c is not rec]
     hist = m.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=cbs,
                  validation_data=(x[:64], y[:64]) if validation else None)
+    if horovod_peer:
+        return dict(final={key(v): np.array(v.numpy()) for v in m.trainable_variables})
     out = dict(weights=rec.weights, steps=rec.steps, logs=rec.logs, history=hist.history,
                stats=opt.stats.as_dict(),
                layers=[layer.name.split("/")[-1] for layer in opt.hvdsync_layers],

@@ -40,6 +40,12 @@ def parity_rank(np_: int) -> list:
             kw["dtype"] = "float32"
         r = fit_body(opts, opt_name, lr, steps, batch, **kw)
         out.append((name, r["max_diff"], r["stats"]["total"], r["final"]))
+    # Horovod's own Keras 3 path (DistributedGradientTape in train_step) gives the same weights
+    for opt_name in ("momentum", "adam"):
+        mine = fit_body({}, opt_name, 0.05, 10, 16, dtype="float64", record_weights=False)
+        peer = fit_body({}, opt_name, 0.05, 10, 16, dtype="float64", horovod_peer=True)
+        diff = max(float(np.abs(mine["final"][k] - peer["final"][k]).max()) for k in peer["final"])
+        out.append((f"horovod_tape_{opt_name}", diff, mine["stats"]["total"], mine["final"]))
     for name, opts in (("embedding", {}), ("embedding_dense", dict(sparse_as_dense=True))):
         r = fit_body(opts, "sgd", 0.5, 12, 16, model="emb", reference=True,
                      record_weights=False)

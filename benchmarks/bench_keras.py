@@ -1,0 +1,157 @@
+"""hvdsync.keras vs Horovod's own Keras 3 path (``DistributedGradientTape`` in a custom
+``train_step``), through ``model.fit``: time per step, bytes and accuracy, side by side in one
+run per network.
+
+    .venv/bin/python -m benchmarks.bench_keras [--np 2] [--nets loopback 100]
+        [--steps 200] [--width 256 --depth 6 --batch 128]
+
+Every method of a (network, ranks) cell trains in the same job, one after the other, from the
+same initial weights and data (planted-teacher classification, Adam). Each first runs a few
+warm-up steps (tracing the train function), then ``--steps`` timed steps; time/step is that
+wall time over the steps on the slowest rank, the fastest of ``--repeats`` rounds (the whole
+method list is run again in each round). "eager path, nothing skipped" is ``threshold=0``
+(every layer sent every step through the technique path): the cost of running the exchange as
+Python in ``tf.py_function`` instead of graph ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from benchmarks.common import markdown_table, report
+from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
+
+METHODS = {
+    "horovod (DistributedGradientTape)": None,
+    "hvdsync (nothing on)": {},
+    "clip max_norm=1": dict(clip=dict(max_norm=1.0)),
+    "eager path, nothing skipped": dict(threshold=0.0),
+    "threshold 0.5, max_skip 8": dict(threshold=dict(threshold=0.5, max_skip=8)),
+    "select k=25%": dict(select=dict(k=0.25)),
+    "delay s=2 K=16": dict(delay=dict(staleness=2, average_every=16)),
+    "fp16": "fp16",
+}
+
+
+def methods_body(methods: list[str], steps: int, width: int, depth: int, batch: int,
+                 seed: int, repeats: int = 2) -> dict:
+    """On each rank: every method in turn, the whole list ``repeats`` times (the fastest
+    round counts: two ranks share two cores here, so single rounds are noisy); per method
+    time/step, bytes/step and accuracy."""
+    out: dict = {}
+    for _ in range(repeats):
+        for name, r in _one_round(methods, steps, width, depth, batch, seed).items():
+            if name not in out or r["step_s"] < out[name]["step_s"]:
+                out[name] = r
+    return out
+
+
+def _one_round(methods: list[str], steps: int, width: int, depth: int, batch: int,
+               seed: int, warmup: int = 5) -> dict:
+    import os
+    import time
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import hvdsync.keras as hvd
+    from benchmarks.keras_peers import horovod_tape_model
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    features, classes = 32, 10
+    teacher = np.random.default_rng(seed).standard_normal((features, classes))
+    rng = np.random.default_rng(100 + hvd.rank())
+    n = (steps + warmup) * batch
+    x = rng.standard_normal((n, features)).astype("float32")
+    y = np.argmax(x @ teacher, axis=1)
+    xt = np.random.default_rng(99).standard_normal((2048, features)).astype("float32")
+    yt = np.argmax(xt @ teacher, axis=1)
+    out = {}
+    for name in methods:
+        options = METHODS[name]
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((features,))]
+                                 + [keras.layers.Dense(width, activation="relu")
+                                    for _ in range(depth - 1)]
+                                 + [keras.layers.Dense(classes)])
+        base = keras.optimizers.Adam(1e-3)
+        if options is None:
+            model = horovod_tape_model(model)
+            opt = base
+        elif options == "fp16":
+            opt = hvd.DistributedOptimizer(base, compression=hvd.Compression.fp16)
+        else:
+            opt = hvd.DistributedOptimizer(base, **options)
+        model.compile(optimizer=opt, metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x[:warmup * batch], y[:warmup * batch], batch_size=batch, verbose=0)
+        before = opt.stats.total.bytes_sent if options is not None else 0
+        start = time.perf_counter()
+        model.fit(x[warmup * batch:], y[warmup * batch:], batch_size=batch, verbose=0,
+                  shuffle=False)
+        if hasattr(opt, "flush"):
+            opt.flush()
+        elapsed = time.perf_counter() - start
+        acc = float(model.evaluate(xt, yt, verbose=0, return_dict=True)["accuracy"])
+        if options is None:  # Horovod sends every gradient, uncompressed
+            nbytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+        else:
+            nbytes = (opt.stats.total.bytes_sent - before) / steps
+        out[name] = dict(step_s=elapsed / steps, accuracy=acc, bytes_per_step=nbytes)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--np", type=int, nargs="+", default=[2])
+    ap.add_argument("--nets", nargs="+", default=["loopback", "100"],
+                    help="'loopback' and/or link rates in Mbit/s")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=128, help="per rank")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    args = ap.parse_args(argv)
+    reason = namespaces_unavailable()
+    rows, data = [], {}
+    for net_name in args.nets:
+        if net_name != "loopback" and reason:
+            print(f"skipping the {net_name} Mbit/s network: {reason}")
+            continue
+        for np_ in args.np:
+            call = (args.methods, args.steps, args.width, args.depth, args.batch, args.seed,
+                    args.repeats)
+            if net_name == "loopback":
+                label = "loopback"
+                res = run_ranks_on(None, methods_body, np_, args=call, timeout=1800)
+            else:
+                with EmulatedNetwork(np_, rate_mbit=float(net_name)) as net:
+                    label = net.describe()
+                    res = run_ranks_on(net, methods_body, np_, args=call, timeout=1800)
+            per = {m: dict(step_s=max(r[m]["step_s"] for r in res),
+                           accuracy=statistics.mean(r[m]["accuracy"] for r in res),
+                           bytes_per_step=res[0][m]["bytes_per_step"]) for m in args.methods}
+            data[f"{net_name}/np{np_}"] = dict(network=label, ranks=np_, methods=per)
+            base = per.get("horovod (DistributedGradientTape)")
+            for m, v in per.items():
+                rows.append([label, np_, m, round(v["step_s"] * 1e3, 1),
+                             f"{v['step_s'] / base['step_s']:.2f}" if base else "-",
+                             f"{v['bytes_per_step'] / base['bytes_per_step']:.2f}" if base else "-",
+                             f"{v['accuracy'] * 100:.1f}"])
+            print(markdown_table(["network", "ranks", "method", "step ms", "time vs horovod",
+                                  "bytes vs horovod", "accuracy %"], rows[-len(per):]),
+                  flush=True)
+    headers = ["network", "ranks", "method", "time/step ms (slowest rank)",
+               "time/step vs horovod", "bytes/step vs horovod", "held-out accuracy %"]
+    model = f"{args.depth}-layer MLP width {args.width}, batch {args.batch}/rank, Adam"
+    report("keras", f"hvdsync.keras vs Horovod (Keras 3 fit), {model}, {args.steps} steps",
+           markdown_table(headers, rows), dict(model=model, steps=args.steps, cells=data),
+           "benchmarks.bench_keras", argv)
+
+
+if __name__ == "__main__":
+    main()
