@@ -33,8 +33,8 @@ class EagerDelay(EagerTechnique):
         self.reducer = reducer
         self.slots = slots
         self.stats = stats
-        # step id -> [(positions, local gradients, future of the reduced ones)]
-        self._in_flight: dict[int, list[tuple[list[int], list, Future]]] = {}
+        # step id -> (per layer (positions, local gradients), future of the reduced ones)
+        self._in_flight: dict[int, tuple[list[tuple[list[int], list]], Future]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdsync-delay")
         self._average_after_step = False
 
@@ -49,39 +49,35 @@ class EagerDelay(EagerTechnique):
                                  "sparse_as_dense=True or no delay)")
         t = self.policy.current
         slot = t % (self.config.staleness + 1)
-        parts = []
-        for li, positions in layout.layers:
-            name = layout.names[li]
-            local = [grads[p] for p in positions]
-            for g in local:
-                self.stats.dense(payload_bytes(g))
-            self.stats.sent(name, sum(self.reducer.wire_bytes(g) for g in local),
-                            self.reducer.collectives(local))
-            future = self._pool.submit(self.reducer.reduce, local, f"hvdsync.{name}.delay{slot}")
-            parts.append((positions, local, future))
-        self._in_flight[t] = parts
+        parts = [(positions, [grads[p] for p in positions]) for _, positions in layout.layers]
+        layers = [(layout.names[li], local) for (li, _), (_, local) in zip(layout.layers, parts)]
+        for g in grads:
+            self.stats.dense(payload_bytes(g))
+        self.reducer.record_sent(layers, self.stats)
+        # all layers of the step in one grouped allreduce, in the background
+        self._in_flight[t] = (parts, self._pool.submit(self.reducer.reduce_layers, layers,
+                                                       f"delay{slot}"))
 
         ids = self.outstanding
-        ready = {j for j in ids if all(f.done() for _, _, f in self._in_flight[j])}
+        ready = {j for j in ids if self._in_flight[j][1].done()}
         wait_for, fold = self.policy.plan(ids, ready)
         waited: Optional[float] = None
         if wait_for:
             start = time.perf_counter()
             for j in wait_for:
-                for _, _, f in self._in_flight[j]:
-                    f.result()
+                self._in_flight[j][1].result()
             waited = time.perf_counter() - start
         folded = [self._in_flight.pop(j) for j in fold]
         own = bool(fold) and fold[0] == t  # this step's global gradient is back: use it
         out = list(grads)
         current = folded[0] if own else self._in_flight[t]
-        corrections = folded[1:] if own else folded
-        for k, (positions, local, future) in enumerate(current):
-            base = future.result() if own else local
+        corrections = [(part, future.result()) for part, future in (folded[1:] if own else folded)]
+        own_global = current[1].result() if own else None
+        for k, (positions, local) in enumerate(current[0]):
             for i, p in enumerate(positions):
-                update = base[i]
-                for part in corrections:
-                    update = update + part[k][2].result()[i] - part[k][1][i]
+                update = own_global[k][i] if own else local[i]
+                for part, reduced in corrections:
+                    update = update + reduced[k][i] - part[k][1][i]
                 out[p] = update
         self._average_after_step = self.policy.averages_now()
         if self._average_after_step:
@@ -108,9 +104,8 @@ class EagerDelay(EagerTechnique):
 
     def discard(self) -> int:
         n = len(self._in_flight)
-        for parts in self._in_flight.values():
-            for _, _, f in parts:
-                f.result()
+        for _, future in self._in_flight.values():
+            future.result()
         self._in_flight.clear()
         self._average_after_step = False
         if n:

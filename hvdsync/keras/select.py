@@ -37,14 +37,17 @@ class EagerSelect(EagerTechnique):
         n = len(layout.names)
         mask = list(self.selector.selected)
         dots = [0.0] * n
+        dot_tensors: list[tf.Tensor] = []
         out = list(grads)
+        pushing: list[tuple[str, list]] = []
+        pushed_positions: list[list[int]] = []
         for li, positions in layout.layers:
             name = layout.names[li]
             if self.selector.hypernet is not None:
                 # dL/dalpha_l at alpha = 1 for the loss with the layer's weights scaled by alpha
-                dots[li] = float(tf.add_n([tf.reduce_sum(tf.cast(grads[p], tf.float32)
-                                                         * tf.cast(values[p], tf.float32))
-                                           for p in positions]))
+                dot_tensors.append(tf.add_n([tf.reduce_sum(tf.cast(grads[p], tf.float32)
+                                                           * tf.cast(values[p], tf.float32))
+                                             for p in positions]))
             for p in positions:
                 self.stats.dense(payload_bytes(grads[p]))
             if mask[li]:
@@ -52,11 +55,8 @@ class EagerSelect(EagerTechnique):
                 for p in positions:
                     r = self.residual.pop(layout.key(p), None)
                     layer.append(grads[p] if r is None else grads[p] + r)
-                reduced = self.reducer.reduce(layer, name=f"hvdsync.{name}")
-                self.stats.sent(name, sum(self.reducer.wire_bytes(g) for g in layer),
-                                self.reducer.collectives(layer))
-                for p, r in zip(positions, reduced):
-                    out[p] = r
+                pushing.append((name, layer))
+                pushed_positions.append(positions)
             else:
                 for p in positions:
                     key = layout.key(p)
@@ -65,11 +65,22 @@ class EagerSelect(EagerTechnique):
                     out[p] = tf.zeros_like(grads[p])
                     self._restore.append((p, tf.identity(values[p]), self.slots.snapshot(key)))
                 self.stats.skipped(name)
+        self.reducer.record_sent(pushing, self.stats)
+        for positions, reduced in zip(pushed_positions,
+                                      self.reducer.reduce_layers(pushing, "select")):
+            for p, r in zip(positions, reduced):
+                out[p] = r
         # Agree on the next step's layers (one control-plane allreduce).
-        norms = [0.0] * n
+        norm_tensors = []
         for li, positions in layout.layers:
             rs = [self.residual[layout.key(p)] for p in positions if layout.key(p) in self.residual]
-            norms[li] = float(global_norm(rs)) if rs else 0.0
+            norm_tensors.append(global_norm(rs))
+        host = tf.stack(dot_tensors + norm_tensors).numpy().tolist()  # one device read
+        norms = [0.0] * n
+        for k, (li, _) in enumerate(layout.layers):
+            if dot_tensors:
+                dots[li] = host[k]
+            norms[li] = host[len(dot_tensors) + k]
         local = self.selector.local_scores(dots, norms)
         shared = control_allreduce(local, "hvdsync.select.scores", self.reducer.process_set,
                                    self.stats)

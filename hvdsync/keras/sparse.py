@@ -44,6 +44,8 @@ class EagerSparse(EagerTechnique):
     def before_apply(self, layout: StepLayout, grads: list, values: list) -> list:
         out = list(grads)
         sparse: list[tuple[int, int, tf.IndexedSlices]] = []  # (layer, position, gradient)
+        dense_layers: list[tuple[str, list]] = []
+        dense_positions: list[list[int]] = []
         for li, positions in layout.layers:
             name = layout.names[li]
             dense = [p for p in positions if not isinstance(grads[p], tf.IndexedSlices)]
@@ -55,11 +57,13 @@ class EagerSparse(EagerTechnique):
                                      int(tf.shape(grads[p].indices)[0]) - int(tf.shape(g.indices)[0]))
                     sparse.append((li, p, g))
             if dense:
-                layer = [grads[p] for p in dense]
-                for p, r in zip(dense, self.reducer.reduce(layer, name=f"hvdsync.{name}")):
-                    out[p] = r
-                self.stats.sent(name, sum(self.reducer.wire_bytes(g) for g in layer),
-                                self.reducer.collectives(layer))
+                dense_layers.append((name, [grads[p] for p in dense]))
+                dense_positions.append(dense)
+        self.reducer.record_sent(dense_layers, self.stats)
+        for positions, reduced in zip(dense_positions,
+                                      self.reducer.reduce_layers(dense_layers, "dense")):
+            for p, r in zip(positions, reduced):
+                out[p] = r
         if not sparse:
             return out
         size = self.reducer.size

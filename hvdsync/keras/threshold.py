@@ -37,6 +37,7 @@ class EagerThreshold(EagerTechnique):
         relative = self.policy.config.relative
         n = len(layout.names)
         acc_norms, param_norms = [0.0] * n, [0.0] * n
+        norms = []
         for li, positions in layout.layers:
             current = []
             for pos in positions:
@@ -45,16 +46,24 @@ class EagerThreshold(EagerTechnique):
                     self.acc[key] = self.acc[key] + grads[pos]
                 current.append(self.acc.get(key, grads[pos]))
                 self.stats.dense(payload_bytes(grads[pos]))
-            acc_norms[li] = float(global_norm(current))
+            norms.append(global_norm(current))
             if relative:  # parameters as of the last sync: identical on every rank
-                param_norms[li] = float(global_norm(
+                norms.append(global_norm(
                     [self.anchor[layout.key(p)][0] if layout.key(p) in self.anchor else values[p]
                      for p in positions]))
+        values_ = tf.stack(norms).numpy().tolist() if norms else []  # one device read
+        per = 2 if relative else 1
+        for k, (li, _) in enumerate(layout.layers):
+            acc_norms[li] = values_[per * k]
+            if relative:
+                param_norms[li] = values_[per * k + 1]
         shared = control_allreduce(acc_norms + (param_norms if relative else []),
                                    "hvdsync.control.threshold", self.reducer.process_set,
                                    self.stats)
         send = self.policy.decide(shared[:n], shared[n:] if relative else None)
         out = list(grads)
+        sending: list[tuple[str, list]] = []
+        sent_positions: list[list[int]] = []
         for li, positions in layout.layers:
             name = layout.names[li]
             if send[li]:
@@ -67,12 +76,8 @@ class EagerThreshold(EagerTechnique):
                     if anchor is not None:  # back to the sync point, then one step
                         layout.variables[pos].assign(anchor[0])
                         self.slots.restore(key, anchor[1])
-                layer = [out[p] for p in positions]
-                reduced = self.reducer.reduce(layer, name=f"hvdsync.{name}")
-                self.stats.sent(name, sum(self.reducer.wire_bytes(g) for g in layer),
-                                self.reducer.collectives(layer))
-                for pos, r in zip(positions, reduced):
-                    out[pos] = r
+                sending.append((name, [out[p] for p in positions]))
+                sent_positions.append(positions)
             else:
                 for pos in positions:
                     key = layout.key(pos)
@@ -81,6 +86,11 @@ class EagerThreshold(EagerTechnique):
                     if key not in self.anchor:
                         self.anchor[key] = (tf.identity(values[pos]), self.slots.snapshot(key))
                 self.stats.skipped(name)
+        self.reducer.record_sent(sending, self.stats)
+        for positions, reduced in zip(sent_positions,
+                                      self.reducer.reduce_layers(sending, "threshold")):
+            for pos, r in zip(positions, reduced):
+                out[pos] = r
         return out
 
     def forget(self) -> None:
