@@ -99,7 +99,7 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
              vocab: int = 40, seed_by_rank: bool = False, warmup: Optional[dict] = None,
              reference: bool = False, data_rank: Optional[int] = None,
              slow_rank: Optional[int] = None, evaluate: bool = False,
-             horovod_peer: bool = False) -> dict[str, Any]:
+             horovod_peer: bool = False, nan_rank: Optional[int] = None) -> dict[str, Any]:
     """Train on this rank's data through ``model.fit`` with hvdsync's optimizer."""
     import keras
     import tensorflow as tf
@@ -113,6 +113,9 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
         m = embedding_model(vocab=vocab)
         x, y = token_data(hvd.rank() if data_rank is None else data_rank, steps * batch,
                           vocab=vocab)
+    if nan_rank is not None and hvd.rank() == nan_rank:
+        x = x.copy()
+        x[batch + 1, 0] = np.nan  # the second batch's gradient on this rank is NaN
     if horovod_peer:  # Horovod's own path: DistributedGradientTape, plain optimizer
         from benchmarks.keras_peers import horovod_tape_model
         m = horovod_tape_model(m)

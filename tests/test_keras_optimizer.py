@@ -259,3 +259,18 @@ def test_single_process_fit_works_and_counts_nothing_sent():
     m.fit(x, y, batch_size=16, verbose=0)
     assert opt.stats.total.step == 4 and opt.stats.total.bytes_sent == 0
     assert [layer.name.split("/")[-1] for layer in opt.hvdsync_layers] == ["fc1", "fc2", "out"]
+
+
+# -- the example ---------------------------------------------------------------------------------
+def example_rank(path: str) -> dict:
+    from examples.keras.train_digits import train
+    return train(epochs=4, verbose=False, save=path)
+
+
+def test_keras_example_trains_and_saves(tmp_path):
+    path = str(tmp_path / "digits.keras")
+    ranks = run_ranks(example_rank, np=2, args=(path,), timeout=300)
+    assert ranks[0]["accuracy"] >= 0.9, ranks[0]["accuracy"]
+    assert ranks[0]["accuracy"] == ranks[1]["accuracy"]  # identical replicas
+    assert os.path.exists(path)
+    assert ranks[0]["history"]["hvd_dense_ratio"][-1] == pytest.approx(1.0)

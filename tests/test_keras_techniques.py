@@ -22,6 +22,8 @@ CASES = {
                     dict(reference=True, record_weights=False, **F64)),
     "clip_ema": (dict(clip=dict(ema=(0.9, 0.8), warmup=2)), "adam", 0.01, 12, 16,
                  dict(record_weights=False)),
+    "clip_nonfinite": (dict(clip=dict(max_norm=10.0)), "sgd", 0.1, 6, 16,
+                       dict(record_weights=False, nan_rank=1)),
     # technique 5: accumulation thresholds
     "threshold": (dict(threshold=dict(threshold=0.6, max_skip=3)), "momentum", 0.05, 20, 16,
                   dict(F64)),
@@ -90,6 +92,16 @@ def test_clip_equals_clipped_averaged_training(runs, case):
 def test_adaptive_clip_clips_and_keeps_replicas_identical(runs):
     ranks = runs["clip_ema"]
     assert all(r["stats"]["total"]["clipped"] > 0 for r in ranks)
+    for other in ranks[1:]:
+        assert _weights_equal(ranks[0]["final"], other["final"])
+
+
+def test_nonfinite_gradient_is_zeroed_not_spread(runs):
+    ranks = runs["clip_nonfinite"]
+    for r in ranks:
+        assert all(np.isfinite(w).all() for w in r["final"].values())
+    assert ranks[1]["stats"]["total"]["nonfinite"] == 3  # each layer of the NaN step
+    assert "nonfinite" not in ranks[0]["stats"]["total"]
     for other in ranks[1:]:
         assert _weights_equal(ranks[0]["final"], other["final"])
 
