@@ -11,11 +11,15 @@ PyTorch DDP (Gloo) with the PowerSGD communication hook (rank 2, after 10 plain 
 ranks join a ``torch.distributed`` process group the way torchrun's env:// rendezvous does);
 hvdsync with nothing enabled, with each technique, and a recommended combination.
 
+Every method trains the workload's number of steps; one that took less time than plain
+Horovod goes on until it has used Horovod's training time (at most 3x the steps), so that time
+to target compares methods at equal wall time, not at a step count the baseline chose.
 Per method: training time (evaluation excluded; the slowest rank) until the held-out accuracy
 first reaches the target -- plain Horovod's final accuracy minus 0.5 point, computed in the
-same run -- final accuracy (mean over seeds, each the mean over ranks: replicas may differ
-with local updates), payload bytes per rank per step, collectives per step, and the time per
-step relative to plain Horovod. Results: ``benchmarks/results/suite[_quick].{json,md}`` and
+same run -- final accuracy after the workload's steps (mean over seeds, each the mean over
+ranks: replicas may differ with local updates), accuracy and steps at the end of training,
+payload bytes per rank per step, collectives per step, and the time per step relative to
+plain Horovod. Results: ``benchmarks/results/suite[_quick].{json,md}`` and
 plots ``suite[_quick]_accuracy.png`` (accuracy vs training time), ``..._bytes.png``.
 """
 
@@ -53,6 +57,7 @@ METHODS: dict[str, dict[str, Any]] = {
                                 kwargs=dict(delay=dict(staleness=4, average_every=32)),
                                 sparse_kwargs=dict(sparse=True)),
 }
+EXTEND = 3  # a method faster per step trains up to this many times the workload's steps
 RECOMMENDED = ("delay= (staleness 4, average every 32) + fp16; with sparse gradients: "
                "sparse= + fp16")
 
@@ -70,8 +75,16 @@ def _powersgd_bytes(model, rank: int = 2, min_rate: float = 2.0) -> int:
     return total
 
 
-def run_method(name: str, workload_name: str, seed: int, steps: int | None = None) -> dict:
-    """Train one method on this rank; returns the (train seconds, accuracy) curve and stats."""
+def run_method(name: str, workload_name: str, seed: int, steps: int | None = None,
+               budget_s: float | None = None) -> dict:
+    """Train one method on this rank; returns the (train seconds, accuracy) curve and stats.
+
+    Every method trains ``steps`` steps (the workload's count by default; its accuracy then is
+    the "final accuracy" compared across methods). With ``budget_s`` -- plain Horovod's
+    training time in the same run -- a method that got there in less time goes on training
+    until its slowest rank has used that budget (at most ``EXTEND`` x ``steps``), so that a
+    method faster per step is not cut off by a step count the baseline set: time to target is
+    then measured on an equal wall-time footing."""
     import horovod.torch as horovod
     import torch
     from torch import nn
@@ -119,24 +132,46 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
     next_batch = w.batches(hvd.rank(), hvd.size(), seed)
     x_test, y_test = w.test_set(seed)
     steps = steps or w.steps
-    batches = [next_batch() for _ in range(steps)]
+    limit = steps * EXTEND if budget_s is not None else steps
+    batches = [next_batch() for _ in range(steps)]  # made before the clock runs
 
     def accuracy() -> float:
         with torch.no_grad():
             return (model(x_test).argmax(1) == y_test).float().mean().item()
 
+    def stop_after(step: int) -> bool:
+        """Whether training ends after this step: decided from the slowest rank's time at
+        evaluation points only, so that all ranks decide alike."""
+        if step >= limit:
+            return True
+        if step < steps or step % w.eval_every:
+            return False
+        slowest = horovod.allreduce(torch.tensor([train_s], dtype=torch.float64),
+                                    op=horovod.Max, name=f"budget.{name}.{seed}.{step}")
+        return slowest.item() >= budget_s
+
     horovod.allreduce(torch.zeros(1), name=f"start.{name}.{seed}")  # start together
-    curve, train_s = [], 0.0
-    for step, (x, y) in enumerate(batches, start=1):
+    curve, train_s, final, step = [], 0.0, None, 0
+    while True:
+        step += 1
+        x, y = batches[step - 1] if step <= steps else next_batch()
         t0 = time.perf_counter()
         opt.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
-        if step == steps and spec["kind"] == "hvdsync":
-            opt.flush()
         train_s += time.perf_counter() - t0
-        if step % w.eval_every == 0 or step == steps:
+        done = stop_after(step)
+        if spec["kind"] == "hvdsync" and (step == steps or done):
+            t0 = time.perf_counter()
+            opt.flush()  # replicas identical (delay=) before the accuracy that is compared
+            train_s += time.perf_counter() - t0
+        if step % w.eval_every == 0 or step == steps or done:
             curve.append((train_s, accuracy()))
+        if step == steps:
+            final = curve[-1][1]
+        if done:
+            break
+    steps = step
     if spec["kind"] == "hvdsync":
         total = opt.stats.total
         nbytes, collectives = total.bytes_sent / steps, total.collectives / steps
@@ -149,8 +184,9 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
     else:
         nbytes = _powersgd_bytes(model)
         collectives = 3  # per DDP bucket (one bucket here): rank-1 tensors, P, Q
-    return dict(curve=curve, train_s=train_s, bytes_per_step=nbytes,
-                collectives_per_step=collectives, step_s=train_s / steps)
+    return dict(curve=curve, final=final, steps=steps, train_s=train_s,
+                bytes_per_step=nbytes, collectives_per_step=collectives,
+                step_s=train_s / steps)
 
 
 def suite_body(workload: str, methods: list[str], seeds: list[int], ddp_addr: str,
@@ -166,11 +202,17 @@ def suite_body(workload: str, methods: list[str], seeds: list[int], ddp_addr: st
         os.environ["GLOO_SOCKET_IFNAME"] = ddp_iface
         dist.init_process_group("gloo", init_method=f"tcp://{ddp_addr}:{ddp_port}",
                                 rank=hvd.rank(), world_size=hvd.size())
+    import horovod.torch as horovod
+    import torch
     out: dict[str, list] = {m: [] for m in methods}
     run_method("horovod", workload, 99, steps=20)  # warm-up: first-use costs land here
+    others = [m for m in methods if m != "horovod"]
     for seed in seeds:
-        for m in methods:
-            out[m].append(run_method(m, workload, seed))
+        out["horovod"].append(run_method("horovod", workload, seed))
+        budget = horovod.allreduce(torch.tensor([out["horovod"][-1]["train_s"]]),
+                                   op=horovod.Max, name=f"budget.{seed}").item()
+        for m in others:
+            out[m].append(run_method(m, workload, seed, budget_s=budget))
     if dist.is_initialized():
         dist.destroy_process_group()
     return out
@@ -183,22 +225,26 @@ def summarize(per_rank: list[dict], methods: list[str]) -> dict:
         runs = []
         for s in range(len(per_rank[0][m])):
             ranks = [r[m][s] for r in per_rank]
-            points = len(ranks[0]["curve"])
+            points = len(ranks[0]["curve"])  # the same on all ranks: they stop together
             curve = [(max(r["curve"][i][0] for r in ranks),
                       statistics.mean(r["curve"][i][1] for r in ranks)) for i in range(points)]
-            runs.append(dict(curve=curve, step_s=max(r["step_s"] for r in ranks),
+            runs.append(dict(curve=curve, final=statistics.mean(r["final"] for r in ranks),
+                             steps=ranks[0]["steps"], step_s=max(r["step_s"] for r in ranks),
                              bytes_per_step=statistics.mean(r["bytes_per_step"] for r in ranks),
                              collectives_per_step=ranks[0]["collectives_per_step"]))
         combined[m] = runs
-    finals = [run["curve"][-1][1] for run in combined["horovod"]]
+    finals = [run["final"] for run in combined["horovod"]]
     target = statistics.mean(finals) - 0.005
     table = {}
     for m, runs in combined.items():
         reached = [next((t for t, a in run["curve"] if a >= target), None) for run in runs]
         ok = [t for t in reached if t is not None]
+        finals = [run["final"] for run in runs]
         table[m] = dict(
-            final_accuracy=statistics.mean(run["curve"][-1][1] for run in runs),
-            final_sd=statistics.stdev(run["curve"][-1][1] for run in runs) if len(runs) > 1 else 0.0,
+            final_accuracy=statistics.mean(finals),
+            final_sd=statistics.stdev(finals) if len(runs) > 1 else 0.0,
+            end_accuracy=statistics.mean(run["curve"][-1][1] for run in runs),
+            steps=statistics.mean(run["steps"] for run in runs),
             time_to_target=statistics.mean(ok) if len(ok) == len(runs) else None,
             reached=f"{len(ok)}/{len(runs)}",
             step_s=statistics.mean(run["step_s"] for run in runs),
@@ -206,7 +252,7 @@ def summarize(per_rank: list[dict], methods: list[str]) -> dict:
             collectives_per_step=runs[0]["collectives_per_step"],
             curve=[(statistics.mean(run["curve"][i][0] for run in runs),
                     statistics.mean(run["curve"][i][1] for run in runs))
-                   for i in range(len(runs[0]["curve"]))])
+                   for i in range(min(len(run["curve"]) for run in runs))])
     return dict(target=target, methods=table)
 
 
@@ -220,6 +266,7 @@ def rows_for(cell: str, summary: dict) -> list[list]:
                      f"{ttt:.1f}" if ttt is not None else f"not reached ({v['reached']})",
                      f"{ttt / base_ttt:.2f}" if ttt is not None and base_ttt else "-",
                      f"{v['final_accuracy'] * 100:.2f} +- {v['final_sd'] * 100:.2f}",
+                     f"{v['end_accuracy'] * 100:.2f} ({v['steps']:.0f})",
                      f"{v['step_s'] / base['step_s']:.2f}",
                      human_bytes(v["bytes_per_step"]),
                      f"{v['bytes_per_step'] / base['bytes_per_step']:.2f}",
@@ -279,11 +326,16 @@ def main(argv=None) -> None:
     ap.add_argument("--np", type=int, nargs="+", default=[4])
     ap.add_argument("--nets", nargs="+", default=["100"],
                     help="link rates in Mbit/s and/or 'loopback'")
+    ap.add_argument("--delay-ms", type=float, default=0.0,
+                    help="one-way delay added to each rank's link (netem; where the kernel "
+                         "has no netem the run says so and only the rate applies)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--name", default=None,
                     help="results file name (default: suite, or suite_quick with --quick)")
     args = ap.parse_args(argv)
+    if args.delay_ms < 0:
+        ap.error(f"--delay-ms must be >= 0, got {args.delay_ms}")
     if args.quick:
         args.workloads, args.np, args.nets, args.seeds = ["digits_mlp", "teacher_cnn"], [2], \
             ["100"], 1
@@ -305,8 +357,11 @@ def main(argv=None) -> None:
                     label = "loopback"
                     per_rank = run_ranks_on(None, suite_body, np_, args=call, timeout=7200)
                 else:
-                    label = f"{float(net_name):g} Mbit/s"
-                    with EmulatedNetwork(np_, rate_mbit=float(net_name)) as net:
+                    with EmulatedNetwork(np_, rate_mbit=float(net_name),
+                                         delay_ms=args.delay_ms) as net:
+                        print(f"{wl}, {np_} ranks: {net.describe()}", flush=True)
+                        label = f"{float(net_name):g} Mbit/s" + (
+                            f" {args.delay_ms:g} ms" if net.delay_emulated else "")
                         call = (wl, methods, list(range(args.seeds)), net.addresses[0], 29511,
                                 "hvs0")
                         try:
@@ -339,7 +394,8 @@ def write(results: dict, rows: list, args, argv) -> None:
 
 
 HEADERS = ["workload, ranks, link", "method", "time to target (s)", "vs horovod",
-           "final accuracy % (mean +- sd over seeds)", "time/step vs horovod",
+           "final accuracy % (mean +- sd over seeds)",
+           "accuracy % at the end (steps)", "time/step vs horovod",
            "bytes/rank/step", "bytes vs horovod", "collectives/step"]
 
 if __name__ == "__main__":
