@@ -1,4 +1,4 @@
-"""Technique 1: per-layer gradient clipping, pipelined with the layer sends.
+"""``clip=``: per-layer gradient clipping, pipelined with the layer sends (a transform).
 
 A *layer* is clipped as soon as backward has produced all its gradients and is then sent at
 once, so clipping never waits for the whole backward pass or for communication (Horovod's
@@ -37,10 +37,14 @@ every rank still takes part in every collective, so nothing hangs.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.config import coerce_config
+from hvdsync.stats import SyncStats
+from hvdsync.technique import Gradients, TensorOps, Transform
 
 NONFINITE_MODES = ("zero", "propagate")
 MODES = ("local", "global")
@@ -180,3 +184,85 @@ class ClipPolicy:
                              f"this optimizer has {len(self.count)}")
         self.count = list(state["count"])
         self._sums = {(int(layer), float(beta)): (m, s) for layer, beta, m, s in state["sums"]}
+
+
+#: ``clip_layer(grads, params, config, limit) -> (clipped grads, pre-clip norm, clipped?)``:
+#: the adapter's arithmetic for one layer (device values; ``limit`` is ``max_norm`` and the
+#: adaptive limits as a float, ``inf`` when none applies; the ``ratio`` rule is applied inside).
+ClipLayer = Callable[[list, list, ClipConfig, float], tuple[list, Any, Any]]
+
+
+class LayerClip(Transform):
+    """Clips each layer's gradient by the configured rules -- before its send (``"local"``) or
+    once its average has arrived (``"global"``) -- and counts what it did (``clipped``: layers
+    whose gradient changed; ``nonfinite``: layers with NaN/Inf). The norms go to the host once
+    per step, in :meth:`end_step`."""
+
+    name = "clip"
+
+    def __init__(self, config: ClipConfig, grads: Gradients, ops: TensorOps,
+                 clip_layer: ClipLayer, layer_names: list[str], stats: SyncStats):
+        self.config = config
+        self.policy = ClipPolicy(config, len(layer_names))
+        self.grads = grads
+        self.ops = ops
+        self.clip_layer = clip_layer
+        self.layer_names = layer_names
+        self.stats = stats
+        self._step: list[tuple[int, Any, Any]] = []  # (layer, pre-clip norm, clipped?)
+        self._warned_nonfinite = False
+
+    def layer_ready(self, li: int, ks: list[int]) -> None:
+        if self.config.mode == "local":
+            self._clip(li)
+
+    def after_wait(self, li: int) -> None:
+        if self.config.mode == "global":
+            self._clip(li)
+
+    def _clip(self, li: int) -> None:
+        ks = range(self.grads.size(li))
+        grads = [self.grads.get(li, k) for k in ks]
+        params = [self.grads.value(li, k) for k in ks] if self.config.ratio is not None else []
+        new, norm, clipped = self.clip_layer(grads, params, self.config,
+                                             self.policy.norm_limit(li))
+        if norm is None:  # an empty layer
+            return
+        for k, g in zip(ks, new):
+            self.grads.set(li, k, g)
+        self._step.append((li, norm, clipped))
+
+    def end_step(self) -> None:
+        if not self._step:
+            return
+        host = self.ops.to_host([x for _, n, c in self._step for x in (n, c)])
+        self.observe([(li, host[2 * i], bool(host[2 * i + 1]))
+                      for i, (li, _, _) in enumerate(self._step)])
+        self._step.clear()
+
+    def observe(self, records: Sequence[tuple[int, float, bool]]) -> None:
+        """Fold a step's ``(layer, pre-clip norm, clipped?)`` into the running statistics and
+        the stats counters (also called by the Keras graph path)."""
+        for li, norm, was_clipped in records:
+            self.policy.observe(li, norm)
+            if was_clipped:
+                self.stats.count("clipped")
+            if not math.isfinite(norm):
+                self.stats.count("nonfinite")
+                if not self._warned_nonfinite:
+                    self._warned_nonfinite = True
+                    what = "sent as zeros" if self.config.nonfinite == "zero" else "sent unchanged"
+                    warnings.warn(f"hvdsync: non-finite gradient in layer "
+                                  f"{self.layer_names[li]!r} ({what}, clip "
+                                  f"nonfinite={self.config.nonfinite!r}); counted in stats as "
+                                  "'nonfinite', further warnings suppressed", RuntimeWarning,
+                                  stacklevel=2)
+
+    def state_dict(self) -> dict:
+        return {"policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+
+    def forget(self) -> None:
+        self._step.clear()

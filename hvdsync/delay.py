@@ -1,5 +1,6 @@
-"""Technique 2: overlap compute with communication -- update with the local gradient at once,
-fold in the global (averaged) gradient when it arrives, average the models every K steps.
+"""``delay=``: overlap compute with communication -- update with the local gradient at once,
+fold in the global (averaged) gradient when it arrives, average the models every K steps
+(a transport: it replaces the plain exchange of dense layers).
 
 Step ``t`` of every rank:
 
@@ -17,7 +18,7 @@ Step ``t`` of every rank:
    in, steps, and then averages the parameters across ranks with one allreduce per layer.
 
 Which global gradients have arrived differs between ranks; it only decides what is *added
-locally*, never which collectives run (DESIGN.md's rule): the gradient allreduce runs every
+locally*, never which collectives run (the no-hang rule of docs/design.md): the gradient allreduce runs every
 step and the parameter averaging on the step counter, identically on every rank.
 
 Why replicas stay close: for plain SGD every rank's parameters are ``theta_0 - lr * (sum of
@@ -36,11 +37,13 @@ Scalar state (Adam's step count) is the same on every rank either way.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
+from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, Transport
 
 STATE_MODES = ("local", "average")
 
@@ -151,3 +154,167 @@ def staleness_histogram(counters: dict[str, float]) -> dict[int, int]:
     hist = {int(k[len("staleness_"):]): int(v) for k, v in counters.items()
             if k.startswith("staleness_")}
     return dict(sorted(hist.items()))
+
+
+@dataclass
+class _InFlight:
+    """One layer's part of one step's global gradient."""
+
+    ks: list[int]
+    local: list  # g_j, as the update of step j used it
+    pending: Pending  # its wait() gives G_j
+
+
+class DelayedGradients(Transport):
+    """Starts each step's background allreduce, folds arrived global gradients into the
+    update, and averages the parameters on the shared schedule.
+
+    Memory: for every step ``j`` whose global gradient has not been folded in yet, each
+    layer's local gradients ``g_j`` (kept as backward left them) and the allreduce of a copy
+    of them, which becomes ``G_j``. Folding in is local arithmetic on those tensors; the
+    collectives (one gradient allreduce per layer per step, one parameter allreduce per layer
+    every K steps) are the same on every rank.
+    """
+
+    name = "delay"
+
+    def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
+                 comm: Communicator, layer_names: list[str], stats: SyncStats):
+        self.config = config
+        self.policy = DelayPolicy(config, stats)
+        self.grads = grads
+        self.ops = ops
+        self.comm = comm
+        self.layer_names = layer_names
+        self.stats = stats
+        self._in_flight: dict[int, dict[int, _InFlight]] = {}  # step id -> layer -> part
+        self._average_after_step = False
+
+    @property
+    def outstanding(self) -> list[int]:
+        """Ids (step numbers) of the global gradients not folded in yet."""
+        return sorted(self._in_flight)
+
+    def start(self, li: int, ks: list[int]) -> Optional[Pending]:
+        """Start the background allreduce of the layer's local gradient for this step; the
+        returned pending only carries the byte and collective counts (nothing to wait for)."""
+        for k in ks:
+            if self.grads.is_row_sparse(li, k):
+                raise ValueError("delay= supports dense gradients only; a row-sparse gradient "
+                                 "reached it (pass sparse_as_dense=True or no delay)")
+        step = self.policy.current
+        local = [self.grads.get(li, k) for k in ks]
+        # In-flight ids span at most staleness + 1 consecutive steps, so this slot keeps
+        # collective names unique while letting Horovod's response cache reuse them.
+        slot = step % (self.config.staleness + 1)
+        pending = self.comm.allreduce(f"hvdsync.{self.layer_names[li]}.delay{slot}",
+                                      [self.ops.clone(g) for g in local])
+        self._in_flight.setdefault(step, {})[li] = _InFlight(list(ks), local, pending)
+        return Pending(nbytes=pending.nbytes, collectives=pending.collectives)
+
+    def flush(self) -> dict[int, Pending]:
+        self.comm.flush(background=True)  # Keras: the step's allreduce goes to a thread
+        return {}
+
+    def before_optimizer_step(self) -> None:
+        """Set this step's update ``g_t + sum_j (G_j - g_j)`` over the arrived (or due) global
+        gradients."""
+        t = self.policy.current
+        ids = self.outstanding
+        ready = {j for j in ids if all(part.pending.ready()
+                                       for part in self._in_flight[j].values())}
+        wait_for, fold = self.policy.plan(ids, ready)
+        waited: Optional[float] = None
+        if wait_for:
+            start = time.perf_counter()
+            for j in wait_for:
+                for part in self._in_flight[j].values():
+                    part.pending.wait()
+            waited = time.perf_counter() - start
+        parts = [self._in_flight.pop(j) for j in fold]
+        reduced = [{li: layer.pending.wait() for li, layer in part.items()} for part in parts]
+        own = bool(fold) and fold[0] == t  # this step's global gradient is back: use it
+        current = parts[0] if own else self._in_flight[t]
+        corrections = list(zip(parts[1:], reduced[1:])) if own else list(zip(parts, reduced))
+        ops = self.ops
+        for li, layer in current.items():
+            for i, k in enumerate(layer.ks):
+                update = reduced[0][li][i] if own else ops.clone(layer.local[i])
+                for part, red in corrections:
+                    update = ops.accumulate(ops.accumulate(update, red[li][i]),
+                                            part[li].local[i], sign=-1)
+                self.grads.set(li, k, update)
+        self._average_after_step = self.policy.averages_now()
+        if self._average_after_step:
+            self.stats.count("averaged")
+            self.stats.control(*self._averaging_size())
+        self.policy.finish_step(fold, waited, len(self._in_flight))
+
+    def after_optimizer_step(self) -> None:
+        """Average the parameters (and, if configured, the optimizer state) when this step
+        was an averaging step."""
+        if self._average_after_step:
+            self._average_after_step = False
+            self.comm.average(self._averaged())
+
+    def flush_replicas(self) -> int:
+        """Wait for every outstanding global gradient and average the replicas; returns how
+        many outstanding global gradients this rank discarded. A no-op (on every rank alike)
+        right after an averaging step or when synchronous."""
+        if self.config.synchronous or self.policy.step % self.config.average_every == 0:
+            return 0
+        dropped = self.discard()
+        self.stats.control(*self._averaging_size())
+        self.comm.average(self._averaged())
+        return dropped
+
+    def discard(self) -> int:
+        """Finish and drop every outstanding global gradient."""
+        n = len(self._in_flight)
+        for part in self._in_flight.values():
+            for layer in part.values():
+                layer.pending.wait()
+        self._in_flight.clear()
+        self._average_after_step = False
+        if n:
+            self.stats.count("discarded", n)
+        return n
+
+    forget = discard
+
+    def state_dict(self) -> dict:
+        """Shared: the step counter (the averaging schedule). Outstanding global gradients are
+        not saved: call ``flush()`` before saving (docs/checkpoints.md)."""
+        return {"policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.discard()
+        self.policy.load_state_dict(state["policy"])
+
+    def status(self) -> dict:
+        """Finished ``step`` count, ids (step numbers) of the ``outstanding`` global
+        gradients, the ids the last step folded in (``last_folded``, newest first) and the
+        ``staleness`` histogram ``{lag in steps: count}``."""
+        return {"step": self.policy.step, "outstanding": self.outstanding,
+                "last_folded": list(self.policy.last_folded),
+                "staleness": staleness_histogram(self.stats.total.counters)}
+
+    # -- parameter averaging ------------------------------------------------------------------
+    def _averaged(self) -> list[tuple[str, list]]:
+        """Per layer and dtype, what is averaged: the parameters, then (``"average"``) their
+        optimizer state shaped like them, in a fixed order."""
+        groups = []
+        with_state = self.config.optimizer_state == "average"
+        for li, name in enumerate(self.layer_names):
+            by_dtype: dict[str, list] = {}
+            for x in self.grads.replica_tensors(li, with_state):
+                by_dtype.setdefault(self.ops.dtype_key(x), []).append(x)
+            groups += [(f"hvdsync.average.{name}.{d}", xs) for d, xs in by_dtype.items()]
+        return groups
+
+    def _averaging_size(self) -> tuple[int, int]:
+        """Bytes and collectives of one averaging."""
+        if self.comm.size == 1:
+            return 0, 0
+        groups = self._averaged()
+        return sum(self.ops.nbytes(x) for _, xs in groups for x in xs), len(groups)

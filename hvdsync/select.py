@@ -1,4 +1,4 @@
-"""Technique 4: hypernet-selected layer pushes with error feedback.
+"""``select=``: hypernet-selected layer pushes with error feedback (a decider).
 
 Each step only ``k`` layers are *pushed* (allreduced); the others add their gradient to a
 local residual (error feedback) and are not updated this step; when a layer is next pushed it
@@ -16,7 +16,7 @@ sends its gradient plus the residual, so nothing a rank computed is lost. Which 
   (the classic top-k baseline), ``selector="random"``: ``k`` layers uniformly at random
   (seeded identically on every rank) -- baselines to measure the hypernet against.
 
-Agreement (DESIGN.md's rule): the scores are averaged over ranks in **one** control-plane
+Agreement (the no-hang rule of docs/design.md): the scores are averaged over ranks in **one** control-plane
 allreduce per step (``len(layers)`` floats) and every rank picks the same top ``k`` from the
 averaged scores (ties by layer order). A layer not pushed for ``max_wait`` steps is forced
 in (forced layers come first; if more than ``k`` are forced, all of them are pushed, so the
@@ -39,6 +39,8 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from hvdsync.config import coerce_config
+from hvdsync.stats import SyncStats
+from hvdsync.technique import Communicator, Decider, Gradients, TensorOps
 
 SELECTORS = ("hypernet", "norm", "random")
 
@@ -165,7 +167,7 @@ class Hypernet:
         self.t = int(state["t"])
 
 
-class LayerSelector:
+class SelectPolicy:
     """Per-step scores (local), and the shared top-k choice with the wait bound."""
 
     def __init__(self, config: SelectConfig, num_layers: int):
@@ -195,16 +197,23 @@ class LayerSelector:
         rng = random.Random(c.seed * 1_000_003 + self.step)
         return [rng.random() for _ in range(self.num_layers)]
 
-    def choose(self, scores: list[float]) -> list[bool]:
-        """The layers to push next step from rank-averaged ``scores`` (same on every rank)."""
+    def choose(self, scores: list[float],
+               eligible: Optional[list[bool]] = None) -> list[bool]:
+        """The layers to push next step from rank-averaged ``scores`` (same on every rank).
+        Layers not ``eligible`` (no dense gradient: they go by the sparse exchange every
+        step) are not ranked and count neither toward ``k`` nor the wait bound."""
         self.step += 1
         n, bound = self.num_layers, self.config.max_wait
+        if eligible is None:
+            eligible = [True] * n
+        candidates = [i for i in range(n) if eligible[i]]
+        k = self.k if len(candidates) == n else self.config.layers_per_step(len(candidates))
         # a layer not chosen now would have waited waited+1 steps; force it at the bound
-        forced = [i for i in range(n) if bound is not None and self.waited[i] + 1 > bound]
-        rest = sorted((i for i in range(n) if i not in set(forced)),
+        forced = [i for i in candidates if bound is not None and self.waited[i] + 1 > bound]
+        rest = sorted((i for i in candidates if i not in set(forced)),
                       key=lambda i: (-scores[i], i))
-        chosen = set(forced) | set(rest[:max(0, self.k - len(forced))])
-        self.selected = [i in chosen for i in range(n)]
+        chosen = set(forced) | set(rest[:max(0, k - len(forced))])
+        self.selected = [i in chosen or not eligible[i] for i in range(n)]
         return list(self.selected)
 
     def pushed(self, mask: list[bool]) -> None:
@@ -228,3 +237,108 @@ class LayerSelector:
         self.waited = list(state["waited"])
         self.step = int(state["step"])
         self.selected = list(state["selected"])
+
+
+class SelectedPushes(Decider):
+    """Per-layer residuals (error feedback), the local statistics the selector needs, and the
+    shared choice.
+
+    A layer chosen for this step sends ``g + residual`` (its residual empties); a layer not
+    chosen adds ``g`` to its residual and is withheld from the wrapped optimizer
+    (:meth:`Gradients.withhold`: torch drops its gradient, Keras puts the layer back after
+    the update), so it -- and its momentum or Adam moments -- does not move this step,
+    identically on every rank.
+    """
+
+    name = "select"
+
+    def __init__(self, config: SelectConfig, grads: Gradients, ops: TensorOps,
+                 comm: Communicator, layer_names: list[str], stats: SyncStats):
+        self.policy = SelectPolicy(config, len(layer_names))
+        self.grads = grads
+        self.ops = ops
+        self.comm = comm
+        self.layer_names = layer_names
+        self.stats = stats
+        self.residual: dict[str, Any] = {}
+        n = len(layer_names)
+        self._dots: list[Any] = [None] * n
+        self._eligible = [True] * n
+        #: the last step's local scores, rank-averaged scores, residual norms and (hypernet)
+        #: alpha per layer -- for logging and plots
+        self.last: dict[str, list[float]] = {}
+
+    def layer_ready(self, li: int, ks: list[int]) -> None:
+        """Take the layer's statistics (no host sync: device values)."""
+        self._eligible[li] = bool(ks)
+        for k in ks:
+            if self.grads.is_row_sparse(li, k):
+                raise ValueError("select= needs dense gradients: pass sparse=True (row-sparse "
+                                 "layers then take the sparse exchange every step) or "
+                                 "sparse_as_dense=True")
+        if self.policy.hypernet is not None and ks:
+            # dL/dalpha_l at alpha = 1 for the loss with the layer's weights scaled by alpha
+            self._dots[li] = self.ops.dot([(self.grads.get(li, k), self.grads.value(li, k))
+                                           for k in ks])
+
+    def decision(self, li: int) -> Optional[bool]:
+        return self.policy.selected[li]  # chosen at the end of the last step
+
+    def on_send(self, li: int, ks: list[int]) -> None:
+        for k in ks:
+            r = self.residual.pop(self.grads.key(li, k), None)
+            if r is not None:
+                self.grads.set(li, k, self.ops.accumulate(self.grads.get(li, k), r))
+
+    def on_skip(self, li: int, ks: list[int]) -> None:
+        for k in ks:
+            key, g = self.grads.key(li, k), self.grads.get(li, k)
+            r = self.residual.get(key)
+            self.residual[key] = self.ops.clone(g) if r is None else self.ops.accumulate(r, g)
+            self.grads.withhold(li, k)
+
+    def end_step(self) -> None:
+        """Agree on the next step's layers (one control-plane allreduce) and record
+        statistics."""
+        n = len(self.layer_names)
+        mask = list(self.policy.selected)
+        norms = []
+        for li in range(n):
+            keys = [self.grads.key(li, k) for k in range(self.grads.size(li))]
+            norms.append(self.ops.norm([self.residual[key] for key in keys
+                                        if key in self.residual]))
+        dots = ([d if d is not None else self.ops.zero() for d in self._dots]
+                if self.policy.hypernet is not None else [])
+        host = self.ops.to_host(dots + norms)  # one device read
+        dots_host, norms_host = (host[:n] if dots else [0.0] * n), host[len(dots):]
+        self._dots = [None] * n
+        local = self.policy.local_scores(dots_host, norms_host)
+        shared = self.comm.control(local, "hvdsync.select.scores")
+        self.policy.pushed(mask)
+        self.policy.choose(shared, list(self._eligible))
+        self.stats.count("residual_norm", sum(x * x for x in norms_host) ** 0.5)
+        self.last = {"local_scores": local, "scores": shared, "residual_norms": norms_host}
+        if self.policy.hypernet is not None:
+            self.last["alpha"] = self.policy.prev_alpha.tolist()
+
+    def state_dict(self) -> dict:
+        """Shared: the selector (hypernet and its Adam state, scores, wait counters, the next
+        step's layers). Per rank: the residuals."""
+        return {"policy": self.policy.state_dict(),
+                "residual": {k: self.grads.to_saved(k, v) for k, v in self.residual.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.forget()
+        self.residual = {k: self.grads.from_saved(k, v) for k, v in state["residual"].items()}
+
+    def forget(self) -> None:
+        self.residual.clear()
+        self._dots = [None] * len(self._dots)
+
+    def status(self) -> dict:
+        """The last step's per-layer ``local_scores``, rank-averaged ``scores``,
+        ``residual_norms`` and (hypernet) ``alpha``, and the layers chosen for the next step
+        (``next``, layer names)."""
+        nxt = [name for name, s in zip(self.layer_names, self.policy.selected) if s]
+        return {**self.last, "next": nxt}

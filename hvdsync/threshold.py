@@ -1,5 +1,5 @@
-"""Technique 5: accumulation thresholds -- communicate a layer only when what it has
-accumulated is large enough.
+"""``threshold=``: accumulation thresholds -- communicate a layer only when what it has
+accumulated is large enough (a decider).
 
 Each rank adds every step's gradient of a layer to a local accumulation. Once per step all
 ranks share, in **one** small control-plane allreduce, every layer's accumulation norm
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.config import coerce_config
+from hvdsync.technique import Communicator, Decider, Gradients, TensorOps
 
 SCOPES = ("layer", "global")
 
@@ -120,3 +121,100 @@ class ThresholdPolicy:
                              f"this optimizer has {len(self.skipped_for)}")
         self.skipped_for = list(state["skipped_for"])
         self.step = int(state["step"])
+
+
+class AccumulationThreshold(Decider):
+    """Per-layer local accumulation, the shared send/skip decision, and reconciliation.
+
+    ``acc[key]`` holds the gradients of a parameter summed since its layer last synced
+    (present only while the layer skips: a layer sent every step costs no copy).
+    ``anchor[key]`` holds the parameter and its optimizer state as they were at that sync
+    (taken when the first local-only update is about to happen), restored right before the
+    layer's next sync. Keys are :meth:`Gradients.key` (a parameter's position).
+    """
+
+    name = "threshold"
+
+    def __init__(self, config: ThresholdConfig, grads: Gradients, ops: TensorOps,
+                 comm: Communicator, num_layers: int):
+        self.policy = ThresholdPolicy(config, num_layers)
+        self.grads = grads
+        self.ops = ops
+        self.comm = comm
+        self.num_layers = num_layers
+        self.acc: dict[str, Any] = {}
+        self.anchor: dict[str, Any] = {}
+
+    def decision(self, li: int) -> Optional[bool]:
+        return None  # needs every layer's accumulation: decided after backward
+
+    def decide(self, parts: dict[int, list[int]]) -> dict[int, bool]:
+        """Fold this step's gradients into the accumulations and agree on what to send (one
+        control-plane allreduce of every layer's accumulation norm)."""
+        relative = self.policy.config.relative
+        g, ops = self.grads, self.ops
+        acc_norms, param_norms = [], []
+        for li in range(self.num_layers):
+            current, values = [], []
+            for k in parts.get(li, []):
+                if g.is_row_sparse(li, k):
+                    raise ValueError("threshold= needs dense gradients: pass sparse=True (row-"
+                                     "sparse layers then take the sparse exchange every step) "
+                                     "or sparse_as_dense=True")
+                key = g.key(li, k)
+                if key in self.acc:
+                    self.acc[key] = ops.accumulate(self.acc[key], g.get(li, k))
+                current.append(self.acc.get(key, g.get(li, k)))
+                if relative:  # parameters as of the last sync: identical on every rank
+                    values.append(self.anchor[key]["value"] if key in self.anchor
+                                  else g.value(li, k))
+            acc_norms.append(ops.norm(current))
+            if relative:
+                param_norms.append(ops.norm(values))
+        local = ops.to_host(acc_norms + param_norms)  # one device read
+        shared = self.comm.control(local, "hvdsync.control.threshold")
+        n = self.num_layers
+        send = self.policy.decide(shared[:n], shared[n:] if relative else None)
+        return {li: send[li] for li in parts}
+
+    def on_send(self, li: int, ks: list[int]) -> None:
+        """The layer syncs now: its gradient becomes the accumulation, and its parameters and
+        optimizer state return to the last sync point if they moved locally since."""
+        for k in ks:
+            key = self.grads.key(li, k)
+            acc = self.acc.pop(key, None)
+            if acc is not None:
+                self.grads.set(li, k, acc)
+            anchor = self.anchor.pop(key, None)
+            if anchor is not None:
+                self.grads.restore(li, k, anchor)
+
+    def on_skip(self, li: int, ks: list[int]) -> None:
+        """The layer stays local this step: keep its gradient, remember the sync point."""
+        for k in ks:
+            key = self.grads.key(li, k)
+            if key not in self.acc:
+                self.acc[key] = self.ops.clone(self.grads.get(li, k))
+            if key not in self.anchor:
+                self.anchor[key] = self.grads.snapshot(li, k)
+
+    def state_dict(self) -> dict:
+        """Shared: the skip counters and step. Per rank: the unsent accumulations and the sync
+        points (parameters and optimizer state) of layers that are skipping."""
+        return {"policy": self.policy.state_dict(),
+                "acc": {k: self.grads.to_saved(k, v) for k, v in self.acc.items()},
+                "anchor": {k: self.grads.to_saved(k, v) for k, v in self.anchor.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.acc = {k: self.grads.from_saved(k, v) for k, v in state["acc"].items()}
+        self.anchor = {k: self.grads.from_saved(k, v) for k, v in state["anchor"].items()}
+
+    def forget(self) -> None:
+        """Drop unsent accumulations and sync points (after restoring a checkpoint that has
+        none they would roll layers back to values from before it)."""
+        self.acc.clear()
+        self.anchor.clear()
+
+    def status(self) -> dict:
+        return {"step": self.policy.step, "skipped_for": list(self.policy.skipped_for)}

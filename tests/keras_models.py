@@ -148,7 +148,7 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
         return dict(final={key(v): np.array(v.numpy()) for v in m.trainable_variables})
     out = dict(weights=rec.weights, steps=rec.steps, logs=rec.logs, history=hist.history,
                stats=opt.stats.as_dict(),
-               layers=[layer.name.split("/")[-1] for layer in opt.hvdsync_layers],
+               layers=[layer.name.split("/")[-1] for layer in opt.layers],
                final={key(v): np.array(v.numpy()) for v in m.trainable_variables},
                rank=hvd.rank(), size=hvd.size(), selection=opt.selection,
                delay=opt.delay_status, routes=opt.sparse_routes,

@@ -176,14 +176,14 @@ def test_save_and_load_round_trip(tmp_path, options):
     assert int(opt.iterations.numpy()) == 7
     if options:
         technique = next(iter(options))
-        state = opt._hvdsync_state()
+        state = opt.technique_state()["techniques"]
         assert technique in state
         if technique == "threshold":
             assert state["threshold"]["policy"]["step"] == 7
         if technique == "select":
-            assert state["select"]["selector"]["step"] == 7
+            assert state["select"]["policy"]["step"] == 7
         if technique == "clip":
-            assert sum(state["clip"]["count"]) == 7 * 3
+            assert sum(state["clip"]["policy"]["count"]) == 7 * 3
     # training continues from the restored state
     x, y = teacher_data(0, 32)
     model.fit(x, y, batch_size=16, verbose=0)
@@ -225,8 +225,8 @@ def _fails(exc, pattern, optimizer=None, **kwargs):
     (dict(sparse=True, sparse_as_dense=True), ValueError, "sparse_as_dense"),
     (dict(backward_passes_per_step=0), ValueError, "backward_passes_per_step must be >= 1"),
     (dict(device_dense="/gpu:0"), ValueError, "device_dense"),
-    (dict(clip=dict(max_norm=1.0, mode="global"), threshold=0.5), ValueError, "plain path"),
-    (dict(threshold=0.5, backward_passes_per_step=2), ValueError, "backward_passes_per_step"),
+    (dict(clip=dict(max_norm=1.0, mode="global"), delay=1), ValueError, "clip mode 'local'"),
+    (dict(threshold=0.5, select=1, sparse=True), ValueError, "pass one of them"),
     (dict(compression="fp16"), TypeError, "compress"),
     (dict(layers=3, groups=2), ValueError, "either groups"),
 ])
@@ -258,7 +258,7 @@ def test_single_process_fit_works_and_counts_nothing_sent():
     x, y = teacher_data(0, 64)
     m.fit(x, y, batch_size=16, verbose=0)
     assert opt.stats.total.step == 4 and opt.stats.total.bytes_sent == 0
-    assert [layer.name.split("/")[-1] for layer in opt.hvdsync_layers] == ["fc1", "fc2", "out"]
+    assert [layer.name.split("/")[-1] for layer in opt.layers] == ["fc1", "fc2", "out"]
 
 
 # -- the example ---------------------------------------------------------------------------------

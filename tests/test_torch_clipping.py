@@ -259,8 +259,8 @@ def test_clip_state_saved_and_restored():
                                     named_parameters=m2.named_parameters(),
                                     clip=dict(ema=(0.9, 2.0), warmup=1))
     opt2.load_state_dict(state)
-    assert opt2._clipper.policy.state_dict() == opt._clipper.policy.state_dict()
-    assert opt2._clipper.policy.norm_limit(0) == opt._clipper.policy.norm_limit(0) < math.inf
+    assert opt2.techniques['clip'].policy.state_dict() == opt.techniques['clip'].policy.state_dict()
+    assert opt2.techniques['clip'].policy.norm_limit(0) == opt.techniques['clip'].policy.norm_limit(0) < math.inf
 
 
 @pytest.mark.parametrize("cfg, exc, pattern", [

@@ -59,7 +59,7 @@ def delay_body(cfg: dict, opt_name: str, steps: int, slow_rank: int = -1,
                              if torch.is_tensor(v) and v.shape == p.shape})
     rec["stats"] = opt.stats.as_dict()
     rec["staleness"] = status["staleness"]
-    rec["saved_step"] = opt.state_dict()["hvdsync"]["delay"]["step"]
+    rec["saved_step"] = opt.state_dict()["hvdsync"]["techniques"]["delay"]["policy"]["step"]
     return rec
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hvdsync import SelectConfig
-from hvdsync.select import LayerSelector
+from hvdsync.select import SelectPolicy
 from hvdsync.testing import run_ranks
 from tests.models import assert_construction_fails, run_cases, teacher_batches
 
@@ -63,7 +63,9 @@ def select_body(cfg: dict, opt_name: str, steps: int) -> dict:
             opt.step()
         params.append({n: p.detach().numpy().copy() for n, p in named.items()})
         scores.append(opt.selection["scores"])
-    residual = {n: opt._select.residual[p].numpy().copy() if p in opt._select.residual
+    memory = opt.techniques["select"].residual  # keyed by position in layer order
+    key = {n: str(i) for i, n in enumerate(n for layer in opt.layers for n in layer.param_names)}
+    residual = {n: memory[key[n]].numpy().copy() if key[n] in memory
                 else np.zeros(tuple(p.shape), dtype=np.float32) for n, p in named.items()}
     return dict(pushed=pushed, params=params, scores=scores, layer_names=layer_names,
                 local_sum={n: t.numpy() for n, t in local_sum.items()},
@@ -192,7 +194,7 @@ def resume_body(selector: str) -> float:
     run(model, opt, batches[:10])
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
-    assert saved_opt["hvdsync"]["select"]["residual"], "no residual to save"
+    assert saved_opt["hvdsync"]["techniques"]["select"]["residual"], "no residual to save"
     run(model, opt, batches[10:])
 
     model2 = deep_mlp()
@@ -224,7 +226,7 @@ def test_converges_on_digits_pushing_one_layer_in_three():
 
 # -- the selector alone -------------------------------------------------------------------
 def test_choose_topk_with_forced_layers():
-    sel = LayerSelector(SelectConfig(k=2, selector="norm", max_wait=2), 5)
+    sel = SelectPolicy(SelectConfig(k=2, selector="norm", max_wait=2), 5)
     sel.pushed([True] * 5)
     assert sel.choose([0.1, 0.5, 0.3, 0.9, 0.0]) == [False, True, False, True, False]
     sel.pushed(sel.selected)
@@ -236,7 +238,7 @@ def test_choose_topk_with_forced_layers():
 
 def test_hypernet_descends_its_objective():
     """The hypernet's alpha moves against dL/dalpha."""
-    sel = LayerSelector(SelectConfig(k=1, lr=0.05), 3)
+    sel = SelectPolicy(SelectConfig(k=1, lr=0.05), 3)
     a0 = sel.hypernet.alpha()
     for _ in range(50):
         sel.local_scores([1.0, -1.0, 0.0], [0.0] * 3)

@@ -171,8 +171,9 @@ def test_threshold_shorthand():
     assert ThresholdConfig.coerce(0.5) == ThresholdConfig(threshold=0.5)
 
 
-def test_load_state_dict_drops_unsent_accumulations():
-    """After a checkpoint restore a layer must not roll back to a pre-restore sync point."""
+def test_state_dict_keeps_unsent_accumulations_and_sync_points():
+    """Checkpointed mid-skip, the accumulations and sync points travel with the checkpoint
+    (per rank); a checkpoint without them makes the layers forget theirs."""
     hvd.init()
     m = MLP()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
@@ -182,9 +183,16 @@ def test_load_state_dict_drops_unsent_accumulations():
         opt.zero_grad()
         torch.nn.functional.cross_entropy(m(x), y).backward()
         opt.step()
-    assert opt._threshold.acc and opt._threshold.anchor
+    t = opt.techniques["threshold"]
+    assert t.acc and t.anchor
     state = opt.state_dict()
-    assert state["hvdsync"]["threshold"] == {"skipped_for": [3, 3, 3], "step": 3}
+    saved = state["hvdsync"]["techniques"]["threshold"]
+    assert saved["policy"] == {"skipped_for": [3, 3, 3], "step": 3}
+    assert set(saved["acc"]) == set(saved["anchor"]) == {str(i) for i in range(6)}
+    acc = {k: v.clone() for k, v in t.acc.items()}
     opt.load_state_dict(state)
-    assert not opt._threshold.acc and not opt._threshold.anchor
-    assert opt._threshold.policy.skipped_for == [3, 3, 3]
+    assert set(t.acc) == set(acc) and all(torch.equal(t.acc[k], v) for k, v in acc.items())
+    assert t.policy.skipped_for == [3, 3, 3]
+    del state["hvdsync"]
+    opt.load_state_dict(state)
+    assert not t.acc and not t.anchor

@@ -1,20 +1,24 @@
-"""Communicators for Keras: the pieces that move gradient bytes (TensorFlow tensors), built on
-``horovod.tensorflow`` ops (Horovod's own Keras wrapper does not work with Keras 3).
+"""The Keras communicator: moves gradient bytes with ``horovod.tensorflow`` ops (Horovod's own
+Keras wrapper does not work with Keras 3).
 
-Two execution contexts use them:
+Two execution contexts use it:
 
-* the plain path builds Horovod ops into the compiled train function (graph mode; op names
-  come from the graph, as in Horovod's TensorFlow optimizer);
-* the techniques run their exchange eagerly inside ``tf.py_function`` (see
-  :mod:`hvdsync.keras.optimizer`). Eager Horovod ops are matched across ranks by the name they
-  are given, so every eager call here passes an explicit name, the same on every rank.
+* the plain graph path builds Horovod ops into the compiled train function
+  (:meth:`KerasCommunicator.reduce` with no name: op names come from the graph, as in
+  Horovod's TensorFlow optimizer);
+* the step pipeline runs eagerly inside ``tf.py_function``. Eager Horovod ops block until
+  done and are matched across ranks by the name they are given, so eager requests are
+  queued and :meth:`KerasCommunicator.flush` sends all of a step's layers in **one** grouped
+  allreduce (one negotiation round instead of one per layer), named from the requests'
+  names, which every rank has alike -- or hands it to a background thread (``delay=``).
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -24,6 +28,7 @@ from horovod.tensorflow.compression import FP16Compressor
 from horovod.tensorflow.mpi_ops import Average, ProcessSet, Sum
 
 from hvdsync.stats import SyncStats
+from hvdsync.technique import Pending
 
 
 def payload_bytes(g) -> int:
@@ -43,19 +48,29 @@ def coalesce(g: tf.IndexedSlices) -> tf.IndexedSlices:
     return tf.IndexedSlices(values, unique, g.dense_shape)
 
 
-class Reducer:
+class _Request:
+    def __init__(self, name: str, tensors: list, pending: Pending):
+        self.name, self.tensors, self.pending = name, tensors, pending
+        self.future: Optional[Future] = None
+        self.index = 0
+
+
+class KerasCommunicator:
     """Averages (or sums) gradients across ranks as Horovod's ``DistributedOptimizer`` does:
-    dense gradients of one layer in one grouped allreduce (with ``compression`` and
+    dense gradients in grouped allreduces (with ``compression`` and
     ``gradient_predivide_factor``), ``IndexedSlices`` through Horovod's allgather path, or
     densified with ``sparse_as_dense``."""
 
     def __init__(self, compression, op, gradient_predivide_factor: float,
-                 sparse_as_dense: bool, process_set: ProcessSet):
+                 sparse_as_dense: bool, process_set: ProcessSet, stats: SyncStats):
         self.compression = compression
         self.op = op
         self.predivide = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
+        self.stats = stats
+        self._queue: list[_Request] = []
+        self._pool: Optional[ThreadPoolExecutor] = None
 
     @property
     def size(self) -> int:
@@ -76,25 +91,30 @@ class Reducer:
             return n * 2 // g.dtype.size
         return n
 
+    def collectives(self, grads: Sequence) -> int:
+        """How many collectives :meth:`reduce` runs for ``grads``."""
+        sparse = (sum(isinstance(g, tf.IndexedSlices) for g in grads)
+                  if not self.sparse_as_dense else 0)
+        return sparse * 2 + (1 if sparse < len(grads) else 0)
+
     def reduce(self, grads: Sequence, name: Optional[str] = None) -> list:
-        """Reduce one layer's gradients. ``name`` is required when running eagerly."""
+        """Reduce ``grads`` now (graph ops in a traced function; eager ops, which need a
+        ``name``, when running eagerly)."""
         if self.size == 1:
             return list(grads)
         op, pre, post = self._op_and_scales()
+        grads = list(grads)
         out: list = [None] * len(grads)
         dense_pos = []
         for i, g in enumerate(grads):
-            if isinstance(g, tf.IndexedSlices):
-                if self.sparse_as_dense:
-                    grads = list(grads)
-                    grads[i] = tf.convert_to_tensor(g)
-                    dense_pos.append(i)
-                else:
-                    out[i] = hvd_allreduce(g, op=op, compression=self.compression,
-                                           prescale_factor=pre, postscale_factor=post,
-                                           name=None if name is None else f"{name}.sparse{i}",
-                                           process_set=self.process_set)
+            if isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense:
+                out[i] = hvd_allreduce(g, op=op, compression=self.compression,
+                                       prescale_factor=pre, postscale_factor=post,
+                                       name=None if name is None else f"{name}.sparse{i}",
+                                       process_set=self.process_set)
             else:
+                if isinstance(g, tf.IndexedSlices):
+                    grads[i] = tf.convert_to_tensor(g)
                 dense_pos.append(i)
         if dense_pos:
             pairs = [self.compression.compress(grads[i]) for i in dense_pos]
@@ -105,49 +125,84 @@ class Reducer:
                 out[i] = self.compression.decompress(r, ctx)
         return out
 
-    def reduce_layers(self, layers: Sequence[tuple[str, Sequence]], tag: str) -> list[list]:
-        """Eager: reduce several layers' dense gradients in **one** grouped allreduce -- one
-        negotiation round instead of one per layer (eager Horovod ops block, so separate calls
-        would run one after the other). Named by ``tag`` and the layer names, which every rank
-        has alike. Returns the reduced gradients per layer."""
-        if not layers:
-            return []
-        flat = [g for _, grads in layers for g in grads]
-        key = zlib.crc32("|".join(name for name, _ in layers).encode())
-        reduced = self.reduce(flat, name=f"hvdsync.{tag}.{key:08x}")
-        out, i = [], 0
-        for _, grads in layers:
-            out.append(reduced[i:i + len(grads)])
-            i += len(grads)
-        return out
+    # -- the pipeline's interface (eager) -----------------------------------------------------
+    def allreduce(self, name: str, tensors: list) -> Pending:
+        """Queue ``tensors`` for the next :meth:`flush`; the pending gives their reduction."""
+        tensors = list(tensors)
+        request = _Request(name, tensors, Pending())
+        nbytes = sum(self.wire_bytes(t) for t in tensors) if self.size > 1 else 0
+        request.pending = Pending(lambda: self._result(request), lambda: self._ready(request),
+                                  nbytes, 0)
+        self._queue.append(request)
+        return request.pending
 
-    def record_sent(self, layers: Sequence[tuple[str, Sequence]], stats: SyncStats) -> None:
-        """Count :meth:`reduce_layers`' payload per layer (one collective for all of them)."""
-        for i, (name, grads) in enumerate(layers):
-            stats.sent(name, sum(self.wire_bytes(g) for g in grads),
-                       1 if i == 0 and self.size > 1 else 0)
+    def flush(self, background: bool = False) -> None:
+        """Send every queued request in one grouped allreduce (``background``: in a thread,
+        so the step returns at once)."""
+        requests, self._queue = self._queue, []
+        if not requests:
+            return
+        if self.size > 1:
+            requests[0].pending.collectives = self.collectives(
+                [t for r in requests for t in r.tensors])
+        key = zlib.crc32("|".join(r.name for r in requests).encode())
+        flat = [t for r in requests for t in r.tensors]
 
-    def collectives(self, grads: Sequence) -> int:
-        """How many collectives :meth:`reduce` runs for ``grads``."""
-        sparse = sum(isinstance(g, tf.IndexedSlices) for g in grads) if not self.sparse_as_dense else 0
-        return sparse * 2 + (1 if sparse < len(grads) else 0)
+        def run() -> list:
+            return self.reduce(flat, name=f"hvdsync.step.{key:08x}")
+        if background:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdsync")
+            future = self._pool.submit(run)
+        else:
+            future = Future()
+            future.set_result(run())
+        i = 0
+        for r in requests:
+            r.future, r.index = future, i
+            i += len(r.tensors)
 
+    @staticmethod
+    def _result(request: _Request) -> list:
+        if request.future is None:
+            raise RuntimeError("hvdsync: a queued allreduce was waited on before flush()")
+        out = request.future.result()
+        return out[request.index:request.index + len(request.tensors)]
 
-def control_allreduce(values: list[float], name: str, process_set: ProcessSet,
-                      stats: SyncStats) -> list[float]:
-    """The control plane (eager): average a small vector of per-layer statistics across ranks
-    in one collective, so every rank decides from the same numbers."""
-    x = tf.constant(np.asarray(values, dtype=np.float64))
-    stats.control(payload_bytes(x))
-    if process_set.size() == 1:
-        return [float(v) for v in values]
-    out = mpi_ops._allreduce(x, name=name, op=Average, process_set=process_set)
-    return out.numpy().tolist()
+    @staticmethod
+    def _ready(request: _Request) -> bool:
+        return request.future is not None and request.future.done()
 
+    def control(self, values: list[float], name: str) -> list[float]:
+        """The control plane (eager): average a small vector of per-layer statistics across
+        ranks in one collective, so every rank decides from the same numbers."""
+        if self.size == 1:
+            return [float(v) for v in values]
+        x = tf.constant(np.asarray(values, dtype=np.float64))
+        self.stats.control(payload_bytes(x))
+        out = mpi_ops._allreduce(x, name=name, op=Average, process_set=self.process_set)
+        return out.numpy().tolist()
 
-def global_norm(tensors: Sequence) -> tf.Tensor:
-    """L2 norm of all ``tensors`` together as a float32 scalar (``IndexedSlices``: their
-    values, so coalesce them first if rows repeat)."""
-    parts = [tf.reduce_sum(tf.square(tf.cast(t.values if isinstance(t, tf.IndexedSlices) else t,
-                                             tf.float32))) for t in tensors]
-    return tf.sqrt(tf.add_n(parts)) if parts else tf.zeros((), tf.float32)
+    def average(self, groups: list[tuple[str, list[Any]]]) -> None:
+        """Average each named group of variables across ranks (eager) and assign the result."""
+        if self.size == 1:
+            return
+        for name, xs in groups:
+            avg = mpi_ops._grouped_allreduce([tf.convert_to_tensor(x.value) for x in xs],
+                                             name=name, op=Average,
+                                             process_set=self.process_set)
+            for x, a in zip(xs, avg):
+                x.assign(a)
+
+    def allgather(self, tensors: list, name: str) -> list:
+        """Eager grouped allgather (the sparse exchange's rows and counts)."""
+        if self.size == 1:
+            return list(tensors)
+        return mpi_ops.grouped_allgather(tensors, name=name, process_set=self.process_set)
+
+    def sum(self, tensors: list, name: str) -> list:
+        """Eager grouped allreduce with op Sum."""
+        if self.size == 1:
+            return list(tensors)
+        return mpi_ops._grouped_allreduce(tensors, name=name, op=Sum,
+                                          process_set=self.process_set)

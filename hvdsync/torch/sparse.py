@@ -1,10 +1,13 @@
-"""Sparse grouped allgather for torch (technique 3; the rules live in :mod:`hvdsync.sparse`).
+"""``sparse=`` for torch: the sparse grouped allgather as a transport (the rules live in
+:mod:`hvdsync.sparse`).
 
 Row-sparse gradients are torch sparse COO tensors (``nn.Embedding(sparse=True)``,
 ``nn.EmbeddingBag(sparse=True)``). A gradient with ``c`` distinct rows travels as one
 ``[c, k + row]`` tensor in the (compressed) value dtype: ``k`` columns carry the int64
 indices bit for bit, ``row`` the row's values -- one allgather per gradient instead of
-Horovod's two, and all gradients of the step in one grouped call.
+Horovod's two, and all gradients of the step in one grouped call. These parameters go every
+step (deciders govern the dense ones); they are queued as their layers become ready and sent
+together after backward.
 """
 
 from __future__ import annotations
@@ -19,21 +22,54 @@ from horovod.torch.mpi_ops import Average, allgather, grouped_allgather_async, \
 from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseRoute, choose_route, \
     gradient_layouts
 from hvdsync.stats import SyncStats
-from hvdsync.torch.comm import GradientAllreduce, Pending
+from hvdsync.technique import Pending, Transport
+from hvdsync.torch.backend import TorchGradients
+from hvdsync.torch.comm import TorchCommunicator
 
 _INDEX_BYTES = 8  # torch sparse indices are int64
 
 
-class SparseExchange:
-    """Moves the sparse gradients of one step; uses ``dense``'s compression, op and scale
-    factors. Per step the optimizer calls :meth:`begin`, then (one-round protocol)
-    :meth:`start_predicted` and, for what that did not cover, :meth:`start`."""
+class _Sends:
+    """What one layer waits for in this exchange (finishers and counts)."""
 
-    def __init__(self, config: SparseConfig, dense: GradientAllreduce, stats: SyncStats):
+    def __init__(self) -> None:
+        self.finishers: list[Callable[[], None]] = []
+        self.nbytes = 0
+        self.collectives = 0
+
+    def pending(self) -> Pending:
+        finishers = self.finishers
+        return Pending(lambda: [f() for f in finishers] and None, None, self.nbytes,
+                       self.collectives)
+
+
+class SparseExchange(Transport):
+    """Moves the sparse gradients of one step; uses ``dense``'s compression, op and scale
+    factors. Per step: :meth:`backward_done` takes every parameter's layout (counts-first
+    protocol: shares them at once), :meth:`start_early` (one-round protocol) sends the
+    gradients whose route the last step predicted together with the layouts, and
+    :meth:`flush` sends the rest by this step's shared counts."""
+
+    name = "sparse"
+    decidable = False  # row-sparse gradients go every step
+
+    def __init__(self, config: SparseConfig, grads: TorchGradients, dense: TorchCommunicator,
+                 stats: SyncStats):
         self.config = config
+        self.grads = grads
         self.dense = dense
         self.stats = stats
-        self.size = dense.process_set.size()
+        self.size = dense.size
+        self._params: list[tuple[str, torch.Tensor]] = [
+            item for layer in grads.layer_params for item in layer]
+        self._layer_of = {p: li for li, layer in enumerate(grads.layer_params) for _, p in layer}
+        self._position = {p: i for i, (_, p) in enumerate(self._params)}
+        self._taken: dict[torch.Tensor, str] = {}  # this step's route per parameter
+        #: the last step's route, per-rank row counts and rows handed to the optimizer (after
+        #: summing duplicates across ranks) per sparse parameter name, for logging and tests
+        self.last_routes: dict[str, tuple[str, tuple[int, ...], int]] = {}
+        self._queue: list[tuple[int, torch.Tensor]] = []
+        self._done: set[torch.Tensor] = set()
         # This step's shared layouts: p -> (layout, per-rank counts, sparse_dim).
         self._layout: dict[torch.Tensor, tuple[str, list[int], int]] = {}
         # Last shared layout seen with a gradient somewhere: p -> (layout, sparse_dim).
@@ -41,15 +77,54 @@ class SparseExchange:
         # One-round protocol: this step's route per sparse parameter, from the last step.
         self.predicted: dict[torch.Tensor, str] = {}
         self._codes: list[int] = []
-        self._params: Sequence[tuple[str, torch.Tensor]] = ()
+
+    # -- the transport's moments ----------------------------------------------------------------
+    def owns(self, li: int, k: int) -> bool:
+        return self.grads.is_row_sparse(li, k)
+
+    def layer_ready(self, li: int, ks: list[int]) -> None:
+        for k in ks:  # before clipping, so the duplicates are counted
+            self.coalesce(self.grads.param(li, k))
+
+    def start(self, li: int, ks: list[int]) -> None:
+        self._queue += [(li, self.grads.param(li, k)) for k in ks]
+
+    def fill(self, li: int, k: int):
+        p = self.grads.param(li, k)
+        return self.empty_gradient(p) if self.is_sparse(p) else None
+
+    def backward_done(self) -> None:
+        self._done = set()
+        self.begin()
+
+    def holds(self, li: int) -> bool:
+        """One-round protocol: a parameter with no gradient here that was never seen with one
+        anywhere (sparse or dense is unknown) waits for the shared layouts."""
+        return self.config.one_round and any(
+            p.grad is None and p not in self._known for _, p in self.grads.layer_params[li])
+
+    def start_early(self) -> dict[int, Pending]:
+        if not self.config.one_round:
+            return {}
+        items = [(self._layer_of[p], p) for _, p in self._params if p in self.predicted]
+        sends = self.start_predicted(items)
+        self._done = {p for _, p in items}
+        return {li: s.pending() for li, s in sends.items()}
+
+    def flush(self) -> dict[int, Pending]:
+        # in the fixed parameter order: layers became ready in a different order on each rank
+        items = sorted(((li, p) for li, p in self._queue if p not in self._done),
+                       key=lambda item: self._position[item[1]])
+        self._queue = []
+        if not items:
+            return {}
+        return {li: s.pending() for li, s in self._start_routed(items).items()}
 
     # -- stage 1 ----------------------------------------------------------------------------
-    def begin(self, params: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def begin(self) -> None:
         """Sum local duplicate rows and take every parameter's layout code. Counts-first
-        protocol: share them now (one collective) and return ``[]``. One-round protocol:
-        return the parameters that must wait for the shared layouts before they can take part
-        (no gradient here and never seen with one anywhere: sparse or dense is unknown)."""
-        self._params = params
+        protocol: share them now (one collective)."""
+        params = self._params
         self._layout = {}
         codes: list[int] = []
         for _, p in params:
@@ -70,8 +145,6 @@ class SparseExchange:
                 self._absorb(allgather(local, name="hvdsync.sparse.layouts",
                                        process_set=self.dense.process_set).tolist())
                 self.stats.control(local.numel() * _INDEX_BYTES)
-            return []
-        return [p for _, p in params if p.grad is None and p not in self._known]
 
     def coalesce(self, p: torch.Tensor) -> torch.Tensor:
         """Sum ``p``'s duplicate gradient rows (counted in ``sparse_duplicate_rows``)."""
@@ -118,23 +191,34 @@ class SparseExchange:
         """One-round protocol: next step's routes from this step's shared counts."""
         self.predicted = {p: self._route(p).route for p, (layout, _, _) in self._layout.items()
                           if layout == "sparse"}
+        self._done = set()
+        names = {p: n for n, p in self._params}
+        self.last_routes = {names[p]: (route, tuple(self._layout[p][1]),
+                                       p.grad._nnz() if p.grad is not None and p.grad.is_sparse
+                                       else 0)
+                            for p, route in self._taken.items()}
+        self._taken = {}
+
+    def status(self) -> dict:
+        return dict(self.last_routes)
 
     # -- stages 2 and 3 ---------------------------------------------------------------------
-    def start_predicted(self, items: Sequence[tuple[int, torch.Tensor]]) -> dict[int, Pending]:
+    def start_predicted(self, items: Sequence[tuple[int, torch.Tensor]]) -> dict[int, _Sends]:
         """One-round protocol: send this rank's layout codes together with the gradients of
         ``items`` (every parameter in :attr:`predicted`, in a fixed order) in **one** grouped
         allgather, routed as predicted from the last step's counts; gradients predicted dense
         go in one grouped allreduce at the same time. Returns when the layouts are shared."""
-        pendings: dict[int, Pending] = {}
+        pendings: dict[int, _Sends] = {}
         gather, dense = [], []
         for li, p in items:
-            pendings.setdefault(li, Pending())
+            pendings.setdefault(li, _Sends())
             if p.grad is None:
                 p.grad = self.empty_gradient(p)
             elif not p.grad.is_sparse:  # dense here, sparse elsewhere: raises after the gather
                 p.grad = p.grad.to_sparse(self._sparse_dim(p))
-            route = self.predicted[p]
-            self.stats.count(f"sparse_{'dense' if route == 'dense' else 'gather'}")
+            route = "dense" if self.predicted[p] == "dense" else "gather"
+            self._taken[p] = route
+            self.stats.count(f"sparse_{route}")
             (dense if route == "dense" else gather).append((li, p))
         codes = torch.tensor([self._codes], dtype=torch.int64)
         if self.size == 1:
@@ -149,16 +233,17 @@ class SparseExchange:
                 self.stats.count("sparse_gather_equal")
         return pendings
 
-    def start(self, items: Sequence[tuple[int, torch.Tensor]]) -> dict[int, Pending]:
+    def _start_routed(self, items: Sequence[tuple[int, torch.Tensor]]) -> dict[int, _Sends]:
         """Start sending ``(layer index, parameter)`` sparse gradients, in a fixed order, by
-        routes from this step's shared counts. Returns one :class:`Pending` per layer;
-        waiting on it writes the reduced, coalesced gradient into ``p.grad``."""
-        pendings: dict[int, Pending] = {}
+        routes from this step's shared counts. Waiting on a layer's sends writes the reduced,
+        coalesced gradient into ``p.grad``."""
+        pendings: dict[int, _Sends] = {}
         gather: list[tuple[int, torch.Tensor]] = []
         dense: list[tuple[int, torch.Tensor]] = []
         for li, p in items:
-            pendings.setdefault(li, Pending())
+            pendings.setdefault(li, _Sends())
             route = self._route(p)
+            self._taken[p] = route.route
             self.stats.count(f"sparse_{route.route}")
             if route.route == "gather" and route.equal_counts:
                 self.stats.count("sparse_gather_equal")
@@ -192,7 +277,7 @@ class SparseExchange:
                             f"dtype, which needs an element size dividing 8, got {esize}")
         return sparse_dim * _INDEX_BYTES // esize
 
-    def _start_gather(self, items: list[tuple[int, torch.Tensor]], pendings: dict[int, Pending],
+    def _start_gather(self, items: list[tuple[int, torch.Tensor]], pendings: dict[int, _Sends],
                       header: torch.Tensor | None = None) -> Callable[[], list[torch.Tensor]]:
         """One grouped allgather of the packed gradients (after ``header``, if given: output
         0 is then the gathered header). Returns the shared waiter."""
@@ -232,7 +317,7 @@ class SparseExchange:
         return wait
 
     def _start_dense(self, items: list[tuple[int, torch.Tensor]],
-                     pendings: dict[int, Pending]) -> None:
+                     pendings: dict[int, _Sends]) -> None:
         buffers, ctxs = [], []
         for _, p in items:
             g = p.grad
@@ -264,7 +349,7 @@ class SparseExchange:
 
         self._record(items, buffers, pendings, finisher)
 
-    def _record(self, items, sent: list[torch.Tensor], pendings: dict[int, Pending],
+    def _record(self, items, sent: list[torch.Tensor], pendings: dict[int, _Sends],
                 finisher: Callable[[int, torch.Tensor], Callable[[], None]]) -> None:
         """Attach each gradient's finisher and bytes to its layer's pending; the grouped
         collective counts once."""

@@ -1,0 +1,195 @@
+"""What the framework-neutral techniques need from Keras: one step's gradients (the list the
+optimizer is about to apply, inside the eager step), the variables and the wrapped
+optimizer's per-variable slots (momentum, Adam moments), and tensor arithmetic.
+
+Keras applies every gradient of a step in one call, so a parameter withheld from the update
+(``select=``) is updated with a zero gradient and then put back -- variable and slots --
+right after the update. The optimizer's ``iterations`` counter (Adam's bias correction) is
+global and advances every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from hvdsync.keras.comm import payload_bytes
+
+
+def norm_of(tensors: Sequence) -> tf.Tensor:
+    """L2 norm of all ``tensors`` together as a float32 scalar (``IndexedSlices``: their
+    values, so coalesce them first if rows repeat)."""
+    parts = [tf.reduce_sum(tf.square(tf.cast(t.values if isinstance(t, tf.IndexedSlices) else t,
+                                             tf.float32))) for t in tensors]
+    return tf.sqrt(tf.add_n(parts)) if parts else tf.zeros((), tf.float32)
+
+
+class KerasOps:
+    """:class:`hvdsync.technique.TensorOps` on TensorFlow tensors (immutable: new tensors)."""
+
+    @staticmethod
+    def accumulate(acc, x, sign: int = 1):
+        return acc + x if sign > 0 else acc - x
+
+    @staticmethod
+    def clone(t):
+        return tf.identity(t)
+
+    @staticmethod
+    def norm(tensors: Sequence) -> tf.Tensor:
+        return norm_of(tensors)
+
+    @staticmethod
+    def dot(pairs: Sequence) -> tf.Tensor:
+        return tf.add_n([tf.reduce_sum(tf.cast(a, tf.float32) * tf.cast(b, tf.float32))
+                         for a, b in pairs])
+
+    @staticmethod
+    def zero() -> tf.Tensor:
+        return tf.zeros((), tf.float32)
+
+    @staticmethod
+    def to_host(scalars: Sequence) -> list[float]:
+        if not scalars:
+            return []
+        return tf.stack([tf.cast(s, tf.float32) for s in scalars]).numpy().tolist()
+
+    @staticmethod
+    def nbytes(x) -> int:
+        return int(np.prod(x.shape)) * tf.as_dtype(x.dtype).size
+
+    @staticmethod
+    def dtype_key(x) -> str:
+        return tf.as_dtype(x.dtype).name
+
+
+class Slots:
+    """The wrapped optimizer's variables that belong to each model variable (momentum, Adam
+    moments, ...), found by the name Keras gives them (``<variable path>_<slot>``)."""
+
+    def __init__(self, optimizer_variables: list, model_variables: list):
+        prefixes = sorted(((v.path.replace("/", "_") + "_", v.path) for v in model_variables),
+                          key=lambda x: -len(x[0]))
+        self.of: dict[str, list] = {v.path: [] for v in model_variables}
+        shapes = {v.path: tuple(v.shape) for v in model_variables}
+        for s in optimizer_variables:
+            if s.name.endswith("gradient_accumulator"):
+                continue
+            for prefix, path in prefixes:  # longest prefix first
+                if s.name.startswith(prefix) and tuple(s.shape) == shapes[path]:
+                    self.of[path].append(s)
+                    break
+
+    def snapshot(self, path: str) -> list[tf.Tensor]:
+        return [tf.identity(s.value) for s in self.of[path]]
+
+    def restore(self, path: str, values: list) -> None:
+        for s, v in zip(self.of[path], values):
+            s.assign(v)
+
+
+class KerasGradients:
+    """:class:`hvdsync.technique.Gradients` over one step's gradient list. Layer ``li``'s
+    parameters are its variables present in the step (Keras drops variables without a
+    gradient); keys are a variable's position among the optimizer's variables."""
+
+    def __init__(self, layer_vars: list[list], slots: Slots):
+        self.layer_vars = layer_vars
+        self.slots = slots
+        self._key = {v.path: str(i) for i, v in enumerate(v for vs in layer_vars for v in vs)}
+        self._layer_of = {v.path: li for li, vs in enumerate(layer_vars) for v in vs}
+        self.variables: list = []
+        self.grads: list = []
+        self._positions: list[list[int]] = [[] for _ in layer_vars]
+        self._restore: list[tuple[Any, str, tf.Tensor, list]] = []
+
+    def begin_step(self, variables: list, grads: list) -> None:
+        self.variables, self.grads = list(variables), list(grads)
+        self._positions = [[] for _ in self.layer_vars]
+        for pos, v in enumerate(self.variables):
+            self._positions[self._layer_of[v.path]].append(pos)
+
+    def _var(self, li: int, k: int):
+        return self.variables[self._positions[li][k]]
+
+    def size(self, li: int) -> int:
+        return len(self._positions[li])
+
+    def get(self, li: int, k: int):
+        return self.grads[self._positions[li][k]]
+
+    def set(self, li: int, k: int, value) -> None:
+        self.grads[self._positions[li][k]] = value
+
+    def missing(self, li: int) -> list[int]:
+        return []
+
+    def zeros(self, li: int, k: int):
+        return tf.zeros_like(self._var(li, k).value)
+
+    def value(self, li: int, k: int):
+        # read inside the eager step, which the update waits for: the value before it
+        return tf.identity(self._var(li, k).value)
+
+    def is_row_sparse(self, li: int, k: int) -> bool:
+        return isinstance(self.get(li, k), tf.IndexedSlices)
+
+    def payload_bytes(self, li: int) -> int:
+        return sum(payload_bytes(self.grads[p]) for p in self._positions[li])
+
+    def snapshot(self, li: int, k: int) -> dict:
+        return {"value": self.value(li, k), "slots": self.slots.snapshot(self._var(li, k).path)}
+
+    def restore(self, li: int, k: int, snap: dict) -> None:
+        v = self._var(li, k)
+        v.assign(snap["value"])
+        self.slots.restore(v.path, snap["slots"])
+
+    def withhold(self, li: int, k: int) -> None:
+        v = self._var(li, k)
+        self._restore.append((v, v.path, self.value(li, k), self.slots.snapshot(v.path)))
+        self.set(li, k, tf.zeros_like(self.get(li, k)))
+
+    def before_optimizer_step(self) -> None:
+        pass
+
+    def after_optimizer_step(self) -> None:
+        """Put withheld variables (and their slots) back as they were before the update."""
+        for v, path, value, slots in self._restore:
+            v.assign(value)
+            self.slots.restore(path, slots)
+        self._restore = []
+
+    def replica_tensors(self, li: int, with_state: bool) -> list:
+        out = []
+        for v in self.layer_vars[li]:
+            out += [v] + (self.slots.of[v.path] if with_state else [])
+        return out
+
+    def key(self, li: int, k: int) -> str:
+        return self._key[self._var(li, k).path]
+
+    def name(self, li: int, k: int) -> str:
+        return self._var(li, k).path
+
+    def to_saved(self, key: str, x: Any) -> Any:
+        return _walk(x, lambda t: t.numpy() if hasattr(t, "numpy") else np.asarray(t))
+
+    def from_saved(self, key: str, x: Any) -> Any:
+        if key not in self._key.values():
+            raise ValueError(f"saved hvdsync state refers to variable #{key}, which this model "
+                             "does not have")
+        return _walk(x, tf.constant)
+
+
+def _walk(x: Any, fn) -> Any:
+    if isinstance(x, dict):
+        return {k: _walk(v, fn) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_walk(v, fn) for v in x]
+    if x is None or isinstance(x, (int, float, str, bool)):
+        return x
+    return fn(x)

@@ -1,0 +1,147 @@
+"""The compiled train function's side of hvdsync.keras: the plain graph path, and the bridge
+that runs the step pipeline eagerly inside it.
+
+* **Graph path** (no technique, or ``clip=`` only): Horovod's ops are built into the train
+  function, one grouped allreduce per layer, each fed only by its own layer's (clipped)
+  gradient, so the graph executor clips and sends a layer as soon as backward has produced it.
+  Statistics go to the host once per step through one ``tf.numpy_function``.
+* **Pipeline path** (every other technique): they keep memory across steps and decide from
+  values shared between ranks, so the step pipeline (:mod:`hvdsync.pipeline`) runs as Python
+  inside ``tf.py_function``: gradients go in, the gradients to apply come out; a second
+  ``tf.py_function`` after the update closes the step (``after_optimizer_step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from hvdsync.clipping import LayerClip
+from hvdsync.keras.clipping import clip_layer
+from hvdsync.keras.comm import KerasCommunicator, payload_bytes
+from hvdsync.stats import SyncStats
+
+
+def graph_step(comm: KerasCommunicator, clip: LayerClip | None, stats: SyncStats,
+               layers: list[tuple[int, list[int]]], layer_names: list[str], grads: list,
+               variables: list, apply: Callable[[list, list], None]) -> None:
+    """Build one step of the graph path: per layer (fixed order) clip (local), reduce, clip
+    (global); then ``apply(grads, variables)`` and record the step's statistics."""
+    grads = list(grads)
+    records, clipped, sent, dense, collectives = [], [], [], [], []
+    mode = clip.config.mode if clip is not None else None
+    for li, positions in layers:
+        layer = [grads[p] for p in positions]
+        params = [variables[p].value for p in positions]
+        dense.append(tf.add_n([_bytes(comm, g, wire=False) for g in layer]))
+        if mode == "local":
+            layer, norm, was = clip_layer(layer, params, clip.config, _limit(clip, li))
+            records.append(tf.stack([norm, tf.cast(was, tf.float32)]))
+            clipped.append(li)
+        reduced = comm.reduce(layer)
+        if mode == "global":
+            reduced, norm, was = clip_layer(reduced, params, clip.config, _limit(clip, li))
+            records.append(tf.stack([norm, tf.cast(was, tf.float32)]))
+            clipped.append(li)
+        for p, r in zip(positions, reduced):
+            grads[p] = r
+        sent.append(tf.add_n([_bytes(comm, g, wire=True) for g in layer]))
+        collectives.append(comm.collectives(layer) if comm.size > 1 else 0)
+    apply(grads, variables)
+    record = tf.stack(records) if records else tf.zeros([0, 2], tf.float32)
+    names = [layer_names[li] for li, _ in layers]
+
+    def finish(sent, dense, record):
+        for name, nbytes, d, c in zip(names, sent.tolist(), dense.tolist(), collectives):
+            stats.dense(int(d))
+            if comm.size > 1:
+                stats.sent(name, int(nbytes), c)
+        if clip is not None:
+            clip.observe([(li, float(n), bool(w))
+                          for li, (n, w) in zip(clipped, np.asarray(record).reshape(-1, 2))])
+        stats.end_step()
+        return np.int32(0)
+    tf.numpy_function(finish, [tf.stack(sent), tf.stack(dense), record], tf.int32,
+                      stateful=True)
+
+
+def _limit(clip: LayerClip, li: int) -> tf.Tensor:
+    """``max_norm`` and the adaptive limits of layer ``li`` as of the last step."""
+    c = clip.config
+    if c.ema is None and c.variance is None:
+        return tf.constant(c.max_norm if c.max_norm is not None else np.inf, tf.float32)
+    limit = tf.numpy_function(lambda: np.float32(clip.policy.norm_limit(li)), [], tf.float32,
+                              stateful=True)
+    return tf.reshape(limit, [])
+
+
+def _bytes(comm: KerasCommunicator, g, wire: bool) -> tf.Tensor:
+    """Payload bytes of ``g`` as a graph value (sparse sizes are only known at run time)."""
+    if isinstance(g, tf.IndexedSlices) and not comm.sparse_as_dense:
+        return tf.cast(tf.size(g.values) * g.values.dtype.size
+                       + tf.size(g.indices) * g.indices.dtype.size, tf.int64)
+    if isinstance(g, tf.IndexedSlices):
+        g = tf.convert_to_tensor(g)
+    return tf.constant(comm.wire_bytes(g) if wire else payload_bytes(g), tf.int64)
+
+
+def eager_step(run: Callable[[list], list], finish: Callable[[], None], grads: list,
+               variables: list, apply: Callable[[list, list], None]) -> None:
+    """Build one step of the pipeline path: ``run(grads)`` eagerly (gradients in, gradients to
+    apply out), ``apply`` them, then ``finish()`` eagerly after the update."""
+    shapes = [v.shape for v in variables]
+    flat, spec = _flatten(grads, shapes)
+
+    def call(*tensors):
+        out_flat, out_spec = _flatten(run(_unflatten(list(tensors), spec)), shapes)
+        if [s[0] for s in out_spec] != [s[0] for s in spec]:
+            raise RuntimeError("hvdsync: a technique changed the gradient layout")
+        return out_flat
+    results = tf.py_function(call, flat, [t.dtype for t in flat])
+    for r, t in zip(results, flat):
+        r.set_shape(t.shape if t.shape.is_fully_defined() else [None] * t.shape.rank)
+    new_grads = _unflatten(list(results), spec)
+    with tf.control_dependencies([t for t in results]):
+        apply(new_grads, variables)
+    after = [tf.convert_to_tensor(v.value) for v in variables]  # read after the update
+
+    def close(*_):
+        finish()
+        return tf.zeros([], tf.int32)
+    tf.py_function(close, after, tf.int32)
+
+
+def in_xla_context() -> bool:
+    try:
+        from tensorflow.python.ops import control_flow_util
+        return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    except Exception:  # pragma: no cover - private API moved
+        return False
+
+
+def _flatten(grads: list, shapes: list) -> tuple[list, list]:
+    """Gradients as a flat list of tensors (``IndexedSlices`` as values, indices) and what it
+    takes to rebuild them (the static dense shape comes from the variable)."""
+    flat, spec = [], []
+    for g, shape in zip(grads, shapes):
+        if isinstance(g, tf.IndexedSlices):
+            spec.append(("sparse", tuple(int(d) for d in shape)))
+            flat += [g.values, g.indices]
+        else:
+            spec.append(("dense", None))
+            flat.append(g)
+    return flat, spec
+
+
+def _unflatten(flat: list, spec: list) -> list:
+    out, i = [], 0
+    for kind, shape in spec:
+        if kind == "sparse":
+            out.append(tf.IndexedSlices(flat[i], flat[i + 1], tf.constant(shape, tf.int64)))
+            i += 2
+        else:
+            out.append(flat[i])
+            i += 1
+    return out

@@ -1,0 +1,35 @@
+"""Which variables a Keras ``DistributedOptimizer`` reduces, grouped how: Horovod's
+``groups`` as the name-based grouping of :mod:`hvdsync.layers`, and the default grouping by
+Keras layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hvdsync.layers import Grouping
+
+
+def keras_layer_of(path: str) -> str:
+    """Default layer of a variable: its Keras layer (``"dense_1/kernel"`` -> ``"dense_1"``)."""
+    return path.rsplit("/", 1)[0] if "/" in path else path
+
+
+def groups_to_names(groups: Any) -> Grouping:
+    if groups is None:
+        return None
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        return groups
+    if isinstance(groups, (list, tuple)):
+        out = []
+        for group in groups:
+            if not isinstance(group, (list, tuple)):
+                raise ValueError("groups should be a positive int or a list of lists of "
+                                 "variables")
+            for v in group:
+                if not hasattr(v, "path"):
+                    raise ValueError(f"groups must consist of Keras variables, got "
+                                     f"{type(v).__name__}")
+            out.append([v.path for v in group])
+        return out
+    raise ValueError(f"groups should be a positive int or a list of lists of variables, got "
+                     f"{groups!r}")

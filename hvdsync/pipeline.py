@@ -1,0 +1,216 @@
+"""One step of hvdsync, framework-neutral: which technique is asked what, and when.
+
+The adapters feed it: torch calls :meth:`StepPipeline.layer_ready` from its backward hooks
+(each layer as soon as its last gradient of the step exists) and :meth:`finish_backward`
+from ``synchronize()``; Keras calls both from its eager step. The pipeline never names a
+technique: it asks each one in the order of the rulebook (:mod:`hvdsync.rules`) for what its
+role does at that moment (:mod:`hvdsync.technique`). docs/design.md walks a gradient through.
+
+The no-hang rule holds here: which collectives run depends only on decisions every rank
+takes from shared values (deciders), on layouts every rank shares (transports), and on the
+fixed layer order -- never on a rank's own timing or values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+from hvdsync import rules
+from hvdsync.clipping import ClipLayer, LayerClip
+from hvdsync.delay import DelayedGradients
+from hvdsync.plain import PlainAllreduce
+from hvdsync.select import SelectedPushes
+from hvdsync.stats import SyncStats
+from hvdsync.technique import (DECIDER, TRANSFORM, TRANSPORT, Communicator, Decider, Gradients,
+                               Pending, TensorOps, Technique, Transport)
+from hvdsync.threshold import AccumulationThreshold
+
+
+def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOps,
+                     comm: Communicator, clip_layer: ClipLayer,
+                     sparse_exchange: Callable[[Any], Transport], layer_names: list[str],
+                     stats: SyncStats) -> list[Technique]:
+    """The techniques of one wrapped optimizer, in the rulebook's order, on an adapter's
+    gradients, arithmetic and communicator (``sparse_exchange(config)``: the adapter's
+    sparse transport)."""
+    make = {
+        "clip": lambda c: LayerClip(c, grads, ops, clip_layer, layer_names, stats),
+        "threshold": lambda c: AccumulationThreshold(c, grads, ops, comm, len(layer_names)),
+        "select": lambda c: SelectedPushes(c, grads, ops, comm, layer_names, stats),
+        "sparse": sparse_exchange,
+        "delay": lambda c: DelayedGradients(c, grads, ops, comm, layer_names, stats),
+        "plain": lambda _: PlainAllreduce(grads, comm, layer_names),
+    }
+    return [make[name](configs.get(name)) for name in rules.pipeline_order(configs)]
+
+
+class StepPipeline:
+    """Runs the techniques' moments for every step of one wrapped optimizer."""
+
+    def __init__(self, layer_names: list[str], techniques: list[Technique], grads: Gradients,
+                 stats: SyncStats):
+        self.layer_names = layer_names
+        self.techniques = list(techniques)
+        self.grads = grads
+        self.stats = stats
+        self.transforms = [t for t in techniques if t.role == TRANSFORM]
+        deciders = [t for t in techniques if t.role == DECIDER]
+        self.decider: Optional[Decider] = deciders[0] if deciders else None
+        self.transports: list[Transport] = [t for t in techniques if t.role == TRANSPORT]
+        if len(deciders) > 1 or not self.transports:
+            raise ValueError("a pipeline takes at most one decider and at least one transport")
+        self.by_name = {t.name: t for t in techniques}
+        #: ``(layer name, time.perf_counter())`` when each layer's first send of the current
+        #: (or last) step started: shows sends overlapping backward
+        self.send_times: list[tuple[str, float]] = []
+        self._new_step()
+
+    def _new_step(self) -> None:
+        n = len(self.layer_names)
+        self._ready = [False] * n
+        self._governed: list[list[int]] = [[] for _ in range(n)]
+        self._deferred: list[int] = []
+        self._pending: dict[int, list[Pending]] = {}
+        self._started = [False] * n
+        self.in_step = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether collectives of the current step are in flight (backward started sends)."""
+        return bool(self._pending)
+
+    # -- in backward ---------------------------------------------------------------------------
+    def layer_ready(self, li: int) -> None:
+        """Layer ``li``'s local gradient is final: transform it and send it (or decide)."""
+        self.in_step = True
+        self.stats.dense(self.grads.payload_bytes(li))  # what plain Horovod would send
+        parts = self._split(li)
+        governed = [k for t, ks in parts if t.decidable for k in ks]
+        self._governed[li] = governed
+        owned = dict(parts)
+        everything = list(range(self.grads.size(li)))
+        # Transports first (sparse sums duplicate rows before anything measures them), then
+        # transforms (clip), then the decider (its statistics see the clipped gradient).
+        for t in self.transports:
+            t.layer_ready(li, owned.get(t, []))
+        for t in self.transforms:
+            t.layer_ready(li, everything)
+        if self.decider is not None:
+            self.decider.layer_ready(li, governed)
+        self._ready[li] = True
+        for t, ks in parts:  # not decidable: goes every step (sparse rows)
+            if not t.decidable and ks:
+                self._start(li, t, ks)
+        if not governed:
+            return
+        decision = self.decider.decision(li) if self.decider is not None else True
+        if decision is None:
+            self._deferred.append(li)
+        else:
+            self._dispatch(li, decision)
+
+    def _split(self, li: int) -> list[tuple[Transport, list[int]]]:
+        """Each parameter of the layer to the first transport that owns it."""
+        owned: dict[Transport, list[int]] = {}
+        last = self.transports[-1]
+        for k in range(self.grads.size(li)):
+            t = next((t for t in self.transports[:-1] if t.owns(li, k)), last)
+            owned.setdefault(t, []).append(k)
+        return list(owned.items())
+
+    def _dispatch(self, li: int, send: bool) -> None:
+        ks = self._governed[li]
+        if not send:
+            self.decider.on_skip(li, ks)
+            self.stats.skipped(self.layer_names[li])
+            return
+        if self.decider is not None:
+            self.decider.on_send(li, ks)
+        for t, part in self._split(li):
+            part = [k for k in part if k in ks]
+            if t.decidable and part:
+                self._start(li, t, part)
+
+    def _start(self, li: int, t: Transport, ks: list[int]) -> None:
+        if not self._started[li]:
+            if not any(self._started):
+                self.send_times = []
+            self._started[li] = True
+            self.send_times.append((self.layer_names[li], time.perf_counter()))
+        pending = t.start(li, ks)
+        if pending is not None:
+            self._pending.setdefault(li, []).append(pending)
+
+    def _add(self, pendings: dict[int, Pending]) -> None:
+        for li, p in pendings.items():
+            self._pending.setdefault(li, []).append(p)
+
+    def _fill_and_ready(self, li: int) -> None:
+        for k in self.grads.missing(li):
+            value = next((v for v in (t.fill(li, k) for t in self.transports) if v is not None),
+                         None)
+            self.grads.set(li, k, value if value is not None else self.grads.zeros(li, k))
+        self.layer_ready(li)
+
+    # -- synchronize() -----------------------------------------------------------------------
+    def finish_backward(self) -> None:
+        """Make every layer ready (parameters without a gradient get zeros, as in Horovod),
+        take the deferred decisions, send everything queued, wait for all of it, and close
+        the step up to the wrapped optimizer's update."""
+        n = len(self.layer_names)
+        missing = [li for li in range(n) if not self._ready[li]]
+        for t in self.transports:
+            t.backward_done()
+        held = [li for li in missing if any(t.holds(li) for t in self.transports)]
+        for li in missing:  # fixed order, so every rank starts the rest alike
+            if li not in held:
+                self._fill_and_ready(li)
+        for t in self.transports:
+            self._add(t.start_early())
+        for li in held:
+            self._fill_and_ready(li)
+        if self._deferred:
+            decisions = self.decider.decide({li: self._governed[li] for li in self._deferred})
+            for li in self._deferred:
+                self._dispatch(li, decisions[li])
+        for t in self.transports:
+            self._add(t.flush())
+        for li in sorted(self._pending):
+            ps = self._pending[li]
+            self.stats.sent(self.layer_names[li], sum(p.nbytes for p in ps),
+                            sum(p.collectives for p in ps))
+        for li in sorted(self._pending):
+            for p in self._pending[li]:
+                p.wait()
+            for t in self.transforms:
+                t.after_wait(li)
+        self._pending.clear()
+        for t in self.techniques:
+            t.before_optimizer_step()
+        self.grads.before_optimizer_step()
+        for t in self.techniques:
+            t.end_step()
+        self.stats.end_step()
+        self._new_step()
+
+    def after_optimizer_step(self) -> None:
+        self.grads.after_optimizer_step()
+        for t in self.techniques:
+            t.after_optimizer_step()
+
+    def abandon_step(self) -> None:
+        """Finish what is in flight and forget the step (before loading a checkpoint)."""
+        for ps in self._pending.values():
+            for p in ps:
+                p.wait()
+        self._new_step()
+
+    # -- outside the step ------------------------------------------------------------------------
+    def flush_replicas(self) -> int:
+        return sum(t.flush_replicas() for t in self.techniques)
+
+    def status(self, name: str) -> dict[str, Any]:
+        t = self.by_name.get(name)
+        return t.status() if t is not None else {}

@@ -1,0 +1,163 @@
+"""The rulebook: which techniques combine, and why not where they do not -- in one place, for
+both adapters (their ``DistributedOptimizer`` factories call :func:`configure`).
+
+Roles (see :mod:`hvdsync.technique`): ``clip`` transforms a layer's gradient; ``threshold``
+and ``select`` decide which layers go; ``sparse`` and ``delay`` are transports (how a layer
+goes; without ``delay`` dense layers take the plain grouped allreduce). The keyword order
+below is the role order, used everywhere (signatures, docs, stats).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hvdsync.clipping import ClipConfig
+from hvdsync.config import check_bool, check_reduce_op, positive_float, positive_int
+from hvdsync.delay import DelayConfig
+from hvdsync.select import SelectConfig
+from hvdsync.sparse import SparseConfig
+from hvdsync.technique import DECIDER, TRANSFORM, TRANSPORT
+from hvdsync.threshold import ThresholdConfig
+
+#: every technique keyword, in role order
+TECHNIQUES = ("clip", "threshold", "select", "sparse", "delay")
+ROLES = {"clip": TRANSFORM, "threshold": DECIDER, "select": DECIDER, "sparse": TRANSPORT,
+         "delay": TRANSPORT}
+CONFIGS = {"clip": ClipConfig, "threshold": ThresholdConfig, "select": SelectConfig,
+           "sparse": SparseConfig, "delay": DelayConfig}
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """Two techniques (or a technique and a setting) that do not combine, and why."""
+
+    first: str
+    second: str
+    why: str
+
+
+#: Combinations refused at construction, in both adapters. Everything not listed combines.
+EXCLUSIONS = (
+    Exclusion("threshold", "select", "both decide which layers go each step; pass one of them"),
+    Exclusion("delay", "threshold",
+              "delay= replaces a dense layer's exchange with a local step and a later fold; "
+              "a decider's skipped layers would need a fold rule of their own; pass one of them"),
+    Exclusion("delay", "select", "same reason as delay= with threshold=; pass one of them"),
+    Exclusion("delay", "sparse",
+              "delay= folds dense global gradients into later steps and averages the "
+              "parameters every K steps; row-sparse gradients have no such fold yet; pass "
+              "one of them"),
+    Exclusion("delay", "clip mode 'global'",
+              "delay= folds the global gradient in later, so clipping the averaged gradient "
+              "before the step does not apply; use clip mode 'local'"),
+    Exclusion("sparse", "sparse_as_dense",
+              "sparse_as_dense=True always sends sparse gradients dense; sparse= chooses per "
+              "step (dense_ratio=0 always sends dense): pass one of them"),
+)
+
+#: Reduction ops each technique needs ("average", "sum"); missing: any op.
+OPS = {
+    "delay": ("average",),
+    "sparse": ("average", "sum"),
+    "threshold": ("average", "sum"),
+    "select": ("average", "sum"),
+}
+_OP_WHY = {
+    "delay": "delay= mixes local gradients with averaged global ones, so it needs op=Average",
+    "sparse": "sparse= sums gathered rows, so it supports op=Average or op=Sum only",
+    "threshold": "threshold= sends sums of gradients accumulated over steps, so it supports "
+                 "op=Average or op=Sum only",
+    "select": "select= sends gradients plus what accumulated while a layer waited, so it "
+              "supports op=Average or op=Sum only",
+}
+
+
+def coerce(**given: Any) -> dict[str, Any]:
+    """Every technique keyword's value as its config (or ``None`` when off)."""
+    return {name: CONFIGS[name].coerce(given.get(name)) for name in TECHNIQUES}
+
+
+def configure(*, op: str, sparse_as_dense: bool, **given: Any) -> dict[str, Any]:
+    """Coerce and check the techniques a ``DistributedOptimizer`` was given.
+
+    ``op`` is the reduction as ``"average"``, ``"sum"`` or ``"other"``. Returns
+    ``{keyword: config}`` for the techniques that are on, in role order; raises
+    ``ValueError`` naming the rule a combination breaks.
+    """
+    configs = coerce(**given)
+    on = {name for name, cfg in configs.items() if cfg is not None}
+    clip = configs["clip"]
+    if clip is not None and clip.mode == "global":
+        on.add("clip mode 'global'")
+    if sparse_as_dense:
+        on.add("sparse_as_dense")
+    for rule in EXCLUSIONS:
+        if rule.first in on and rule.second in on:
+            raise ValueError(f"{_kw(rule.first)} cannot be combined with {_kw(rule.second)}: "
+                             f"{rule.why}")
+    for name, ops in OPS.items():
+        if name in on and op not in ops:
+            raise ValueError(_OP_WHY[name])
+    return {name: configs[name] for name in TECHNIQUES if configs[name] is not None}
+
+
+def check_arguments(*, compression: Any, backward_passes_per_step: Any, op: Any,
+                    horovod_ops: dict[str, Any], gradient_predivide_factor: Any,
+                    sparse_as_dense: Any, process_set: Any, process_set_type: type,
+                    num_groups: int, groups: Any, layers: Any,
+                    techniques: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """The checks both adapters' factories make on Horovod's arguments and hvdsync's, with
+    the framework's own op objects in ``horovod_ops`` (``Average``, ``Sum``, ``Adasum``,
+    ``Min``, ``Max``, ``Product``). Returns the techniques' configs (:func:`configure`) and
+    the grouping Horovod's ``num_groups``/``groups`` ask for."""
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise TypeError("compression must provide compress() and decompress(), e.g. "
+                        f"hvd.Compression.fp16; got {compression!r}")
+    positive_int("backward_passes_per_step", backward_passes_per_step)
+    o = horovod_ops
+    check_reduce_op(op, average=o["Average"], sum_=o["Sum"], adasum=o["Adasum"],
+                    others=(o["Min"], o["Max"], o["Product"]),
+                    gradient_predivide_factor=positive_float("gradient_predivide_factor",
+                                                             gradient_predivide_factor))
+    check_bool("sparse_as_dense", sparse_as_dense)
+    kind = "average" if op == o["Average"] else "sum" if op == o["Sum"] else "other"
+    configs = configure(op=kind, sparse_as_dense=sparse_as_dense, **techniques)
+    if not isinstance(process_set, process_set_type):
+        raise TypeError(f"process_set must be a horovod ProcessSet, got {process_set!r}")
+    if num_groups:
+        warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    if groups is not None and layers is not None:
+        raise ValueError("pass either groups (Horovod's) or layers (hvdsync's), not both")
+    return configs, groups
+
+
+def pipeline_order(configs: dict[str, Any]) -> list[str]:
+    """The techniques a wrapped optimizer runs, in pipeline order: the ones configured, then
+    the plain exchange as the dense transport unless ``delay`` replaces it."""
+    names = enabled(configs)
+    return names if "delay" in names else names + ["plain"]
+
+
+def _kw(name: str) -> str:
+    return f"{name}=" if name in TECHNIQUES else name
+
+
+def role_of(name: str) -> str:
+    return ROLES[name]
+
+
+def describe() -> str:
+    """The rulebook as Markdown (for docs and error messages)."""
+    lines = ["| not combined | why |", "| --- | --- |"]
+    lines += [f"| `{_kw(r.first)}` + `{_kw(r.second)}` | {r.why} |" for r in EXCLUSIONS]
+    return "\n".join(lines)
+
+
+def enabled(configs: dict[str, Optional[Any]]) -> list[str]:
+    """The keywords that are on, in role order."""
+    return [name for name in TECHNIQUES if configs.get(name) is not None]

@@ -1,0 +1,244 @@
+"""The technique interface: what every technique is asked, and when, in both adapters.
+
+A *technique* is one of hvdsync's options (``clip=``, ``threshold=``, ``select=``,
+``sparse=``, ``delay=``) or the plain exchange itself. Each has one *role*:
+
+* a **transform** changes a layer's gradient in place of where it stands (``clip``);
+* a **decider** chooses which layers go this step and keeps what does not
+  (``threshold``, ``select``);
+* a **transport** moves a layer's gradient between ranks (the plain grouped allreduce,
+  ``sparse``, ``delay``). Each parameter goes by exactly one transport: the first whose
+  :meth:`Transport.owns` claims it, else the last one (the dense transport).
+
+:class:`hvdsync.pipeline.StepPipeline` calls the moments below in this order every step
+(docs/design.md walks one gradient through them)::
+
+    layer_ready(li, ks)        per layer, as soon as its local gradient is final
+      decision(li)             deciders: send this layer now? None = after backward
+      start(li, ks)            transports: start sending (or queue)
+    backward_done()            transports: every layer that backward makes ready is
+    holds(li)                  transports: a missing layer that can be filled only later
+    start_early()              transports: collectives that must run before those layers
+    decide(parts)              deciders: the layers whose decision waited for backward
+    on_send(li, ks) / on_skip(li, ks)
+    flush()                    transports: send what was queued
+    after_wait(li)             per layer, once its reduced gradient has arrived
+    before_optimizer_step()
+    end_step()
+    after_optimizer_step()     after the wrapped optimizer's update
+
+``ks`` are positions of parameters inside layer ``li``: the ones this technique handles.
+Outside a step: ``flush_replicas()``, ``state_dict()``/``load_state_dict()``, ``forget()``,
+``status()``.
+
+Techniques never hold tensors of the framework directly through the optimizer: they reach
+gradients, parameters and optimizer state through the adapter's :class:`Gradients` (fetched
+at the moment of use, so a ``load_state_dict`` of the wrapped optimizer is always seen) and
+do arithmetic through its :class:`TensorOps`; they move bytes through its
+:class:`Communicator`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Protocol
+
+TRANSFORM, DECIDER, TRANSPORT = "transform", "decider", "transport"
+
+
+class Pending:
+    """Collectives in flight. ``wait()`` finishes them and returns their result (the first
+    call does the work; later calls return the same result); ``ready()`` says, without
+    blocking, whether ``wait()`` would return at once. ``nbytes`` and ``collectives`` are
+    what this rank handed to Horovod for it (for :class:`hvdsync.stats.SyncStats`)."""
+
+    def __init__(self, wait: Optional[Callable[[], Any]] = None,
+                 ready: Optional[Callable[[], bool]] = None, nbytes: int = 0,
+                 collectives: int = 0):
+        self._wait = wait
+        self._ready = ready
+        self._done = wait is None
+        self._result: Any = None
+        self.nbytes = nbytes
+        self.collectives = collectives
+
+    @classmethod
+    def resolved(cls, result: Any = None) -> "Pending":
+        """A pending that is already finished with ``result`` (nothing was sent)."""
+        p = cls()
+        p._result = result
+        return p
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._result = self._wait()
+            self._done = True
+            self._wait = self._ready = None
+        return self._result
+
+    def ready(self) -> bool:
+        if self._done:
+            return True
+        return self._ready is not None and self._ready()
+
+    def then(self, fn: Callable[[Any], Any]) -> "Pending":
+        """A pending that waits for this one and returns ``fn(result)``; same counts."""
+        return Pending(lambda: fn(self.wait()), self.ready, self.nbytes, self.collectives)
+
+
+# -- what an adapter provides ----------------------------------------------------------------
+class Gradients(Protocol):
+    """One step's gradients, and the parameters and optimizer state they belong to, by layer
+    ``li`` and position ``k`` inside the layer (torch: ``p.grad``; Keras: the step's list)."""
+
+    def size(self, li: int) -> int: ...
+    def get(self, li: int, k: int) -> Any: ...
+    def set(self, li: int, k: int, value: Any) -> None: ...
+    def missing(self, li: int) -> list[int]: ...
+    def zeros(self, li: int, k: int) -> Any: ...
+    def value(self, li: int, k: int) -> Any: ...
+    def is_row_sparse(self, li: int, k: int) -> bool: ...
+    def payload_bytes(self, li: int) -> int: ...
+    def snapshot(self, li: int, k: int) -> Any: ...
+    def restore(self, li: int, k: int, snap: Any) -> None: ...
+    def withhold(self, li: int, k: int) -> None: ...
+    def replica_tensors(self, li: int, with_state: bool) -> list: ...
+    def key(self, li: int, k: int) -> str: ...
+    def name(self, li: int, k: int) -> str: ...
+    def to_saved(self, key: str, x: Any) -> Any: ...
+    def from_saved(self, key: str, x: Any) -> Any: ...
+    def before_optimizer_step(self) -> None: ...
+    def after_optimizer_step(self) -> None: ...
+
+
+class TensorOps(Protocol):
+    """The arithmetic techniques need, on the adapter's tensors (device scalars stay on the
+    device until :meth:`to_host`, read once per step)."""
+
+    def accumulate(self, acc: Any, x: Any, sign: int = 1) -> Any:
+        """``acc + x`` (``sign=-1``: ``acc - x``), in place where the framework allows (the
+        caller owns ``acc``)."""
+    def clone(self, t: Any) -> Any: ...
+    def norm(self, tensors: Sequence[Any]) -> Any:
+        """L2 norm of all ``tensors`` together (0 for none), a device scalar."""
+    def dot(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
+        """Sum of the dot products of the pairs, a device scalar."""
+    def zero(self) -> Any: ...
+    def to_host(self, scalars: Sequence[Any]) -> list[float]:
+        """Device scalars as floats, in one read."""
+    def nbytes(self, t: Any) -> int: ...
+    def dtype_key(self, t: Any) -> str: ...
+
+
+class Communicator(Protocol):
+    """Moves tensors between ranks (see each adapter's ``comm.py``)."""
+
+    size: int
+
+    def allreduce(self, name: str, tensors: list) -> Pending: ...
+    def flush(self, background: bool = False) -> None: ...
+    def control(self, values: list[float], name: str) -> list[float]: ...
+    def average(self, groups: list[tuple[str, list]]) -> tuple[int, int]: ...
+
+
+# -- the roles -------------------------------------------------------------------------------
+class Technique:
+    """Base of every technique: each moment does nothing unless overridden."""
+
+    #: the keyword that configures it ("clip", "threshold", ...; "plain" for the plain exchange)
+    name: str = ""
+    role: str = ""
+
+    def layer_ready(self, li: int, ks: list[int]) -> None:
+        """Layer ``li``'s local gradient is final (its missing gradients filled)."""
+
+    def before_optimizer_step(self) -> None:
+        """Every reduced gradient is in place; the wrapped optimizer steps next."""
+
+    def end_step(self) -> None:
+        """The exchange of this step is over (read device values once, agree on the next)."""
+
+    def after_optimizer_step(self) -> None:
+        """The wrapped optimizer has updated the parameters."""
+
+    def flush_replicas(self) -> int:
+        """Make the replicas identical now (a collective on every rank); returns how many
+        outstanding exchanges this rank dropped. Default: nothing to do."""
+        return 0
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this technique (see docs/checkpoints.md)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of :meth:`state_dict`."""
+
+    def forget(self) -> None:
+        """Drop memory of the model as it was (a checkpoint without this technique's state
+        was loaded)."""
+
+    def status(self) -> dict:
+        """What it did last, for logs and tests (plain data)."""
+        return {}
+
+
+class Transform(Technique):
+    role = TRANSFORM
+
+    def after_wait(self, li: int) -> None:
+        """Layer ``li``'s reduced gradient has arrived."""
+
+
+class Decider(Technique):
+    role = DECIDER
+
+    def decision(self, li: int) -> Optional[bool]:
+        """Whether layer ``li`` is sent this step, if known now (``None``: decided by
+        :meth:`decide` after backward)."""
+        return True
+
+    def decide(self, parts: dict[int, list[int]]) -> dict[int, bool]:
+        """Decisions for the layers whose :meth:`decision` was ``None``; every rank calls it
+        with the same layers and must get the same answer (shared values only)."""
+        raise NotImplementedError
+
+    def on_send(self, li: int, ks: list[int]) -> None:
+        """Layer ``li`` goes this step: put what it kept back into its gradient."""
+
+    def on_skip(self, li: int, ks: list[int]) -> None:
+        """Layer ``li`` does not go this step: keep its gradient."""
+
+
+class Transport(Technique):
+    role = TRANSPORT
+    #: whether deciders choose if its parameters go (False: they go every step)
+    decidable = True
+
+    def owns(self, li: int, k: int) -> bool:
+        """Whether this transport moves parameter ``k`` of layer ``li`` (the last transport
+        moves whatever no other claims)."""
+        return True
+
+    def start(self, li: int, ks: list[int]) -> Optional[Pending]:
+        """Start sending (``None``: queued until :meth:`start_early` / :meth:`flush`)."""
+        raise NotImplementedError
+
+    def fill(self, li: int, k: int) -> Any:
+        """A gradient for a parameter that has none on this rank, if this transport knows
+        its layout (``None``: zeros)."""
+        return None
+
+    def backward_done(self) -> None:
+        """Every layer that backward makes ready on this rank is ready."""
+
+    def holds(self, li: int) -> bool:
+        """Whether missing layer ``li`` can be filled only after :meth:`start_early`."""
+        return False
+
+    def start_early(self) -> dict[int, Pending]:
+        """Collectives that must run before held layers can be filled."""
+        return {}
+
+    def flush(self) -> dict[int, Pending]:
+        """Send what was queued; returns what each layer waits for."""
+        return {}

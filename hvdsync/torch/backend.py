@@ -1,0 +1,174 @@
+"""What the framework-neutral techniques need from torch: the gradients of a step (``p.grad``),
+the parameters and the wrapped optimizer's per-parameter state (read at the moment of use,
+so a ``load_state_dict`` of the optimizer is always seen), and tensor arithmetic."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hvdsync.torch.comm import payload_bytes
+
+
+def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all ``tensors`` together, as a float32 0-d tensor on their device."""
+    if not tensors:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors))).float())
+
+
+class TorchOps:
+    """:class:`hvdsync.technique.TensorOps` on torch tensors (in place where allowed)."""
+
+    @staticmethod
+    def accumulate(acc: torch.Tensor, x: torch.Tensor, sign: int = 1) -> torch.Tensor:
+        return acc.add_(x) if sign > 0 else acc.sub_(x)
+
+    @staticmethod
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone()
+
+    @staticmethod
+    def norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return norm_of(tensors)
+
+    @staticmethod
+    def dot(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return torch.stack([torch.vdot(a.flatten().float(), b.flatten().float())
+                            for a, b in pairs]).sum()
+
+    @staticmethod
+    def zero() -> torch.Tensor:
+        return torch.zeros(())
+
+    @staticmethod
+    def to_host(scalars: Sequence[Any]) -> list[float]:
+        if not scalars:
+            return []
+        ts = [s if torch.is_tensor(s) else torch.tensor(float(s)) for s in scalars]
+        device = ts[0].device
+        # one device read: everything on the first scalar's device, stacked
+        return torch.stack([t.detach().float().reshape(()).to(device) for t in ts]).tolist()
+
+    @staticmethod
+    def nbytes(t: torch.Tensor) -> int:
+        return payload_bytes(t)
+
+    @staticmethod
+    def dtype_key(t: torch.Tensor) -> str:
+        return str(t.dtype).removeprefix("torch.")
+
+
+class TorchGradients:
+    """:class:`hvdsync.technique.Gradients` over ``p.grad`` of the wrapped optimizer's
+    parameters, layer by layer. Keys (checkpoints, technique memory) are a parameter's
+    position in layer order."""
+
+    def __init__(self, layer_params: list[list[tuple[str, torch.Tensor]]],
+                 optimizer: torch.optim.Optimizer):
+        self.layer_params = layer_params
+        self._optimizer = optimizer
+        self._key: dict[tuple[int, int], str] = {}
+        self._param: dict[str, torch.Tensor] = {}
+        for li, params in enumerate(layer_params):
+            for k, (_, p) in enumerate(params):
+                key = str(len(self._param))
+                self._key[(li, k)] = key
+                self._param[key] = p
+        self._withheld: list[torch.Tensor] = []
+
+    def param(self, li: int, k: int) -> torch.Tensor:
+        return self.layer_params[li][k][1]
+
+    def size(self, li: int) -> int:
+        return len(self.layer_params[li])
+
+    def get(self, li: int, k: int) -> torch.Tensor:
+        return self.param(li, k).grad
+
+    def set(self, li: int, k: int, value: torch.Tensor) -> None:
+        p = self.param(li, k)
+        if value is not p.grad:
+            p.grad = value
+
+    def missing(self, li: int) -> list[int]:
+        return [k for k, (_, p) in enumerate(self.layer_params[li]) if p.grad is None]
+
+    def zeros(self, li: int, k: int) -> torch.Tensor:
+        return torch.zeros_like(self.param(li, k))
+
+    def value(self, li: int, k: int) -> torch.Tensor:
+        return self.param(li, k).detach()
+
+    def is_row_sparse(self, li: int, k: int) -> bool:
+        g = self.param(li, k).grad
+        return g is not None and g.is_sparse
+
+    def payload_bytes(self, li: int) -> int:
+        return sum(payload_bytes(p.grad) for _, p in self.layer_params[li])
+
+    def snapshot(self, li: int, k: int) -> dict:
+        p = self.param(li, k)
+        state = self._optimizer.state.get(p)
+        return {"value": p.detach().clone(),
+                "state": copy.deepcopy(state) if state is not None else None}
+
+    def restore(self, li: int, k: int, snap: dict) -> None:
+        p = self.param(li, k)
+        with torch.no_grad():
+            p.copy_(snap["value"])
+        if snap["state"] is None:
+            self._optimizer.state.pop(p, None)
+        else:
+            self._optimizer.state[p] = snap["state"]
+
+    def withhold(self, li: int, k: int) -> None:
+        self._withheld.append(self.param(li, k))
+
+    def before_optimizer_step(self) -> None:
+        # No gradient: the wrapped optimizer leaves the parameter and its state alone.
+        for p in self._withheld:
+            p.grad = None
+        self._withheld.clear()
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def replica_tensors(self, li: int, with_state: bool) -> list[torch.Tensor]:
+        out = []
+        for _, p in self.layer_params[li]:
+            out.append(p.data)
+            if with_state:
+                out += [v for _, v in sorted(self._optimizer.state.get(p, {}).items())
+                        if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape]
+        return out
+
+    def key(self, li: int, k: int) -> str:
+        return self._key[(li, k)]
+
+    def name(self, li: int, k: int) -> str:
+        return self.layer_params[li][k][0]
+
+    def to_saved(self, key: str, x: Any) -> Any:
+        return _map_tensors(x, lambda t: t.detach().clone())
+
+    def from_saved(self, key: str, x: Any) -> Any:
+        if key not in self._param:
+            raise ValueError(f"saved hvdsync state refers to parameter #{key}, which this "
+                             "optimizer does not have")
+        device = self._param[key].device
+        # tensors shaped like data go where the parameter is; scalars (Adam's step) stay
+        return _map_tensors(x, lambda t: t.to(device).clone() if t.dim() else t.clone())
+
+
+def _map_tensors(x: Any, fn) -> Any:
+    if torch.is_tensor(x):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _map_tensors(v, fn) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_tensors(v, fn) for v in x)
+    return copy.deepcopy(x)
