@@ -46,13 +46,16 @@ def mlp(seed: int = 0, dtype: str = "float32"):
     ])
 
 
-def embedding_model(seed: int = 0, vocab: int = 40):
-    """An Embedding (IndexedSlices gradient) averaged over the bag, then a Dense head."""
+def embedding_model(seed: int = 0, vocab: int = 40, hidden: bool = False):
+    """An Embedding (IndexedSlices gradient) averaged over the bag, then a Dense head (with
+    ``hidden``: a Dense ``fc`` layer before it, so a decider has two dense layers)."""
     import keras
     keras.utils.set_random_seed(seed)
     inp = keras.Input((6,), dtype="int32")
     e = keras.layers.Embedding(vocab, 8, name="emb")(inp)
     x = keras.layers.GlobalAveragePooling1D()(e)
+    if hidden:
+        x = keras.layers.Dense(8, activation="tanh", name="fc")(x)
     out = keras.layers.Dense(2, name="head")(x)
     return keras.Model(inp, out)
 
@@ -110,7 +113,7 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
         m = mlp(seed=hvd.rank() if seed_by_rank else 0, dtype=dtype)
         x, y = teacher_data(hvd.rank() if data_rank is None else data_rank, steps * batch)
     else:
-        m = embedding_model(vocab=vocab)
+        m = embedding_model(vocab=vocab, hidden=model == "emb_mlp")
         x, y = token_data(hvd.rank() if data_rank is None else data_rank, steps * batch,
                           vocab=vocab)
     if nan_rank is not None and hvd.rank() == nan_rank:
@@ -185,7 +188,8 @@ def emulate(size: int, opt_name: str, lr: float, steps: int, batch: int, model: 
     import keras
     import tensorflow as tf
     import horovod.tensorflow as htf
-    m = mlp(dtype=dtype) if model == "mlp" else embedding_model(vocab=vocab)
+    m = (mlp(dtype=dtype) if model == "mlp"
+         else embedding_model(vocab=vocab, hidden=model == "emb_mlp"))
     opt = make_optimizer(opt_name, lr)
     n = steps * batch * passes
     data = [teacher_data(r, n) if model == "mlp" else token_data(r, n, vocab=vocab)

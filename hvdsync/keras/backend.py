@@ -141,12 +141,12 @@ class KerasGradients:
         return sum(payload_bytes(self.grads[p]) for p in self._positions[li])
 
     def snapshot(self, li: int, k: int) -> dict:
-        return {"value": self.value(li, k), "slots": self.slots.snapshot(self._var(li, k).path)}
+        return {"value": self.value(li, k), "state": self.slots.snapshot(self._var(li, k).path)}
 
     def restore(self, li: int, k: int, snap: dict) -> None:
         v = self._var(li, k)
         v.assign(snap["value"])
-        self.slots.restore(v.path, snap["slots"])
+        self.slots.restore(v.path, snap["state"])
 
     def withhold(self, li: int, k: int) -> None:
         v = self._var(li, k)

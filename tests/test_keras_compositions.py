@@ -1,0 +1,130 @@
+"""Techniques composed through the one lifecycle (Keras ``fit``), on 2 and 3 real ranks with
+different data per rank: ``sparse=`` with a decider (the embedding takes the sparse exchange
+every step, the dense layers the decider), ``delay=`` with ``clip=`` and fp16, global-mode
+clipping and ``backward_passes_per_step`` with a pipeline technique -- the same combinations
+the torch adapter takes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hvdsync.testing import run_ranks
+from tests.keras_models import fit_body
+
+F64 = dict(dtype="float64")
+EMB = dict(model="emb_mlp", vocab=500)
+REF = dict(reference=True, record_weights=False)
+
+CASES = {
+    "sparse_threshold": (dict(sparse=True, threshold=dict(threshold=0.3, max_skip=3)), "sgd",
+                         0.5, 12, 16, EMB),
+    "sparse_threshold_zero": (dict(sparse=True, threshold=0.0), "sgd", 0.5, 8, 16,
+                              dict(EMB, **REF)),
+    "sparse_select": (dict(sparse=True, select=dict(k=1, selector="norm", max_wait=2)), "sgd",
+                      0.5, 12, 16, EMB),
+    "sparse_select_all": (dict(sparse=True, select=dict(k=1.0)), "sgd", 0.5, 8, 16,
+                          dict(EMB, **REF)),
+    "clip_fp16": (dict(clip=dict(max_norm=0.05), fp16=True), "momentum", 0.05, 12, 16,
+                  dict(record_weights=False)),
+    "delay_clip_fp16": (dict(delay=dict(staleness=2, average_every=4), clip=dict(max_norm=0.05),
+                             fp16=True), "momentum", 0.05, 12, 16, {}),
+    "delay_sync_clip_fp16": (dict(delay=dict(staleness=0), clip=dict(max_norm=0.05),
+                                  fp16=True), "momentum", 0.05, 12, 16,
+                             dict(record_weights=False)),
+    "clip_global_threshold_zero": (dict(clip=dict(max_norm=0.05, mode="global"),
+                                        threshold=0.0), "sgd", 0.1, 8, 16, dict(F64, **REF)),
+    "threshold_zero_passes": (dict(threshold=0.0, backward_passes_per_step=2), "sgd", 0.05, 8,
+                              16, dict(F64, **REF)),
+}
+
+
+def case_rank(options: dict, opt_name: str, lr: float, steps: int, batch: int,
+              kwargs: dict) -> dict:
+    import horovod.tensorflow as htf
+    options = dict(options)
+    if options.pop("fp16", False):
+        options["compression"] = htf.Compression.fp16
+    return fit_body(options, opt_name, lr, steps, batch, **kwargs)
+
+
+def compositions_rank() -> list:
+    return [case_rank(*case) for case in CASES.values()]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def runs(request):
+    ranks = run_ranks(compositions_rank, np=request.param, timeout=600)
+    return request.param, {name: [r[i] for r in ranks] for i, name in enumerate(CASES)}
+
+
+def _weights_equal(a: dict, b: dict) -> bool:
+    return all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def _layer(name: str) -> str:
+    return name.split("/")[-1]
+
+
+def test_sparse_with_threshold(runs):
+    _, r = runs
+    ranks = r["sparse_threshold"]
+    for other in ranks[1:]:
+        assert other["sent"] == ranks[0]["sent"], "ranks decided differently"
+    sent = [[_layer(n) for n in s] for s in ranks[0]["sent"]]
+    assert all("emb" in s for s in sent), "the embedding must go every step"
+    dense = [n for s in sent for n in s if n != "emb"]
+    assert 0 < len(dense) < 2 * len(sent), "expected dense layers both sent and skipped"
+    for t, s in enumerate(sent):
+        for layer in s:  # a layer that synced is identical on every rank
+            for k, v in ranks[0]["weights"][t].items():
+                if k.startswith(layer + "/"):
+                    for other in ranks[1:]:
+                        np.testing.assert_array_equal(v, other["weights"][t][k])
+    assert list(ranks[0]["routes"].values())[0][0] in ("gather", "dense")
+
+
+def test_sparse_with_select(runs):
+    _, r = runs
+    ranks = r["sparse_select"]
+    for other in ranks[1:]:
+        assert other["sent"] == ranks[0]["sent"]
+    sent = [[_layer(n) for n in s] for s in ranks[0]["sent"]]
+    assert all("emb" in s for s in sent)
+    assert sorted(sent[0]) == ["emb", "fc", "head"]  # step 1 pushes everything
+    for s in sent[1:]:
+        assert 1 <= len([n for n in s if n != "emb"]) <= 2
+    for t in range(len(sent)):  # every update is global: replicas identical at every step
+        for other in ranks[1:]:
+            assert _weights_equal(ranks[0]["weights"][t], other["weights"][t]), t
+
+
+@pytest.mark.parametrize("case", ["sparse_threshold_zero", "sparse_select_all",
+                                  "clip_global_threshold_zero", "threshold_zero_passes"])
+def test_sends_everything_equals_averaged_training(runs, case):
+    """Each composition with nothing skipped equals plain averaged-gradient training (global
+    clipping and gradient accumulation included) computed in one process."""
+    _, r = runs
+    for rank in r[case]:
+        assert rank["max_diff"] <= 1e-5, f"{case}: max |w - reference| = {rank['max_diff']:.2e}"
+        assert rank["stats"]["total"]["layers_skipped"] == 0
+
+
+def test_delay_with_clip_and_fp16(runs):
+    np_, r = runs
+    ranks = r["delay_clip_fp16"]
+    for rank in ranks:
+        c = rank["stats"]["total"]
+        lags = {int(k.split("_")[1]): v for k, v in c.items() if k.startswith("staleness_")}
+        assert max(lags) <= 2
+        assert sum(lags.values()) + len(rank["delay"]["outstanding"]) == 12
+        assert c["averaged"] == 3 and c["clipped"] > 0
+        per_step = c["bytes_dense"] // 12  # gradients in fp16, the averaging in float32
+        assert c["bytes_sent"] == c["bytes_dense"] // 2 + 3 * per_step
+    for t in (3, 7, 11):  # right after each averaging step
+        for other in ranks[1:]:
+            assert _weights_equal(ranks[0]["weights"][t], other["weights"][t]), t
+    tol = 1e-6 if np_ == 2 else 1e-3
+    for a, b in zip(r["clip_fp16"], r["delay_sync_clip_fp16"]):  # staleness 0: synchronous
+        for k, v in a["final"].items():
+            np.testing.assert_allclose(b["final"][k], v, rtol=0, atol=tol, err_msg=k)
