@@ -1,6 +1,6 @@
 """Step-time overhead on one GPU (1 rank): the bare optimizer vs Horovod's
-DistributedOptimizer vs hvdsync's, on a 12-layer 2048-wide MLP, batch 256 (the reference
-setting in DESIGN.md, where Horovod measured 1.028x the bare step).
+DistributedOptimizer vs hvdsync's, on a 12-layer 2048-wide MLP, batch 256 (the setting in
+which Horovod's own wrapper measured 1.028x the bare step on an H100, docs/benchmarks.md).
 
     python -m benchmarks.bench_gpu_overhead [--rounds 7 --steps 30] [--out DIR]
 
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
         if kind in ("hvdsync, full path", "hvdsync clip, full path"):
             clip = dict(max_norm=1e6) if "clip" in kind else None
             opt = hvd.DistributedOptimizer(base, named_parameters=named, clip=clip)
-            opt._allreduce.single_rank = False  # send through Horovod/NCCL even on 1 rank
+            opt._comm.force_collectives = True  # send through Horovod/NCCL even on 1 rank
             return model, opt
         raise ValueError(kind)
 

@@ -70,11 +70,11 @@ class StepPipeline:
     def _new_step(self) -> None:
         n = len(self.layer_names)
         self._ready = [False] * n
+        self._parts: list[list[tuple[Transport, list[int]]]] = [[] for _ in range(n)]
         self._governed: list[list[int]] = [[] for _ in range(n)]
         self._deferred: list[int] = []
         self._pending: dict[int, list[Pending]] = {}
         self._started = [False] * n
-        self.in_step = False
 
     @property
     def busy(self) -> bool:
@@ -84,11 +84,9 @@ class StepPipeline:
     # -- in backward ---------------------------------------------------------------------------
     def layer_ready(self, li: int) -> None:
         """Layer ``li``'s local gradient is final: transform it and send it (or decide)."""
-        self.in_step = True
         self.stats.dense(self.grads.payload_bytes(li))  # what plain Horovod would send
-        parts = self._split(li)
-        governed = [k for t, ks in parts if t.decidable for k in ks]
-        self._governed[li] = governed
+        parts = self._parts[li] = self._split(li)
+        governed = self._governed[li] = [k for t, ks in parts if t.decidable for k in ks]
         owned = dict(parts)
         everything = list(range(self.grads.size(li)))
         # Transports first (sparse sums duplicate rows before anything measures them), then
@@ -128,8 +126,7 @@ class StepPipeline:
             return
         if self.decider is not None:
             self.decider.on_send(li, ks)
-        for t, part in self._split(li):
-            part = [k for k in part if k in ks]
+        for t, part in self._parts[li]:
             if t.decidable and part:
                 self._start(li, t, part)
 

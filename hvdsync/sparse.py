@@ -1,4 +1,4 @@
-"""Technique 3: sparse grouped allgather for row-sparse gradients (embeddings).
+"""``sparse=``: sparse grouped allgather for row-sparse gradients (embeddings).
 
 Horovod sends each sparse gradient as it comes out of backward -- every lookup a row, so a
 row looked up 50 times in a batch travels 50 times -- as two allgathers (indices, values) per

@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m pip install --quiet -r requirements-bench.txt
-export TF_CPP_MIN_LOG_LEVEL=2
+source scripts/quiet_tf.sh
 exec .venv/bin/python -m benchmarks.bench_suite "$@"

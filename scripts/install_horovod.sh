@@ -3,7 +3,7 @@
 # installed in the active Python environment, then install and verify it.
 #
 # Why this exists: Horovod 0.28.1 is the last release and does not build as-is on torch >= 2.1 /
-# TF >= 2.10. Two things are needed (see ../shared/DESIGN.md, "Facts about the stack"):
+# TF >= 2.10. Two things are needed (docs/install.md):
 #   * C++17: Horovod's CMake forces -std=c++14, the torch/TF headers need C++17;
 #   * horovod/tensorflow/xla_mpi_ops.cc includes XLA third-party headers the TF wheel does not
 #     ship; it is only used with HOROVOD_ENABLE_XLA_OPS=1, so we compile it as if TF were < 2.6,

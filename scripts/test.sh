@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export TF_CPP_MIN_LOG_LEVEL=2
+source scripts/quiet_tf.sh
 exec .venv/bin/python -m pytest "$@"

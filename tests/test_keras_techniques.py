@@ -13,7 +13,7 @@ from tests.models import apply_each
 F64 = dict(dtype="float64")
 
 CASES = {
-    # technique 1: per-layer clipping before the send (local) / of the average (global)
+    # clip= per-layer clipping before the send (local) / of the average (global)
     "clip_norm": (dict(clip=dict(max_norm=0.05)), "sgd", 0.1, 10, 16,
                   dict(reference=True, record_weights=False, **F64)),
     "clip_value": (dict(clip=dict(value=(-0.01, 0.01))), "momentum", 0.1, 10, 16,
@@ -24,18 +24,18 @@ CASES = {
                  dict(record_weights=False)),
     "clip_nonfinite": (dict(clip=dict(max_norm=10.0)), "sgd", 0.1, 6, 16,
                        dict(record_weights=False, nan_rank=1)),
-    # technique 5: accumulation thresholds
+    # threshold= accumulation thresholds
     "threshold": (dict(threshold=dict(threshold=0.6, max_skip=3)), "momentum", 0.05, 20, 16,
                   dict(F64)),
     "threshold_adam": (dict(threshold=dict(threshold=0.6, max_skip=3)), "adam", 0.01, 20, 16,
                        F64),
     "threshold_zero": (dict(threshold=0.0), "momentum", 0.05, 10, 16,
                        dict(reference=True, record_weights=False, **F64)),
-    # technique 4: hypernet-selected layer pushes
+    # select= hypernet-selected layer pushes
     "select_hypernet": (dict(select=dict(k=1, max_wait=2)), "momentum", 0.05, 16, 16, F64),
     "select_norm": (dict(select=dict(k=2, selector="norm", max_wait=3)), "adam", 0.01, 12, 16,
                     F64),
-    # technique 3: sparse grouped allgather (embedding gradients)
+    # sparse= sparse grouped allgather (embedding gradients)
     "sparse_gather": (dict(sparse=True), "sgd", 0.5, 10, 8,
                       dict(model="emb", vocab=500, reference=True, record_weights=False)),
     "sparse_equal": (dict(sparse=True), "sgd", 0.5, 6, 8,
@@ -46,7 +46,7 @@ CASES = {
     "sparse_always_gather": (dict(sparse=dict(dense_ratio=float("inf"))), "sgd", 0.5, 6, 16,
                              dict(model="emb", vocab=40, reference=True,
                                   record_weights=False)),
-    # technique 2: local step + stale global gradient, K-step averaging
+    # delay= local step + stale global gradient, K-step averaging
     "delay_sync": (dict(delay=dict(staleness=0)), "momentum", 0.05, 10, 16,
                    dict(reference=True, record_weights=False, **F64)),
     "delay": (dict(delay=dict(staleness=2, average_every=4)), "momentum", 0.05, 12, 16,
@@ -81,7 +81,7 @@ def _weights_equal(a: dict, b: dict) -> bool:
     return all(np.array_equal(a[k], b[k]) for k in a)
 
 
-# -- technique 1 ----------------------------------------------------------------------------
+# -- clip= ----------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["clip_norm", "clip_value", "clip_global"])
 def test_clip_equals_clipped_averaged_training(runs, case):
     for r in runs[case]:
@@ -106,7 +106,7 @@ def test_nonfinite_gradient_is_zeroed_not_spread(runs):
         assert _weights_equal(ranks[0]["final"], other["final"])
 
 
-# -- technique 5 ----------------------------------------------------------------------------
+# -- threshold= ----------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["threshold", "threshold_adam"])
 def test_threshold_decisions_shared_and_synced_layers_identical(runs, case):
     ranks = runs[case]
@@ -139,7 +139,7 @@ def test_threshold_zero_is_plain_training(runs):
         assert r["max_diff"] <= 1e-5
 
 
-# -- technique 4 ----------------------------------------------------------------------------
+# -- select= ----------------------------------------------------------------------------
 @pytest.mark.parametrize("case,k,bound", [("select_hypernet", 1, 2), ("select_norm", 2, 3)])
 def test_select_pushes_k_layers_chosen_alike_and_leaves_others_untouched(runs, case, k, bound):
     ranks = runs[case]
@@ -168,7 +168,7 @@ def test_select_pushes_k_layers_chosen_alike_and_leaves_others_untouched(runs, c
     assert ranks[0]["selection"]["next"]
 
 
-# -- technique 3 ----------------------------------------------------------------------------
+# -- sparse= ----------------------------------------------------------------------------
 @pytest.mark.parametrize("case,route", [("sparse_gather", "gather"), ("sparse_equal", "gather"),
                                         ("sparse_dense_switch", "dense"),
                                         ("sparse_always_gather", "gather")])
@@ -197,7 +197,7 @@ def test_sparse_rows_summed_and_routes_shared(runs, case, route):
         assert _weights_equal(ranks[0]["final"], other["final"])
 
 
-# -- technique 2 ----------------------------------------------------------------------------
+# -- delay= ----------------------------------------------------------------------------
 def test_delay_staleness_zero_is_plain_training(runs):
     for r in runs["delay_sync"]:
         assert r["max_diff"] <= 1e-5

@@ -1,4 +1,4 @@
-"""Technique 1 (torch): pipelined per-layer clipping, checked against a by-hand reference on
+"""``clip=`` (torch): pipelined per-layer clipping, checked against a by-hand reference on
 known gradients, on 2 and 3 real ranks."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Technique 2 (torch): local updates with stale global gradients and K-step averaging, on 2
+"""``delay=`` (torch): local updates with stale global gradients and K-step averaging, on 2
 and 3 real ranks with different data per rank."""
 
 from __future__ import annotations

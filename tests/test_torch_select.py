@@ -1,4 +1,4 @@
-"""Technique 4 (torch): selected layer pushes with error feedback, on 2 and 3 real ranks
+"""``select=`` (torch): selected layer pushes with error feedback, on 2 and 3 real ranks
 with different data per rank."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Technique 3 (torch): sparse grouped allgather, on 2 and 3 real ranks with different ids.
+"""``sparse=`` (torch): sparse grouped allgather, on 2 and 3 real ranks with different ids.
 
 Every exchange is checked against the dense-computed reduction (each rank's gradient made
 dense and allreduced by Horovod), and the route taken (gather with equal or unequal counts,

@@ -1,4 +1,4 @@
-"""Technique 5 (torch): accumulation thresholds, on 2 and 3 real ranks with different data."""
+"""``threshold=`` (torch): accumulation thresholds, on 2 and 3 real ranks with different data."""
 
 from __future__ import annotations
 

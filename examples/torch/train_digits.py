@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import OrderedDict
 from typing import Any, Optional
 
 import numpy as np
@@ -29,8 +30,10 @@ import hvdsync.torch as hvd
 def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
           threshold: Optional[dict] = None, clip: Optional[dict] = None,
           select: Optional[dict] = None, delay: Optional[dict] = None,
+          compression: str = "none", horovod: bool = False,
           verbose: bool = True) -> dict[str, Any]:
-    """Train on this rank's shard; return final test accuracy, loss and the stats."""
+    """Train on this rank's shard; return final test accuracy, loss, the stats and the time
+    per step. ``horovod=True`` uses Horovod's own optimizer instead (the baseline)."""
     hvd.init()
     torch.manual_seed(seed)
     torch.set_num_threads(1)
@@ -45,24 +48,32 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
     y_train = torch.from_numpy(y_train[hvd.rank()::hvd.size()])
     x_test, y_test = torch.from_numpy(x_test), torch.from_numpy(y_test)
 
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
-                          nn.Linear(64, 10))
+    model = nn.Sequential(OrderedDict(fc1=nn.Linear(64, 128), relu1=nn.ReLU(),
+                                      fc2=nn.Linear(128, 64), relu2=nn.ReLU(),
+                                      out=nn.Linear(64, 10)))
     opt = torch.optim.SGD(model.parameters(), lr=lr * hvd.size(), momentum=0.9)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   threshold=threshold, clip=clip, select=select, delay=delay)
+    wire = getattr(hvd.Compression, compression)
+    if horovod:
+        import horovod.torch
+        opt = horovod.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                                 compression=wire)
+    else:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=wire, threshold=threshold, clip=clip,
+                                       select=select, delay=delay)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
-    say(f"training on {hvd.size()} ranks, {len(x_train)} samples per rank, "
-        f"{len(opt.layers)} layers", flush=True)
+    say(f"training on {hvd.size()} ranks, {len(x_train)} samples per rank", flush=True)
     # Same number of steps on every rank (shards may differ by one sample).
     steps = int(hvd.allreduce(torch.tensor(len(x_train) // batch_size), op=hvd.Min,
                               name="steps_per_epoch").item())
-    start = time.perf_counter()
+    seconds = 0.0
     for epoch in range(1, epochs + 1):
         model.train()
         perm = torch.randperm(len(x_train))
         total = 0.0
+        start = time.perf_counter()
         for i in range(steps):
             idx = perm[i * batch_size:(i + 1) * batch_size]
             opt.zero_grad()
@@ -70,16 +81,22 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
             loss.backward()
             opt.step()
             total += loss.item()
-        opt.flush()  # with --delay: identical replicas before evaluating (else a no-op)
+        if not horovod:
+            opt.flush()  # with --delay: identical replicas before evaluating (else a no-op)
+        seconds += time.perf_counter() - start
         model.eval()
         with torch.no_grad():
             acc = (model(x_test).argmax(1) == y_test).float().mean()
         loss_avg = hvd.allreduce(torch.tensor(total / steps), name="loss").item()
         acc = hvd.allreduce(acc, name="acc").item()
         say(f"epoch {epoch:2d}  loss {loss_avg:.4f}  test accuracy {acc:.3f}", flush=True)
-    say(f"done in {time.perf_counter() - start:.1f}s")
-    say(opt.stats.summary())
-    return dict(accuracy=acc, loss=loss_avg, stats=opt.stats.as_dict())
+    say(f"trained in {seconds:.1f}s")
+    stats = None
+    if not horovod:
+        say(opt.stats.summary())
+        stats = opt.stats.as_dict()
+    return dict(accuracy=acc, loss=loss_avg, stats=stats, seconds=seconds,
+                steps=steps * epochs)
 
 
 def main() -> None:
@@ -101,6 +118,7 @@ def main() -> None:
                          "at most this many steps late")
     ap.add_argument("--average-every", type=int, default=8,
                     help="with --delay: average the parameters every this many steps")
+    ap.add_argument("--fp16", action="store_true", help="fp16 compression on the wire")
     args = ap.parse_args()
     threshold = (dict(threshold=args.threshold, max_skip=args.max_skip)
                  if args.threshold is not None else None)
@@ -109,7 +127,8 @@ def main() -> None:
     select = None if k is None else dict(k=k, selector=args.selector)
     delay = (dict(staleness=args.delay, average_every=args.average_every)
              if args.delay is not None else None)
-    train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip, select, delay)
+    train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip, select, delay,
+          compression="fp16" if args.fp16 else "none")
 
 
 if __name__ == "__main__":

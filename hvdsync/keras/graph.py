@@ -21,14 +21,25 @@ import tensorflow as tf
 from hvdsync.clipping import LayerClip
 from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.comm import KerasCommunicator, payload_bytes
-from hvdsync.stats import SyncStats
+from hvdsync.pipeline import StepPipeline
+from hvdsync.technique import Technique
+
+#: what the graph path builds itself: the plain exchange and the clip transform
+_GRAPH_TECHNIQUES = (LayerClip,)
 
 
-def graph_step(comm: KerasCommunicator, clip: LayerClip | None, stats: SyncStats,
-               layers: list[tuple[int, list[int]]], layer_names: list[str], grads: list,
-               variables: list, apply: Callable[[list, list], None]) -> None:
+def graph_runs(techniques: list[Technique]) -> bool:
+    """Whether the compiled graph path can run these techniques (else: the pipeline path)."""
+    return all(t.name == "plain" or isinstance(t, _GRAPH_TECHNIQUES) for t in techniques)
+
+
+def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
+               layers: list[tuple[int, list[int]]], grads: list, variables: list,
+               apply: Callable[[list, list], None]) -> None:
     """Build one step of the graph path: per layer (fixed order) clip (local), reduce, clip
     (global); then ``apply(grads, variables)`` and record the step's statistics."""
+    clip = next((t for t in pipeline.transforms if isinstance(t, LayerClip)), None)
+    stats, layer_names = pipeline.stats, pipeline.layer_names
     grads = list(grads)
     records, clipped, sent, dense, collectives = [], [], [], [], []
     mode = clip.config.mode if clip is not None else None

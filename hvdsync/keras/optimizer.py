@@ -26,7 +26,7 @@ from hvdsync.api import SyncAPI
 from hvdsync.clipping import ClipConfig
 from hvdsync.config import check_bool, reject_unknown_kwargs
 from hvdsync.delay import DelayConfig
-from hvdsync.keras import graph
+from hvdsync.keras.graph import eager_step, graph_runs, graph_step, in_xla_context
 from hvdsync.keras.backend import KerasGradients, KerasOps, Slots
 from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.comm import KerasCommunicator
@@ -43,8 +43,6 @@ _HOROVOD_ARGS = ("name", "device_dense", "device_sparse", "compression", "sparse
                  "gradient_predivide_factor", "op", "backward_passes_per_step",
                  "average_aggregated_gradients", "num_groups", "groups", "process_set",
                  "scale_local_gradients")
-#: the techniques the compiled graph path runs itself; any other needs the step pipeline
-_GRAPH_TECHNIQUES = {"clip", "plain"}
 
 
 class _Hvdsync:
@@ -81,7 +79,7 @@ class _DistributedOptimizer(SyncAPI):
             sparse_exchange=lambda c: SparseExchange(c, hv.grads, hv.comm, hv.stats),
             layer_names=names, stats=hv.stats)
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, hv.stats)
-        hv.graph_path = all(t.name in _GRAPH_TECHNIQUES for t in hv.techniques)
+        hv.graph_path = graph_runs(hv.techniques)
         hv.signatures = [checkpoint.signature(v.shape, v.dtype) for vs in layer_vars for v in vs]
         if hv.pending_state is not None:
             state, hv.pending_state = hv.pending_state, None
@@ -90,7 +88,7 @@ class _DistributedOptimizer(SyncAPI):
     # -- the step ---------------------------------------------------------------------------
     def _backend_apply_gradients(self, grads, trainable_variables):
         hv = self._hv
-        if graph.in_xla_context():
+        if in_xla_context():
             raise RuntimeError("hvdsync.keras.DistributedOptimizer uses Horovod ops, which XLA "
                                "cannot compile: pass jit_compile=False to model.compile()")
         steps = self.gradient_accumulation_steps
@@ -132,9 +130,8 @@ class _DistributedOptimizer(SyncAPI):
             positions: dict[int, list[int]] = {}
             for pos, v in enumerate(variables):
                 positions.setdefault(hv.layer_of[v.path], []).append(pos)
-            graph.graph_step(hv.comm, hv.pipeline.by_name.get("clip"), hv.stats,
-                             sorted(positions.items()), [layer.name for layer in hv.layers],
-                             grads, variables, self._apply_update)
+            graph_step(hv.comm, hv.pipeline, sorted(positions.items()), grads, variables,
+                       self._apply_update)
             return
         if hv.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
@@ -144,8 +141,8 @@ class _DistributedOptimizer(SyncAPI):
             hv.grads.begin_step(variables, step_grads)
             hv.pipeline.finish_backward()  # every layer is ready at once in Keras
             return hv.grads.grads
-        graph.eager_step(run, hv.pipeline.after_optimizer_step, grads, variables,
-                         self._apply_update)
+        eager_step(run, hv.pipeline.after_optimizer_step, grads, variables,
+                   self._apply_update)
 
     # -- hvdsync's public API -----------------------------------------------------------------
     def _sync_pipeline(self) -> Optional[StepPipeline]:

@@ -66,8 +66,8 @@ class _DistributedOptimizer(SyncAPI):
         layer_names = [layer.name for layer in self._layers]
         self.stats = SyncStats(layer_names)
         self._grads = TorchGradients(layer_params, self)
-        comm = TorchCommunicator(compression, op, gradient_predivide_factor, sparse_as_dense,
-                                 process_set, self.stats)
+        self._comm = comm = TorchCommunicator(compression, op, gradient_predivide_factor,
+                                              sparse_as_dense, process_set, self.stats)
         self._techniques = build_techniques(
             configs, grads=self._grads, ops=TorchOps(), comm=comm, clip_layer=clip_layer,
             sparse_exchange=lambda c: SparseExchange(c, self._grads, comm, self.stats),
