@@ -203,6 +203,7 @@ class LayerClip(Transform):
     def __init__(self, config: ClipConfig, grads: Gradients, ops: TensorOps,
                  clip_layer: ClipLayer, layer_names: list[str], stats: SyncStats):
         self.config = config
+        self.reads_values = config.ratio is not None
         self.policy = ClipPolicy(config, len(layer_names))
         self.grads = grads
         self.ops = ops

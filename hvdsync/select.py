@@ -251,6 +251,7 @@ class SelectedPushes(Decider):
     """
 
     name = "select"
+    reads_values = True  # <g, theta> and the values a withheld layer returns to
 
     def __init__(self, config: SelectConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats):

@@ -148,6 +148,9 @@ class Technique:
     #: the keyword that configures it ("clip", "threshold", ...; "plain" for the plain exchange)
     name: str = ""
     role: str = ""
+    #: whether it reads parameter values during the step (Keras then hands them to the step
+    #: with the gradients, read by the compiled function before the update)
+    reads_values: bool = False
 
     def layer_ready(self, li: int, ks: list[int]) -> None:
         """Layer ``li``'s local gradient is final (its missing gradients filled)."""

@@ -134,6 +134,7 @@ class AccumulationThreshold(Decider):
     """
 
     name = "threshold"
+    reads_values = True  # sync points snapshot the parameters
 
     def __init__(self, config: ThresholdConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, num_layers: int):

@@ -11,7 +11,7 @@ global and advances every step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -24,7 +24,17 @@ def norm_of(tensors: Sequence) -> tf.Tensor:
     values, so coalesce them first if rows repeat)."""
     parts = [tf.reduce_sum(tf.square(tf.cast(t.values if isinstance(t, tf.IndexedSlices) else t,
                                              tf.float32))) for t in tensors]
-    return tf.sqrt(tf.add_n(parts)) if parts else tf.zeros((), tf.float32)
+    return tf.sqrt(tf.add_n(parts)) if parts else _zero()
+
+
+_ZERO: list = []
+
+
+def _zero() -> tf.Tensor:
+    """A float32 zero, made once (an eager op costs more than the arithmetic here)."""
+    if not _ZERO:
+        _ZERO.append(tf.zeros((), tf.float32))
+    return _ZERO[0]
 
 
 class KerasOps:
@@ -49,13 +59,14 @@ class KerasOps:
 
     @staticmethod
     def zero() -> tf.Tensor:
-        return tf.zeros((), tf.float32)
+        return _zero()
 
     @staticmethod
     def to_host(scalars: Sequence) -> list[float]:
         if not scalars:
             return []
-        return tf.stack([tf.cast(s, tf.float32) for s in scalars]).numpy().tolist()
+        return tf.stack([s if s.dtype == tf.float32 else tf.cast(s, tf.float32)
+                         for s in scalars]).numpy().tolist()
 
     @staticmethod
     def nbytes(x) -> int:
@@ -103,11 +114,15 @@ class KerasGradients:
         self._layer_of = {v.path: li for li, vs in enumerate(layer_vars) for v in vs}
         self.variables: list = []
         self.grads: list = []
+        self.values: Optional[list] = None
         self._positions: list[list[int]] = [[] for _ in layer_vars]
         self._restore: list[tuple[Any, str, tf.Tensor, list]] = []
 
-    def begin_step(self, variables: list, grads: list) -> None:
+    def begin_step(self, variables: list, grads: list, values: Optional[list] = None) -> None:
+        """A new step: ``grads`` of ``variables`` and, if the compiled function read them
+        (techniques that ``reads_values``), the variables' values before the update."""
         self.variables, self.grads = list(variables), list(grads)
+        self.values = values
         self._positions = [[] for _ in self.layer_vars]
         for pos, v in enumerate(self.variables):
             self._positions[self._layer_of[v.path]].append(pos)
@@ -131,6 +146,8 @@ class KerasGradients:
         return tf.zeros_like(self._var(li, k).value)
 
     def value(self, li: int, k: int):
+        if self.values:  # read by the compiled function before the update
+            return self.values[self._positions[li][k]]
         # read inside the eager step, which the update waits for: the value before it
         return tf.identity(self._var(li, k).value)
 

@@ -98,19 +98,22 @@ def _bytes(comm: KerasCommunicator, g, wire: bool) -> tf.Tensor:
     return tf.constant(comm.wire_bytes(g) if wire else payload_bytes(g), tf.int64)
 
 
-def eager_step(run: Callable[[list], list], finish: Callable[[], None], grads: list,
-               variables: list, apply: Callable[[list, list], None]) -> None:
-    """Build one step of the pipeline path: ``run(grads)`` eagerly (gradients in, gradients to
-    apply out), ``apply`` them, then ``finish()`` eagerly after the update."""
+def eager_step(run: Callable[[list, list], list], finish: Callable[[], None], grads: list,
+               variables: list, apply: Callable[[list, list], None], values: bool) -> None:
+    """Build one step of the pipeline path: ``run(grads, values)`` eagerly (gradients in,
+    gradients to apply out; ``values``: the variables' values read before the update, or
+    ``[]``), ``apply`` them, then ``finish()`` eagerly after the update."""
     shapes = [v.shape for v in variables]
     flat, spec = _flatten(grads, shapes)
+    reads = [tf.convert_to_tensor(v.value) for v in variables] if values else []
 
     def call(*tensors):
-        out_flat, out_spec = _flatten(run(_unflatten(list(tensors), spec)), shapes)
+        step_grads = _unflatten(list(tensors[:len(flat)]), spec)
+        out_flat, out_spec = _flatten(run(step_grads, list(tensors[len(flat):])), shapes)
         if [s[0] for s in out_spec] != [s[0] for s in spec]:
             raise RuntimeError("hvdsync: a technique changed the gradient layout")
         return out_flat
-    results = tf.py_function(call, flat, [t.dtype for t in flat])
+    results = tf.py_function(call, flat + reads, [t.dtype for t in flat])
     for r, t in zip(results, flat):
         r.set_shape(t.shape if t.shape.is_fully_defined() else [None] * t.shape.rank)
     new_grads = _unflatten(list(results), spec)

@@ -137,12 +137,12 @@ class _DistributedOptimizer(SyncAPI):
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
 
-        def run(step_grads: list) -> list:
-            hv.grads.begin_step(variables, step_grads)
+        def run(step_grads: list, values: list) -> list:
+            hv.grads.begin_step(variables, step_grads, values)
             hv.pipeline.finish_backward()  # every layer is ready at once in Keras
             return hv.grads.grads
         eager_step(run, hv.pipeline.after_optimizer_step, grads, variables,
-                   self._apply_update)
+                   self._apply_update, any(t.reads_values for t in hv.techniques))
 
     # -- hvdsync's public API -----------------------------------------------------------------
     def _sync_pipeline(self) -> Optional[StepPipeline]:
