@@ -1,7 +1,9 @@
 """hvdsync: communication-efficient drop-in optimizer wrappers for Horovod.
 
 Import the framework adapter you need; this top-level package holds the framework-neutral
-core (layer grouping, validation, statistics) and imports neither torch nor TensorFlow::
+core -- the technique interface and the step pipeline, the rulebook, the techniques, layer
+grouping, statistics, checkpoints (docs/design.md) -- and imports neither torch nor
+TensorFlow::
 
     import hvdsync.torch as hvd      # instead of: import horovod.torch as hvd
 """
