@@ -4,7 +4,8 @@ both adapters (their ``DistributedOptimizer`` factories call :func:`configure`).
 Roles (see :mod:`hvdsync.technique`): ``clip`` transforms a layer's gradient; ``threshold``
 and ``select`` decide which layers go; ``sparse`` and ``delay`` are transports (how a layer
 goes; without ``delay`` dense layers take the plain grouped allreduce). The keyword order
-below is the role order, used everywhere (signatures, docs, stats).
+below is the role order, used everywhere (signatures, docs, the pipeline). docs/design.md
+shows the exclusions as a table.
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ from hvdsync.config import check_bool, check_reduce_op, positive_float, positive
 from hvdsync.delay import DelayConfig
 from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
-from hvdsync.technique import DECIDER, TRANSFORM, TRANSPORT
 from hvdsync.threshold import ThresholdConfig
 
 #: every technique keyword, in role order
 TECHNIQUES = ("clip", "threshold", "select", "sparse", "delay")
-ROLES = {"clip": TRANSFORM, "threshold": DECIDER, "select": DECIDER, "sparse": TRANSPORT,
-         "delay": TRANSPORT}
 CONFIGS = {"clip": ClipConfig, "threshold": ThresholdConfig, "select": SelectConfig,
            "sparse": SparseConfig, "delay": DelayConfig}
 
@@ -145,17 +143,6 @@ def pipeline_order(configs: dict[str, Any]) -> list[str]:
 
 def _kw(name: str) -> str:
     return f"{name}=" if name in TECHNIQUES else name
-
-
-def role_of(name: str) -> str:
-    return ROLES[name]
-
-
-def describe() -> str:
-    """The rulebook as Markdown (for docs and error messages)."""
-    lines = ["| not combined | why |", "| --- | --- |"]
-    lines += [f"| `{_kw(r.first)}` + `{_kw(r.second)}` | {r.why} |" for r in EXCLUSIONS]
-    return "\n".join(lines)
 
 
 def enabled(configs: dict[str, Optional[Any]]) -> list[str]:
