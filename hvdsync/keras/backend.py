@@ -124,8 +124,15 @@ class KerasGradients:
         self.variables, self.grads = list(variables), list(grads)
         self.values = values
         self._positions = [[] for _ in self.layer_vars]
-        for pos, v in enumerate(self.variables):
-            self._positions[self._layer_of[v.path]].append(pos)
+        for li, positions in self.layer_positions(self.variables):
+            self._positions[li] = positions
+
+    def layer_positions(self, variables: list) -> list[tuple[int, list[int]]]:
+        """Per layer present in ``variables`` (layer order), the positions of its variables."""
+        out: dict[int, list[int]] = {}
+        for pos, v in enumerate(variables):
+            out.setdefault(self._layer_of[v.path], []).append(pos)
+        return sorted(out.items())
 
     def _var(self, li: int, k: int):
         return self.variables[self._positions[li][k]]

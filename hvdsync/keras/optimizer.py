@@ -68,7 +68,6 @@ class _DistributedOptimizer(SyncAPI):
         hv.layers = build_layers([v.path for v in variables], hv.grouping)
         by_path = {v.path: v for v in variables}
         layer_vars = [[by_path[n] for n in layer.param_names] for layer in hv.layers]
-        hv.layer_of = {n: layer.index for layer in hv.layers for n in layer.param_names}
         names = [layer.name for layer in hv.layers]
         hv.stats = SyncStats(names)
         hv.comm = KerasCommunicator(hv.compression, hv.op, hv.predivide, hv.sparse_as_dense,
@@ -127,11 +126,8 @@ class _DistributedOptimizer(SyncAPI):
             self._apply_update(grads, variables)
             return
         if hv.graph_path:
-            positions: dict[int, list[int]] = {}
-            for pos, v in enumerate(variables):
-                positions.setdefault(hv.layer_of[v.path], []).append(pos)
-            graph_step(hv.comm, hv.pipeline, sorted(positions.items()), grads, variables,
-                       self._apply_update)
+            graph_step(hv.comm, hv.pipeline, hv.grads.layer_positions(variables), grads,
+                       variables, self._apply_update)
             return
         if hv.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
