@@ -43,6 +43,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol
 
+from hvdsync.watchdog import guard
+
 TRANSFORM, DECIDER, TRANSPORT = "transform", "decider", "transport"
 
 
@@ -54,7 +56,8 @@ class Pending:
 
     def __init__(self, wait: Optional[Callable[[], Any]] = None,
                  ready: Optional[Callable[[], bool]] = None, nbytes: int = 0,
-                 collectives: int = 0):
+                 collectives: int = 0, what: str = "a collective"):
+        self.what = what  # for the watchdog's message
         self._wait = wait
         self._ready = ready
         self._done = wait is None
@@ -71,7 +74,8 @@ class Pending:
 
     def wait(self) -> Any:
         if not self._done:
-            self._result = self._wait()
+            with guard(self.what):
+                self._result = self._wait()
             self._done = True
             self._wait = self._ready = None
         return self._result
@@ -83,7 +87,8 @@ class Pending:
 
     def then(self, fn: Callable[[Any], Any]) -> "Pending":
         """A pending that waits for this one and returns ``fn(result)``; same counts."""
-        return Pending(lambda: fn(self.wait()), self.ready, self.nbytes, self.collectives)
+        return Pending(lambda: fn(self.wait()), self.ready, self.nbytes, self.collectives,
+                       self.what)
 
 
 # -- what an adapter provides ----------------------------------------------------------------

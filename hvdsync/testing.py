@@ -15,6 +15,11 @@ Each rank calls ``fn(*args, **kwargs)`` after nothing else (the body calls ``hvd
 itself); return values must be picklable and come back as a list indexed by rank. A rank
 that raises, a non-zero exit, or a job still running after ``timeout`` seconds (a hang: all
 ranks are killed) raises :class:`RanksFailed`, whose message holds every rank's output.
+
+Whatever ends the call -- success, failure, timeout, an exception or Ctrl-C in the caller --
+no rank process is left behind: Horovod's launcher starts each rank in a session of its own
+(out of reach of a process-group kill), so the ranks are found by their command line and
+killed, and every wait is bounded.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import os
 import pickle
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +40,12 @@ from typing import Any
 
 
 class RanksFailed(AssertionError):
-    """A multi-rank job failed, crashed or hung; the message has every rank's output."""
+    """A multi-rank job failed, crashed or hung; the message has every rank's output.
+    ``workdir`` is the job's (deleted) scratch directory: every rank's command line holds it."""
+
+    def __init__(self, message: str, workdir: str = ""):
+        super().__init__(message)
+        self.workdir = workdir
 
 
 def _horovodrun() -> str:
@@ -60,15 +69,60 @@ def run_ranks(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | 
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=rank_env(env), start_new_session=True, text=True,
                                 errors="replace")
+        hung = False
         try:
             output, _ = proc.communicate(timeout=timeout)
-            hung = False
         except subprocess.TimeoutExpired:
             hung = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
+            kill_job(proc, tmp)
+            output, _ = proc.communicate(timeout=_GRACE_S)
+        except BaseException:  # an error or Ctrl-C here: take the ranks down with us
+            kill_job(proc, tmp)
+            raise
+        finally:
+            kill_job(proc, tmp)  # stragglers of a finished launcher
         return collect_results(tmp, np, name, hung, proc.returncode, timeout,
                                time.monotonic() - start, output)
+
+
+#: the most seconds to wait for killed processes to go
+_GRACE_S = 30.0
+
+
+def processes_of(workdir: str) -> list:
+    """The live processes whose command line mentions ``workdir`` (a job's ranks and the
+    shells that started them)."""
+    import psutil
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and any(workdir in part for part in p.info["cmdline"] or ()):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def kill_job(proc: subprocess.Popen, workdir: str) -> None:
+    """Kill the launcher ``proc``, everything under it and every process of ``workdir`` (the
+    ranks run in sessions of their own and outlive a killed launcher), waiting at most
+    :data:`_GRACE_S` seconds."""
+    import psutil
+    victims = []
+    try:
+        launcher = psutil.Process(proc.pid)
+        victims = [launcher, *launcher.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        pass
+    victims += processes_of(workdir)
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=_GRACE_S)
+    if proc.poll() is None:
+        proc.wait(timeout=_GRACE_S)
 
 
 # -- pieces for launchers of ranks (run_ranks above; benchmarks/network.py) -----------------
@@ -120,7 +174,7 @@ def collect_results(tmp: str, np: int, name: str, hung: bool, returncode: int | 
                 else f"exited with code {returncode}" if returncode
                 else f"ranks {missing} returned no result")
         raise RanksFailed(f"{name} on {np} ranks {what} ({elapsed:.1f}s).\n"
-                          f"{format_rank_output(output, np)}")
+                          f"{format_rank_output(output, np)}", workdir=tmp)
     return results
 
 

@@ -1,5 +1,6 @@
-"""The multi-rank harness itself: results come back per rank, and a crash or a hang becomes
-a failure that shows every rank's output (a harness that cannot fail would prove nothing)."""
+"""The multi-rank harness itself: results come back per rank, and a crash, a hang or a killed
+rank becomes a failure that shows every rank's output and leaves no process behind (a
+harness that cannot fail would prove nothing)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from hvdsync.testing import RanksFailed, run_ranks
+from hvdsync.testing import RanksFailed, processes_of, run_ranks
 
 
 def rank_times(scale):
@@ -50,6 +51,7 @@ def test_crash_is_reported_with_rank_output():
     msg = str(err.value)
     assert "boom on rank one" in msg
     assert "rank 0 alive" in msg and "----- rank 1" in msg
+    assert processes_of(err.value.workdir) == []  # rank 0 was sleeping: killed, not orphaned
 
 
 def test_hang_becomes_timeout_failure():
@@ -60,3 +62,50 @@ def test_hang_becomes_timeout_failure():
     msg = str(err.value)
     assert "timed out" in msg
     assert "rank 0 before collective" in msg and "rank 1 before collective" in msg
+    assert processes_of(err.value.workdir) == []
+
+
+def killed_mid_training(where: str, steps: int = 200):
+    """Train with hvdsync on every rank; rank 1 is SIGKILLed at step 5, either between steps
+    or while its ranks are inside a collective (rank 0 joins the step's reductions late)."""
+    import os
+    import signal
+    import threading
+
+    import torch
+
+    import hvdsync.torch as hvd
+    from tests.models import MLP, teacher_batches
+    hvd.init()
+    model = MLP()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    print(f"rank {hvd.rank()} training", flush=True)
+    for step, (x, y) in enumerate(teacher_batches(hvd.rank(), steps)):
+        if step == 5 and hvd.rank() == 1:
+            if where == "between":
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        if step == 5 and hvd.rank() == 0 and where == "inside":
+            time.sleep(1.0)  # rank 1 is already waiting inside the step's allreduces
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return "finished"
+
+
+#: the most seconds a job with a dead rank may take to end (documented in docs/failures.md)
+DEAD_RANK_BOUND_S = 60
+
+
+@pytest.mark.parametrize("where", ["between", "inside"])
+def test_killed_rank_ends_the_job_and_leaves_nothing(where):
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(killed_mid_training, np=2, args=(where,), timeout=180)
+    elapsed = time.monotonic() - start
+    assert elapsed < DEAD_RANK_BOUND_S, elapsed
+    msg = str(err.value)
+    assert "exited with code" in msg and "rank 0 training" in msg
+    assert processes_of(err.value.workdir) == []
+

@@ -21,6 +21,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 globals().update({k: v for k, v in vars(_horovod_tf).items() if not k.startswith("_")})
 
+from hvdsync.agreement import RanksDisagree  # noqa: E402
 from hvdsync.clipping import ClipConfig  # noqa: E402
 from hvdsync.delay import DelayConfig  # noqa: E402
 from hvdsync.keras import callbacks  # noqa: E402

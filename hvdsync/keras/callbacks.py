@@ -7,6 +7,7 @@ per-step communication statistics into Keras' ``logs`` (progress bar, History, T
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import keras
@@ -14,6 +15,9 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.mpi_ops import Average, global_process_set
+
+from hvdsync.keras.comm import gather_json
+from hvdsync.watchdog import guard
 
 
 def _broadcast(variables: list, root_rank: int, prefix: str, process_set) -> None:
@@ -58,19 +62,35 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 class MetricAverageCallback(keras.callbacks.Callback):
     """Average the epoch's metrics over ranks at the end of every epoch (Horovod's meaning), so
-    History, checkpoints and early stopping see the same numbers on every rank."""
+    History, checkpoints and early stopping see the same numbers on every rank.
+
+    The ranks first share which metrics they have (a rank validating alone, or a metric only
+    one rank logs, would otherwise make the averaging collective differ between ranks): the
+    metrics every rank has are averaged, the others are left as they are, with a warning."""
 
     def __init__(self, process_set=global_process_set):
         super().__init__()
         self.process_set = process_set
+        self._warned = False
 
     def on_epoch_end(self, epoch, logs=None):
-        if not logs or self.process_set.size() == 1:
+        if self.process_set.size() == 1:
             return
-        keys = sorted(k for k, v in logs.items() if np.isscalar(v) or np.ndim(v) == 0)
+        logs = logs if logs is not None else {}
+        mine = sorted(k for k, v in logs.items() if np.isscalar(v) or np.ndim(v) == 0)
+        everyone = gather_json(mine, f"hvdsync.metrics.keys.{epoch}", self.process_set)
+        keys = [k for k in mine if all(k in other for other in everyone)]
+        partial = sorted({k for other in everyone for k in other} - set(keys))
+        if partial and not self._warned:
+            self._warned = True
+            warnings.warn(f"hvdsync MetricAverageCallback: {partial} are not logged on every "
+                          "rank, so they are not averaged", RuntimeWarning, stacklevel=2)
+        if not keys:
+            return
         values = tf.constant([float(logs[k]) for k in keys], tf.float64)
-        avg = mpi_ops._allreduce(values, name=f"hvdsync.metrics.{epoch}", op=Average,
-                                 process_set=self.process_set).numpy()
+        with guard("the metric averaging of MetricAverageCallback"):
+            avg = mpi_ops._allreduce(values, name=f"hvdsync.metrics.{epoch}", op=Average,
+                                     process_set=self.process_set).numpy()
         for k, v in zip(keys, avg):
             logs[k] = float(v)
 
@@ -216,16 +236,38 @@ def _totals(s) -> dict:
 
 
 class FlushCallback(keras.callbacks.Callback):
-    """With ``delay=``: make the replicas identical (``optimizer.flush()``) before every
-    evaluation (``fit``'s validation included) and at the end of training."""
+    """With ``delay=``: make the replicas identical (``optimizer.flush()``) at the end of every
+    epoch's training batches -- before ``fit``'s validation, whichever ranks validate -- and at
+    the end of training.
+
+    ``flush()`` is a collective, so it runs only where every rank is: after the epoch's last
+    batch (every rank trains the same number of batches) and at the end of ``fit``. When the
+    number of batches per epoch is unknown, it runs when ``fit``'s validation begins (then
+    validate on every rank). An ``evaluate()`` outside ``fit`` does not flush: call
+    ``optimizer.flush()`` on every rank before it."""
+
+    def __init__(self):
+        super().__init__()
+        self._steps = None
+        self._in_fit = False
 
     def _flush(self):
         opt = getattr(self.model, "optimizer", None)
         if opt is not None and hasattr(opt, "flush") and opt.built:
             opt.flush()
 
+    def on_train_begin(self, logs=None):
+        self._in_fit = True
+        self._steps = self.params.get("steps") if self.params else None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._steps and batch + 1 == self._steps:
+            self._flush()
+
     def on_test_begin(self, logs=None):
-        self._flush()
+        if self._in_fit and not self._steps:
+            self._flush()
 
     def on_train_end(self, logs=None):
+        self._in_fit = False
         self._flush()

@@ -15,6 +15,7 @@ Two execution contexts use it:
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +30,7 @@ from horovod.tensorflow.mpi_ops import Average, ProcessSet, Sum
 
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Pending
+from hvdsync.watchdog import guard
 
 
 def payload_bytes(g) -> int:
@@ -46,6 +48,23 @@ def coalesce(g: tf.IndexedSlices) -> tf.IndexedSlices:
     unique, position = tf.unique(g.indices)
     values = tf.math.unsorted_segment_sum(g.values, position, tf.shape(unique)[0])
     return tf.IndexedSlices(values, unique, g.dense_shape)
+
+
+def gather_json(obj, name: str, process_set: ProcessSet) -> list:
+    """Every rank's ``obj`` (JSON data), in rank order (two small eager allgathers)."""
+    if process_set.size() == 1:
+        return [obj]
+    data = tf.constant(np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8))
+    with guard(f"the allgather {name!r}"):
+        sizes = mpi_ops.allgather(tf.constant([int(data.shape[0])], tf.int64),
+                                  name=f"{name}.sizes", process_set=process_set)
+        gathered = mpi_ops.allgather(data, name=name, process_set=process_set)
+    sizes, raw = sizes.numpy().tolist(), gathered.numpy().tobytes()
+    out, i = [], 0
+    for n in sizes:
+        out.append(json.loads(raw[i:i + n].decode()))
+        i += n
+    return out
 
 
 class _Request:
@@ -132,7 +151,7 @@ class KerasCommunicator:
         request = _Request(name, tensors, Pending())
         nbytes = sum(self.wire_bytes(t) for t in tensors) if self.size > 1 else 0
         request.pending = Pending(lambda: self._result(request), lambda: self._ready(request),
-                                  nbytes, 0)
+                                  nbytes, 0, what=f"the allreduce {name!r}")
         self._queue.append(request)
         return request.pending
 
@@ -149,7 +168,8 @@ class KerasCommunicator:
         flat = [t for r in requests for t in r.tensors]
 
         def run() -> list:
-            return self.reduce(flat, name=f"hvdsync.step.{key:08x}")
+            with guard(f"the step's grouped allreduce 'hvdsync.step.{key:08x}'"):
+                return self.reduce(flat, name=f"hvdsync.step.{key:08x}")
         if background:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdsync")
@@ -180,29 +200,36 @@ class KerasCommunicator:
             return [float(v) for v in values]
         x = tf.constant(np.asarray(values, dtype=np.float64))
         self.stats.control(payload_bytes(x))
-        out = mpi_ops._allreduce(x, name=name, op=Average, process_set=self.process_set)
-        return out.numpy().tolist()
+        with guard(f"the control allreduce {name!r}"):
+            out = mpi_ops._allreduce(x, name=name, op=Average, process_set=self.process_set)
+            return out.numpy().tolist()
 
     def average(self, groups: list[tuple[str, list[Any]]]) -> None:
         """Average each named group of variables across ranks (eager) and assign the result."""
         if self.size == 1:
             return
         for name, xs in groups:
-            avg = mpi_ops._grouped_allreduce([tf.convert_to_tensor(x.value) for x in xs],
-                                             name=name, op=Average,
-                                             process_set=self.process_set)
+            with guard("the parameter averaging (delay=, flush())"):
+                avg = mpi_ops._grouped_allreduce([tf.convert_to_tensor(x.value) for x in xs],
+                                                 name=name, op=Average,
+                                                 process_set=self.process_set)
             for x, a in zip(xs, avg):
                 x.assign(a)
+
+    def gather_json(self, obj, name: str) -> list:
+        return gather_json(obj, name, self.process_set)
 
     def allgather(self, tensors: list, name: str) -> list:
         """Eager grouped allgather (the sparse exchange's rows and counts)."""
         if self.size == 1:
             return list(tensors)
-        return mpi_ops.grouped_allgather(tensors, name=name, process_set=self.process_set)
+        with guard(f"the allgather {name!r}"):
+            return mpi_ops.grouped_allgather(tensors, name=name, process_set=self.process_set)
 
     def sum(self, tensors: list, name: str) -> list:
         """Eager grouped allreduce with op Sum."""
         if self.size == 1:
             return list(tensors)
-        return mpi_ops._grouped_allreduce(tensors, name=name, op=Sum,
-                                          process_set=self.process_set)
+        with guard(f"the allreduce {name!r}"):
+            return mpi_ops._grouped_allreduce(tensors, name=name, op=Sum,
+                                              process_set=self.process_set)

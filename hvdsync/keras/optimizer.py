@@ -21,7 +21,7 @@ from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
                                         global_process_set)
 
-from hvdsync import checkpoint, rules
+from hvdsync import agreement, checkpoint, rules
 from hvdsync.api import SyncAPI
 from hvdsync.clipping import ClipConfig
 from hvdsync.config import check_bool, reject_unknown_kwargs
@@ -30,7 +30,7 @@ from hvdsync.keras.graph import eager_step, graph_runs, graph_step, in_xla_conte
 from hvdsync.keras.backend import KerasGradients, KerasOps, Slots
 from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.comm import KerasCommunicator
-from hvdsync.keras.params import groups_to_names, keras_layer_of
+from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
 from hvdsync.keras.sparse import SparseExchange
 from hvdsync.layers import Grouping, Layer, build_layers
 from hvdsync.pipeline import StepPipeline, build_techniques
@@ -68,7 +68,10 @@ class _DistributedOptimizer(SyncAPI):
         hv.layers = build_layers([v.path for v in variables], hv.grouping)
         by_path = {v.path: v for v in variables}
         layer_vars = [[by_path[n] for n in layer.param_names] for layer in hv.layers]
-        names = [layer.name for layer in hv.layers]
+        # stats and collective names without the model's auto-numbered name ("sequential_1/"),
+        # which can differ between ranks that built other models first
+        names = relative_names([layer.name for layer in hv.layers])
+        hv.layers = [Layer(n, layer.index, layer.param_names) for n, layer in zip(names, hv.layers)]
         hv.stats = SyncStats(names)
         hv.comm = KerasCommunicator(hv.compression, hv.op, hv.predivide, hv.sparse_as_dense,
                                     hv.process_set, hv.stats)
@@ -80,6 +83,12 @@ class _DistributedOptimizer(SyncAPI):
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, hv.stats)
         hv.graph_path = graph_runs(hv.techniques)
         hv.signatures = [checkpoint.signature(v.shape, v.dtype) for vs in layer_vars for v in vs]
+        if hv.process_set.included():
+            with tf.init_scope():  # build runs while the train function is traced: go eager
+                agreement.require(hv.comm, [(name, [checkpoint.signature(v.shape, v.dtype)
+                                                    for v in vs])
+                                            for name, vs in zip(names, layer_vars)],
+                                  hv.configs, hv.horovod_options)
         if hv.pending_state is not None:
             state, hv.pending_state = hv.pending_state, None
             checkpoint.load_into(self._configured, state, hv.signatures)
@@ -284,7 +293,12 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
         compression=compression, op=op, predivide=gradient_predivide_factor,
         sparse_as_dense=sparse_as_dense, process_set=process_set,
         grouping=grouping if grouping is not None else keras_layer_of, configs=configs,
-        average_aggregated_gradients=average_aggregated_gradients, pending_state=None))
+        average_aggregated_gradients=average_aggregated_gradients, pending_state=None,
+        horovod_options=dict(op=op, compression=compression,
+                             backward_passes_per_step=backward_passes_per_step,
+                             average_aggregated_gradients=average_aggregated_gradients,
+                             gradient_predivide_factor=gradient_predivide_factor,
+                             sparse_as_dense=sparse_as_dense, process_set=process_set.ranks)))
     if optimizer.built:
         wrapped._hvdsync_build(list(optimizer._trainable_variables))
     return wrapped

@@ -14,6 +14,17 @@ def keras_layer_of(path: str) -> str:
     return path.rsplit("/", 1)[0] if "/" in path else path
 
 
+def relative_names(names: list[str]) -> list[str]:
+    """Layer names without their common first path component when they all have one (the
+    model's name, which Keras numbers by creation order: ``sequential_1/fc1`` -> ``fc1``)."""
+    heads = {n.split("/", 1)[0] for n in names}
+    if len(heads) == 1 and all("/" in n for n in names):
+        stripped = [n.split("/", 1)[1] for n in names]
+        if len(set(stripped)) == len(stripped):
+            return stripped
+    return list(names)
+
+
 def groups_to_names(groups: Any) -> Grouping:
     if groups is None:
         return None

@@ -17,6 +17,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 # Re-export horovod.torch's public API exactly as Horovod has it.
 globals().update({k: v for k, v in vars(_horovod_torch).items() if not k.startswith("_")})
 
+from hvdsync.agreement import RanksDisagree  # noqa: E402
 from hvdsync.clipping import ClipConfig  # noqa: E402
 from hvdsync.delay import DelayConfig  # noqa: E402
 from hvdsync.select import SelectConfig  # noqa: E402

@@ -8,15 +8,17 @@ rank nothing is sent: a reduction over one rank is the identity.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import torch
 from horovod.torch.mpi_ops import Average, ProcessSet
-from horovod.torch.mpi_ops import (allreduce, grouped_allreduce_async_, poll,
+from horovod.torch.mpi_ops import (allgather, allreduce, grouped_allreduce_async_, poll,
                                    sparse_allreduce_async, synchronize)
 
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Pending
+from hvdsync.watchdog import guard
 
 
 def payload_bytes(t: torch.Tensor) -> int:
@@ -86,7 +88,8 @@ class TorchCommunicator:
             for w in waits:
                 w()
             return tensors
-        return Pending(wait, lambda: all(p() for p in polls), nbytes, collectives)
+        return Pending(wait, lambda: all(p() for p in polls), nbytes, collectives,
+                       what=f"the allreduce {name!r}")
 
     def _dense_finisher(self, handle, grads, ctxs):
         def finish() -> None:
@@ -109,7 +112,8 @@ class TorchCommunicator:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64)
         self.stats.control(t.numel() * t.element_size())
-        return allreduce(t, name=name, op=Average, process_set=self.process_set).tolist()
+        with guard(f"the control allreduce {name!r}"):
+            return allreduce(t, name=name, op=Average, process_set=self.process_set).tolist()
 
     def average(self, groups: list[tuple[str, list[torch.Tensor]]]) -> None:
         """Average each named group of tensors across ranks, in place (all groups in flight
@@ -119,8 +123,25 @@ class TorchCommunicator:
         handles = [grouped_allreduce_async_(tensors, name=name, op=Average,
                                             process_set=self.process_set)
                    for name, tensors in groups]
-        for h in handles:
-            synchronize(h)
+        with guard("the parameter averaging (delay=, flush())"):
+            for h in handles:
+                synchronize(h)
+
+
+    def gather_json(self, obj, name: str) -> list:
+        """Every rank's ``obj`` (JSON data), in rank order (two small allgathers)."""
+        if self.size == 1:
+            return [obj]
+        data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+        with guard(f"the allgather {name!r}"):
+            sizes = allgather(torch.tensor([data.numel()]), name=f"{name}.sizes",
+                              process_set=self.process_set).tolist()
+            gathered = allgather(data, name=name, process_set=self.process_set).tolist()
+        out, i = [], 0
+        for n in sizes:
+            out.append(json.loads(bytes(gathered[i:i + n]).decode()))
+            i += n
+        return out
 
 
 def _sparse_finisher(grad: torch.Tensor, result):

@@ -20,7 +20,7 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
                                    global_process_set)
 
-from hvdsync import checkpoint, rules
+from hvdsync import agreement, checkpoint, rules
 from hvdsync.api import SyncAPI
 from hvdsync.clipping import ClipConfig
 from hvdsync.config import positive_int, reject_unknown_kwargs
@@ -75,6 +75,15 @@ class _DistributedOptimizer(SyncAPI):
         self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, self.stats)
         self._param_signatures = [checkpoint.signature(p.shape, p.dtype)
                                   for lp in layer_params for _, p in lp]
+        if process_set.included():
+            agreement.require(comm, [(name, [checkpoint.signature(p.shape, p.dtype)
+                                             for _, p in lp])
+                                     for name, lp in zip(layer_names, layer_params)],
+                              configs, dict(op=op, compression=compression,
+                                            backward_passes_per_step=backward_passes_per_step,
+                                            gradient_predivide_factor=gradient_predivide_factor,
+                                            sparse_as_dense=sparse_as_dense,
+                                            process_set=process_set.ranks))
         self._synchronized = False
         self._should_synchronize = True
         self._reset_step_counters()

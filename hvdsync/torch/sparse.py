@@ -25,6 +25,7 @@ from hvdsync.stats import SyncStats
 from hvdsync.technique import Pending, Transport
 from hvdsync.torch.backend import TorchGradients
 from hvdsync.torch.comm import TorchCommunicator
+from hvdsync.watchdog import guard
 
 _INDEX_BYTES = 8  # torch sparse indices are int64
 
@@ -40,7 +41,7 @@ class _Sends:
     def pending(self) -> Pending:
         finishers = self.finishers
         return Pending(lambda: [f() for f in finishers] and None, None, self.nbytes,
-                       self.collectives)
+                       self.collectives, what="the sparse exchange")
 
 
 class SparseExchange(Transport):
@@ -142,8 +143,9 @@ class SparseExchange(Transport):
             if self.size == 1:
                 self._absorb(local.tolist())
             else:
-                self._absorb(allgather(local, name="hvdsync.sparse.layouts",
-                                       process_set=self.dense.process_set).tolist())
+                with guard("the sparse layouts allgather 'hvdsync.sparse.layouts'"):
+                    self._absorb(allgather(local, name="hvdsync.sparse.layouts",
+                                           process_set=self.dense.process_set).tolist())
                 self.stats.control(local.numel() * _INDEX_BYTES)
 
     def coalesce(self, p: torch.Tensor) -> torch.Tensor:
@@ -227,7 +229,8 @@ class SparseExchange(Transport):
         if dense:
             self._start_dense(dense, pendings)
         wait = self._start_gather(gather, pendings, header=codes)
-        self._absorb(wait()[0].tolist())
+        with guard("the sparse rows allgather 'hvdsync.sparse.gather'"):
+            self._absorb(wait()[0].tolist())
         for _, p in gather:
             if len(set(self._layout[p][1])) == 1:
                 self.stats.count("sparse_gather_equal")

@@ -1,0 +1,95 @@
+"""A bound on every wait hvdsync makes for a collective, so a job cannot hang forever.
+
+Horovod waits for a collective until every rank has joined it. If a rank never does -- it
+died without the launcher noticing, it skipped a call the others made, the ranks were
+configured differently -- the others wait forever (Horovod's stall inspector only warns,
+and did not even warn with Gloo in our tests, docs/failures.md). hvdsync wraps each of its
+blocking waits in :func:`guard`; one background thread checks the waits in progress, and if
+one has lasted longer than ``HVDSYNC_TIMEOUT_SECONDS`` (default 900; ``0`` waits forever) it
+prints what was waited for, and why that usually happens, and ends the process with exit
+code 70. The launcher (``horovodrun``) then stops the other ranks: the job ends, with a
+message, instead of hanging.
+
+The cost on the hot path is two dictionary writes per wait; the thread wakes every few
+seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+ENV = "HVDSYNC_TIMEOUT_SECONDS"
+DEFAULT_TIMEOUT_S = 900.0
+EXIT_CODE = 70
+
+_waits: dict[int, tuple[str, float]] = {}  # thread id -> (what, started)
+_lock = threading.Lock()
+_thread: list[threading.Thread] = []
+
+
+def timeout_s() -> float:
+    """The bound in seconds (``0``: none), from ``HVDSYNC_TIMEOUT_SECONDS``."""
+    raw = os.environ.get(ENV, "")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{ENV} must be a number of seconds, got {raw!r}") from None
+    return max(value, 0.0)
+
+
+@contextmanager
+def guard(what: str) -> Iterator[None]:
+    """Mark a blocking wait for ``what`` (a collective's name and purpose)."""
+    limit = timeout_s()
+    if limit <= 0:
+        yield
+        return
+    _start(limit)
+    key = threading.get_ident()
+    outer = _waits.get(key)
+    _waits[key] = (what, time.monotonic())
+    try:
+        yield
+    finally:
+        if outer is None:
+            _waits.pop(key, None)
+        else:
+            _waits[key] = outer
+
+
+def _start(limit: float) -> None:
+    with _lock:
+        if not _thread:
+            t = threading.Thread(target=_watch, name="hvdsync-watchdog", daemon=True)
+            _thread.append(t)
+            t.start()
+
+
+def _watch() -> None:
+    while True:
+        limit = timeout_s()
+        time.sleep(min(5.0, max(limit / 10, 0.2)) if limit > 0 else 5.0)
+        if limit <= 0:
+            continue
+        now = time.monotonic()
+        for what, started in list(_waits.values()):
+            if now - started > limit:
+                _give_up(what, now - started)
+
+
+def _give_up(what: str, waited: float) -> None:
+    rank = os.environ.get("HOROVOD_RANK", "?")
+    sys.stderr.write(
+        f"\nhvdsync: rank {rank} waited {waited:.0f} s for {what} and gives up "
+        f"({ENV}={timeout_s():g}). Another rank did not take part: it died, it skipped a call "
+        "every rank must make (flush(), a save or an evaluation on one rank only), or the "
+        "ranks were set up differently. Ending this process so the job stops instead of "
+        "hanging; see docs/failures.md.\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_CODE)

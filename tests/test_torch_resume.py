@@ -1,0 +1,132 @@
+"""Checkpoint and resume in fresh processes (torch), every technique, 2 and 3 ranks: a run
+saved mid-training and restored into new processes continues exactly as the uninterrupted
+run; per-rank memory travels per rank; a checkpoint of one rank, or of another world size,
+is restored without reusing another rank's memory (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hvdsync.testing import run_ranks
+from tests.models import MLP, teacher_batches
+
+STEPS = 8  # before and after the checkpoint
+
+CASES = {
+    "plain": {},
+    "clip": dict(clip=dict(ema=(0.9, 1.0), warmup=2)),
+    "threshold": dict(threshold=dict(threshold=0.6, max_skip=4)),
+    "select": dict(select=dict(k=1, max_wait=3)),
+    "delay": dict(delay=dict(staleness=1, average_every=4)),
+}
+#: delay folds what has arrived, which depends on timing (docs/checkpoints.md)
+TOLERANCE = {"delay": 1e-6}
+
+
+def _make(options: dict):
+    import hvdsync.torch as hvd
+    torch.manual_seed(0)
+    model = MLP()
+    base = (torch.optim.SGD(model.parameters(), lr=0.05) if "delay" in options
+            else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    return model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                           **options)
+
+
+def _train(model, opt, batches) -> None:
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def first_job(directory: str) -> dict:
+    """Train 8 steps, checkpoint every case (one file per case, written by rank 0 with every
+    rank's memory), train 8 more: the uninterrupted result."""
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.set_num_threads(1)
+    batches = teacher_batches(hvd.rank(), 2 * STEPS)
+    out = {}
+    for case, options in CASES.items():
+        model, opt = _make(options)
+        _train(model, opt, batches[:STEPS])
+        opt.flush()  # delay=: identical replicas before saving (no-op otherwise)
+        hvd.save_checkpoint(os.path.join(directory, f"{case}.pt"), model, opt,
+                            extra={"step": STEPS})
+        torch.save(opt.state_dict(), os.path.join(directory, f"{case}.rank{hvd.rank()}.pt"))
+        _train(model, opt, batches[STEPS:])
+        out[case] = [p.detach().numpy().copy() for p in model.parameters()]
+    return out
+
+
+def second_job(directory: str, how: str) -> dict:
+    """Fresh processes: restore each case and train the same 8 steps. ``how``: "helper"
+    (hvd.load_checkpoint), "own" (each rank its own state_dict file), "rank0" (rank 0's
+    state_dict on every rank: Horovod's habit)."""
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.set_num_threads(1)
+    batches = teacher_batches(hvd.rank(), 2 * STEPS)
+    out = {}
+    for case, options in CASES.items():
+        model, opt = _make(options)
+        if how == "helper":
+            extra = hvd.load_checkpoint(os.path.join(directory, f"{case}.pt"), model, opt)
+            assert extra == {"step": STEPS}, extra
+        else:
+            ckpt = hvd.load_checkpoint(os.path.join(directory, f"{case}.pt"), model, None)
+            rank = hvd.rank() if how == "own" else 0
+            opt.load_state_dict(torch.load(os.path.join(directory, f"{case}.rank{rank}.pt"),
+                                           weights_only=False))
+            assert ckpt == {"step": STEPS}
+        _train(model, opt, batches[STEPS:])
+        t = opt.techniques.get("threshold")
+        out[case] = dict(params=[p.detach().numpy().copy() for p in model.parameters()],
+                         stats=opt.stats.as_dict()["total"])
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def jobs(request, tmp_path_factory):
+    np_ = request.param
+    directory = str(tmp_path_factory.mktemp(f"ckpt{np_}"))
+    env = {"HOROVOD_FUSION_THRESHOLD": "0"}  # the same summation order in both jobs
+    uninterrupted = run_ranks(first_job, np=np_, args=(directory,), timeout=300, env=env)
+    resumed = {how: run_ranks(second_job, np=np_, args=(directory, how), timeout=300, env=env)
+               for how in ("helper", "own", "rank0")}
+    return np_, uninterrupted, resumed
+
+
+@pytest.mark.parametrize("how", ["helper", "own"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fresh_processes_continue_exactly(jobs, case, how):
+    _, uninterrupted, resumed = jobs
+    for rank, (a, b) in enumerate(zip(uninterrupted, resumed[how])):
+        for x, y in zip(a[case], b[case]["params"]):
+            np.testing.assert_allclose(y, x, rtol=0, atol=TOLERANCE.get(case, 0.0),
+                                       err_msg=f"{case} rank {rank}")
+
+
+def test_one_ranks_state_on_every_rank_reuses_no_memory(jobs):
+    """Rank 0's state_dict loaded everywhere: per-rank memory (threshold's accumulations and
+    sync points, select's residuals) is dropped on every rank alike -- so replicas stay
+    consistent -- while the shared state (counters, hypernet) is restored."""
+    _, uninterrupted, resumed = jobs
+    for case in ("threshold", "select"):
+        ranks = [r[case] for r in resumed["rank0"]]
+        if case == "select":  # global updates: identical replicas
+            for other in ranks[1:]:
+                for a, b in zip(ranks[0]["params"], other["params"]):
+                    np.testing.assert_array_equal(a, b)
+        assert all(r["stats"]["step"] == STEPS for r in ranks)
+    # where nothing per rank is kept, rank 0's state is as good as the rank's own
+    for case in ("plain", "clip"):
+        for a, b in zip(uninterrupted, resumed["rank0"]):
+            for x, y in zip(a[case], b[case]["params"]):
+                np.testing.assert_array_equal(x, y)
