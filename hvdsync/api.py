@@ -56,8 +56,8 @@ class SyncAPI:
 
     @property
     def selection(self) -> dict[str, list]:
-        """With ``select=``: the last step's per-layer ``local_scores``, rank-averaged
-        ``scores``, ``residual_norms`` and (hypernet) ``alpha``, and the layers chosen for the
+        """With ``select=``: the last step's per-layer ``scores``, rank-averaged
+        ``residual_norms`` and (hypernet) ``dots`` and ``alpha``, and the layers chosen for the
         next step (``next``, layer names). Empty without ``select=``."""
         return self._status("select")
 

@@ -6,16 +6,23 @@ optimizer's variables in ``model.save()`` files (packed by :func:`pack_state`). 
     {"format": 1,
      "params": ["<shape> <dtype>", ...],   # the optimized parameters, in layer order
      "rank": r, "world_size": n,           # who wrote it
-     "techniques": {"clip": {...}, "threshold": {...}, ...}}
+     "techniques": {"clip": {...}, "threshold": {...}, ...},
+     "per_rank": [{"threshold": {...}}, ...]}   # optional: every rank's own memory
 
 Each technique's entry is its ``state_dict()`` (:mod:`hvdsync.technique`): plain data and
 tensors (torch tensors in torch, numpy arrays once a Keras file is written), memory keyed by
-a parameter's position in layer order.
+a parameter's position in layer order. The keys a technique lists in ``per_rank`` are that
+rank's own memory: restored only on the rank that wrote them, in a job of the same size --
+from ``per_rank`` when the checkpoint holds every rank's (``save_checkpoint`` /
+``save_model``), or from ``techniques`` when it is that rank's own ``state_dict()``. Anywhere
+else they are dropped on every rank (with a warning), never given to another rank.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,11 +41,36 @@ def state_of(techniques: Sequence[Technique], params: Sequence[str], rank: int,
             "techniques": {t.name: t.state_dict() for t in techniques}}
 
 
+def per_rank_part(techniques: Sequence[Technique], state: Mapping[str, Any]) -> dict:
+    """This rank's own memory from its :func:`state_of` entry."""
+    return {t.name: {k: state["techniques"][t.name][k] for k in t.per_rank
+                     if k in state["techniques"].get(t.name, {})}
+            for t in techniques if t.per_rank}
+
+
+def with_every_rank(techniques: Sequence[Technique], state: Mapping[str, Any],
+                    parts: Sequence[dict]) -> dict:
+    """``state`` (one rank's) holding every rank's own memory (``parts``, in rank order) under
+    ``per_rank``, its shared part under ``techniques``."""
+    out = dict(state)
+    out["techniques"] = _shared(techniques, state["techniques"])
+    out["per_rank"] = list(parts)
+    return out
+
+
+def _shared(techniques: Sequence[Technique], states: Mapping[str, Any]) -> dict:
+    per_rank = {t.name: set(t.per_rank) for t in techniques}
+    return {name: {k: v for k, v in s.items() if k not in per_rank.get(name, ())}
+            for name, s in states.items()}
+
+
 def load_into(techniques: Sequence[Technique], state: Mapping[str, Any],
-              params: Sequence[str]) -> None:
-    """Restore ``state`` (from :func:`state_of`) into ``techniques``. A technique configured
-    here but absent from ``state`` forgets its memory; state of a technique not configured
-    here, another format or other parameters raise ``ValueError``."""
+              params: Sequence[str], rank: int, world_size: int, quiet: bool = False) -> bool:
+    """Restore ``state`` (from :func:`state_of`) into ``techniques`` on ``rank`` of
+    ``world_size``. A technique configured here but absent from ``state`` forgets its memory;
+    state of a technique not configured here, another format or other parameters raise
+    ``ValueError``. Returns whether this rank's own memory was restored (or there is none);
+    ``quiet``: no warning when it is not."""
     if state.get("format") != FORMAT:
         raise ValueError(f"hvdsync state of format {state.get('format')!r}; this hvdsync reads "
                          f"format {FORMAT}")
@@ -54,11 +86,54 @@ def load_into(techniques: Sequence[Technique], state: Mapping[str, Any],
         if name not in by_name:
             raise ValueError(f"the saved optimizer has hvdsync {name}= state but this one was "
                              f"not built with {name}=; pass the same options")
+    states, restored = _own(techniques, state, rank, world_size, quiet)
     for t in techniques:
-        if t.name in state["techniques"]:
-            t.load_state_dict(state["techniques"][t.name])
+        if t.name in states:
+            t.load_state_dict(states[t.name])
         else:
             t.forget()
+    return restored
+
+
+def _own(techniques: Sequence[Technique], state: Mapping[str, Any], rank: int,
+         world_size: int, quiet: bool) -> tuple[dict, bool]:
+    """The technique states this rank restores, and whether they hold its own memory."""
+    states = state["techniques"]
+    if not any(t.per_rank and t.name in states for t in techniques):
+        return dict(states), True
+    if "per_rank" in state and len(state["per_rank"]) == world_size:
+        mine = state["per_rank"][rank]
+        return {name: {**s, **mine.get(name, {})} for name, s in states.items()}, True
+    if "per_rank" not in state and (state["rank"], state["world_size"]) == (rank, world_size):
+        return dict(states), True
+    saved = (f"{len(state['per_rank'])} ranks" if "per_rank" in state
+             else f"rank {state['rank']} of {state['world_size']}")
+    if not quiet:
+        warnings.warn(f"hvdsync: this checkpoint holds the own memory of {saved}, not of rank "
+                      f"{rank} of {world_size}: per-rank memory ({_names(techniques)}) "
+                      "starts empty on every rank, the shared state is restored "
+                      "(docs/checkpoints.md)", RuntimeWarning, stacklevel=3)
+    return _shared(techniques, states), False
+
+
+def _names(techniques: Sequence[Technique]) -> str:
+    return ", ".join(f"{t.name}: {'/'.join(t.per_rank)}" for t in techniques if t.per_rank)
+
+
+def shared_digest(techniques: Sequence[Technique]) -> str:
+    """A digest of the state every rank must have alike (the techniques' shared parts)."""
+    shared = {t.name: {k: v for k, v in t.state_dict().items() if k not in t.per_rank}
+              for t in techniques}
+    text = json.dumps(shared, sort_keys=True, default=_plain)
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _plain(x: Any) -> Any:
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if hasattr(x, "numpy"):
+        return x.numpy().tolist()
+    return str(x)
 
 
 def _at(xs: Sequence[str], i: int) -> str:

@@ -204,6 +204,8 @@ class LayerClip(Transform):
                  clip_layer: ClipLayer, layer_names: list[str], stats: SyncStats):
         self.config = config
         self.reads_values = config.ratio is not None
+        # local mode: each rank's limits come from its own gradients' history
+        self.per_rank = ("policy",) if config.mode == "local" else ()
         self.policy = ClipPolicy(config, len(layer_names))
         self.grads = grads
         self.ops = ops
@@ -263,7 +265,15 @@ class LayerClip(Transform):
         return {"policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.policy.load_state_dict(state["policy"])
+        if "policy" in state:
+            self.policy.load_state_dict(state["policy"])
+        else:
+            self.drop_per_rank()
 
     def forget(self) -> None:
         self._step.clear()
+
+    def drop_per_rank(self) -> None:
+        """Local mode: the statistics start again from this rank's next gradients."""
+        if self.per_rank:
+            self.policy = ClipPolicy(self.config, len(self.layer_names))

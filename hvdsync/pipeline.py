@@ -14,10 +14,12 @@ fixed layer order -- never on a rank's own timing or values.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
-from hvdsync import rules
+from hvdsync import checkpoint, rules
+from hvdsync.agreement import RanksDisagree
 from hvdsync.clipping import ClipLayer, LayerClip
 from hvdsync.delay import DelayedGradients
 from hvdsync.plain import PlainAllreduce
@@ -50,8 +52,10 @@ class StepPipeline:
     """Runs the techniques' moments for every step of one wrapped optimizer."""
 
     def __init__(self, layer_names: list[str], techniques: list[Technique], grads: Gradients,
-                 stats: SyncStats):
+                 stats: SyncStats, comm: Optional[Communicator] = None):
         self.layer_names = layer_names
+        self.comm = comm
+        self._after_load: Optional[bool] = None
         self.techniques = list(techniques)
         self.grads = grads
         self.stats = stats
@@ -156,6 +160,7 @@ class StepPipeline:
         """Make every layer ready (parameters without a gradient get zeros, as in Horovod),
         take the deferred decisions, send everything queued, wait for all of it, and close
         the step up to the wrapped optimizer's update."""
+        self._check_load()
         n = len(self.layer_names)
         missing = [li for li in range(n) if not self._ready[li]]
         for t in self.transports:
@@ -203,6 +208,39 @@ class StepPipeline:
             for p in ps:
                 p.wait()
         self._new_step()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def after_load(self, restored_own: bool) -> None:
+        """A checkpoint was restored (``restored_own``: with this rank's own memory). The next
+        step checks, where every rank is, that all ranks restored the same shared state, and
+        that either every rank has its own memory back or none keeps any."""
+        self._after_load = restored_own
+
+    def _check_load(self) -> None:
+        if self._after_load is None:
+            return
+        restored, self._after_load = self._after_load, None
+        if self.comm is None or self.comm.size == 1:
+            return
+        everyone = self.comm.gather_json(
+            {"restored": restored, "digest": checkpoint.shared_digest(self.techniques)},
+            "hvdsync.checkpoint.check")
+        digests = [e["digest"] for e in everyone]
+        if len(set(digests)) > 1:
+            groups = {d: [r for r, x in enumerate(digests) if x == d] for d in digests}
+            raise RanksDisagree(
+                "hvdsync: the ranks restored different technique state (ranks "
+                + " / ".join(str(rs) for rs in groups.values()) + " agree among themselves): "
+                "load the same checkpoint on every rank, or broadcast it with "
+                "hvd.broadcast_optimizer_state (docs/checkpoints.md)")
+        if not all(e["restored"] for e in everyone):
+            if restored:
+                warnings.warn("hvdsync: not every rank restored its own memory from the "
+                              "checkpoint, so none keeps any (docs/checkpoints.md)",
+                              RuntimeWarning, stacklevel=3)
+            for t in self.techniques:
+                if t.per_rank:
+                    t.drop_per_rank()
 
     # -- outside the step ------------------------------------------------------------------------
     def flush_replicas(self) -> int:

@@ -4,21 +4,23 @@ Each step only ``k`` layers are *pushed* (allreduced); the others add their grad
 local residual (error feedback) and are not updated this step; when a layer is next pushed it
 sends its gradient plus the residual, so nothing a rank computed is lost. Which layers:
 
-* ``selector="hypernet"`` (default): a tiny per-worker MLP -- a learned input embedding, two
-  tanh hidden layers, one sigmoid output per model layer (scores ``alpha`` in (0, 1)) -- is
-  trained alongside the model on the model loss with each layer's weights scaled by
-  ``alpha``. At ``alpha = 1`` that loss's gradient is ``dL/dalpha_l = <g_l, theta_l>``, one
-  dot product per layer from the gradient backward already produced (no second backward).
-  The hypernet takes one Adam step per model step; an EMA (``ema``) of ``|alpha_t -
-  alpha_{t-1}|`` per layer is its score: layers whose scaling the hypernet is still moving
-  are the ones that matter now.
-* ``selector="norm"``: the layers with the largest local accumulation ``||residual + g||``
-  (the classic top-k baseline), ``selector="random"``: ``k`` layers uniformly at random
-  (seeded identically on every rank) -- baselines to measure the hypernet against.
+* ``selector="hypernet"`` (default): a tiny MLP -- a learned input embedding, two tanh hidden
+  layers, one sigmoid output per model layer (scores ``alpha`` in (0, 1)) -- is trained
+  alongside the model on the model loss with each layer's weights scaled by ``alpha``. At
+  ``alpha = 1`` that loss's gradient is ``dL/dalpha_l = <g_l, theta_l>``, one dot product per
+  layer from the gradient backward already produced (no second backward), averaged over
+  ranks (the gradient of the global loss). The hypernet takes one Adam step per model step;
+  an EMA (``ema``) of ``|alpha_t - alpha_{t-1}|`` per layer is its score: layers whose
+  scaling the hypernet is still moving are the ones that matter now.
+* ``selector="norm"``: the layers with the largest accumulation ``||residual + g||``
+  (averaged over ranks; the classic top-k baseline), ``selector="random"``: ``k`` layers
+  uniformly at random (seeded identically on every rank) -- baselines to measure the
+  hypernet against.
 
-Agreement (the no-hang rule of docs/design.md): the scores are averaged over ranks in **one** control-plane
-allreduce per step (``len(layers)`` floats) and every rank picks the same top ``k`` from the
-averaged scores (ties by layer order). A layer not pushed for ``max_wait`` steps is forced
+Agreement (the no-hang rule of docs/design.md): every rank's statistics -- the dot products
+and residual norms, ``2 * len(layers)`` floats -- are averaged in **one** control-plane
+allreduce per step, and every rank computes the scores from those averages: the hypernet,
+its scores and the chosen top ``k`` (ties by layer order) are the same on every rank. A layer not pushed for ``max_wait`` steps is forced
 in (forced layers come first; if more than ``k`` are forced, all of them are pushed, so the
 bound always holds).
 
@@ -102,7 +104,7 @@ class SelectConfig:
 
 
 class Hypernet:
-    """The per-worker scorer: embedding -> tanh -> tanh -> sigmoid, trained with Adam on
+    """The scorer: embedding -> tanh -> tanh -> sigmoid, trained with Adam on
     ``dL/dalpha`` (float64 numpy: a few hundred parameters, not worth a device)."""
 
     def __init__(self, num_layers: int, embed_dim: int, hidden: int, lr: float, seed: int):
@@ -183,8 +185,9 @@ class SelectPolicy:
         #: the layers to push at the next step (step 1: all)
         self.selected = [True] * num_layers
 
-    def local_scores(self, dots: list[float], acc_norms: list[float]) -> list[float]:
-        """This rank's score per layer from ``<g_l, theta_l>`` and ``||residual_l + g_l||``."""
+    def scores(self, dots: list[float], acc_norms: list[float]) -> list[float]:
+        """The score per layer from the rank-averaged ``<g_l, theta_l>`` and
+        ``||residual_l + g_l||`` (a hypernet step: call once per model step)."""
         c = self.config
         if c.selector == "hypernet":
             alpha = self.hypernet.step(np.asarray(dots, dtype=float))
@@ -252,6 +255,7 @@ class SelectedPushes(Decider):
 
     name = "select"
     reads_values = True  # <g, theta> and the values a withheld layer returns to
+    per_rank = ("residual",)
 
     def __init__(self, config: SelectConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats):
@@ -310,36 +314,38 @@ class SelectedPushes(Decider):
                                         if key in self.residual]))
         dots = ([d if d is not None else self.ops.zero() for d in self._dots]
                 if self.policy.hypernet is not None else [])
-        host = self.ops.to_host(dots + norms)  # one device read
-        dots_host, norms_host = (host[:n] if dots else [0.0] * n), host[len(dots):]
+        local = self.ops.to_host(dots + norms)  # one device read
         self._dots = [None] * n
-        local = self.policy.local_scores(dots_host, norms_host)
-        shared = self.comm.control(local, "hvdsync.select.scores")
+        shared = self.comm.control(local, "hvdsync.select.stats")
+        shared_dots, shared_norms = (shared[:n] if dots else [0.0] * n), shared[len(dots):]
+        scores = self.policy.scores(shared_dots, shared_norms)
         self.policy.pushed(mask)
-        self.policy.choose(shared, list(self._eligible))
-        self.stats.count("residual_norm", sum(x * x for x in norms_host) ** 0.5)
-        self.last = {"local_scores": local, "scores": shared, "residual_norms": norms_host}
+        self.policy.choose(scores, list(self._eligible))
+        self.stats.count("residual_norm", sum(x * x for x in local[len(dots):]) ** 0.5)
+        self.last = {"scores": scores, "residual_norms": shared_norms}
         if self.policy.hypernet is not None:
+            self.last["dots"] = shared_dots
             self.last["alpha"] = self.policy.prev_alpha.tolist()
 
     def state_dict(self) -> dict:
-        """Shared: the selector (hypernet and its Adam state, scores, wait counters, the next
-        step's layers). Per rank: the residuals."""
+        """Shared: the selector (hypernet and its Adam state, score EMA, wait counters, the
+        next step's layers). Per rank: the residuals."""
         return {"policy": self.policy.state_dict(),
                 "residual": {k: self.grads.to_saved(k, v) for k, v in self.residual.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["policy"])
         self.forget()
-        self.residual = {k: self.grads.from_saved(k, v) for k, v in state["residual"].items()}
+        self.residual = {k: self.grads.from_saved(k, v)
+                         for k, v in state.get("residual", {}).items()}
 
     def forget(self) -> None:
         self.residual.clear()
         self._dots = [None] * len(self._dots)
 
     def status(self) -> dict:
-        """The last step's per-layer ``local_scores``, rank-averaged ``scores``,
-        ``residual_norms`` and (hypernet) ``alpha``, and the layers chosen for the next step
-        (``next``, layer names)."""
+        """The last step's per-layer ``scores``, rank-averaged ``residual_norms`` and
+        (hypernet) ``dots`` and ``alpha``, and the layers chosen for the next step (``next``,
+        layer names)."""
         nxt = [name for name, s in zip(self.layer_names, self.policy.selected) if s]
         return {**self.last, "next": nxt}

@@ -104,8 +104,10 @@ class Gradients(Protocol):
     def value(self, li: int, k: int) -> Any: ...
     def is_row_sparse(self, li: int, k: int) -> bool: ...
     def payload_bytes(self, li: int) -> int: ...
-    def snapshot(self, li: int, k: int) -> Any: ...
-    def restore(self, li: int, k: int, snap: Any) -> None: ...
+    def snapshot(self, key: str) -> Any:
+        """The parameter ``key`` and the optimizer's state for it, as they are now."""
+    def restore(self, key: str, snap: Any) -> None:
+        """Put the parameter ``key`` and its optimizer state back to ``snap``."""
     def withhold(self, li: int, k: int) -> None: ...
     def replica_tensors(self, li: int, with_state: bool) -> list: ...
     def key(self, li: int, k: int) -> str: ...
@@ -156,6 +158,9 @@ class Technique:
     #: whether it reads parameter values during the step (Keras then hands them to the step
     #: with the gradients, read by the compiled function before the update)
     reads_values: bool = False
+    #: the keys of its ``state_dict()`` that hold this rank's own memory (residuals,
+    #: accumulations...): checkpoints keep them per rank and never give them to another
+    per_rank: tuple[str, ...] = ()
 
     def layer_ready(self, li: int, ks: list[int]) -> None:
         """Layer ``li``'s local gradient is final (its missing gradients filled)."""
@@ -184,6 +189,11 @@ class Technique:
     def forget(self) -> None:
         """Drop memory of the model as it was (a checkpoint without this technique's state
         was loaded)."""
+
+    def drop_per_rank(self) -> None:
+        """Drop this rank's own memory (the :attr:`per_rank` part), keeping what every rank
+        shares: a checkpoint restored another rank's memory, or none, on some rank."""
+        self.forget()
 
     def status(self) -> dict:
         """What it did last, for logs and tests (plain data)."""

@@ -135,6 +135,7 @@ class AccumulationThreshold(Decider):
 
     name = "threshold"
     reads_values = True  # sync points snapshot the parameters
+    per_rank = ("acc", "anchor", "local")
 
     def __init__(self, config: ThresholdConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, num_layers: int):
@@ -188,7 +189,7 @@ class AccumulationThreshold(Decider):
                 self.grads.set(li, k, acc)
             anchor = self.anchor.pop(key, None)
             if anchor is not None:
-                self.grads.restore(li, k, anchor)
+                self.grads.restore(key, anchor)
 
     def on_skip(self, li: int, ks: list[int]) -> None:
         """The layer stays local this step: keep its gradient, remember the sync point."""
@@ -197,19 +198,28 @@ class AccumulationThreshold(Decider):
             if key not in self.acc:
                 self.acc[key] = self.ops.clone(self.grads.get(li, k))
             if key not in self.anchor:
-                self.anchor[key] = self.grads.snapshot(li, k)
+                self.anchor[key] = self.grads.snapshot(key)
 
     def state_dict(self) -> dict:
-        """Shared: the skip counters and step. Per rank: the unsent accumulations and the sync
-        points (parameters and optimizer state) of layers that are skipping."""
+        """Shared: the skip counters and step. Per rank: the unsent accumulations, the sync
+        points (parameters and optimizer state) of layers that are skipping, and where this
+        rank's local steps have taken those parameters (``local``: replicas differ there, so
+        a model saved by one rank does not hold the others')."""
+        g = self.grads
         return {"policy": self.policy.state_dict(),
-                "acc": {k: self.grads.to_saved(k, v) for k, v in self.acc.items()},
-                "anchor": {k: self.grads.to_saved(k, v) for k, v in self.anchor.items()}}
+                "acc": {k: g.to_saved(k, v) for k, v in self.acc.items()},
+                "anchor": {k: g.to_saved(k, v) for k, v in self.anchor.items()},
+                "local": {k: g.to_saved(k, g.snapshot(k)) for k in self.anchor}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Without the per-rank part (another rank's checkpoint), the layers continue from the
+        parameters loaded with the model and forget what they had not sent."""
+        g = self.grads
         self.policy.load_state_dict(state["policy"])
-        self.acc = {k: self.grads.from_saved(k, v) for k, v in state["acc"].items()}
-        self.anchor = {k: self.grads.from_saved(k, v) for k, v in state["anchor"].items()}
+        self.acc = {k: g.from_saved(k, v) for k, v in state.get("acc", {}).items()}
+        self.anchor = {k: g.from_saved(k, v) for k, v in state.get("anchor", {}).items()}
+        for k, snap in state.get("local", {}).items():
+            g.restore(k, g.from_saved(k, snap))
 
     def forget(self) -> None:
         """Drop unsent accumulations and sync points (after restoring a checkpoint that has

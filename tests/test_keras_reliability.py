@@ -4,6 +4,7 @@ different data per rank."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from hvdsync.testing import run_ranks
@@ -89,3 +90,102 @@ def test_one_rank_validating_does_not_hang():
     assert ranks[0]["history"]["loss"] == ranks[1]["history"]["loss"]  # averaged
     assert "val_loss" in ranks[0]["history"] and "val_loss" not in ranks[1]["history"]
     assert ranks[0]["warned"] and ranks[1]["warned"]
+
+
+# -- checkpoint and resume in fresh processes ---------------------------------------------------
+RESUME = {
+    "plain": {},
+    "clip": dict(clip=dict(ema=(0.9, 1.0), warmup=2)),
+    "threshold": dict(threshold=dict(threshold=0.3, max_skip=4)),
+    "select": dict(select=dict(k=1, max_wait=3)),
+}
+
+
+def _compiled(options: dict):
+    import keras
+
+    import hvdsync.keras as hvd
+    from tests.keras_models import mlp
+    model = mlp(dtype="float64")
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                                     **options),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _weights(model) -> list:
+    return [v.numpy().copy() for v in model.trainable_variables]
+
+
+def keras_first_job(directory: str) -> dict:
+    """fit 8 batches, save (hvd.save_model: every rank's memory; and rank 0's model.save),
+    fit 8 more: the uninterrupted result."""
+    import os
+
+    import hvdsync.keras as hvd
+    from tests.keras_models import teacher_data
+    hvd.init()
+    x, y = teacher_data(hvd.rank(), 16 * 16)
+    out = {}
+    for case, options in RESUME.items():
+        model = _compiled(options)
+        model.fit(x[:128], y[:128], batch_size=16, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        hvd.save_model(model, os.path.join(directory, f"{case}.keras"))
+        if hvd.rank() == 0:
+            model.save(os.path.join(directory, f"{case}.rank0.keras"))
+        model.fit(x[128:], y[128:], batch_size=16, shuffle=False, verbose=0)
+        out[case] = _weights(model)
+    return out
+
+
+def keras_second_job(directory: str, which: str) -> dict:
+    """Fresh processes: hvd.load_model on every rank, fit the same 8 batches."""
+    import os
+    import warnings
+
+    import hvdsync.keras as hvd
+    from tests.keras_models import teacher_data
+    hvd.init()
+    x, y = teacher_data(hvd.rank(), 16 * 16)
+    out = {}
+    for case, options in RESUME.items():
+        name = f"{case}.keras" if which == "every_rank" else f"{case}.rank0.keras"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = hvd.load_model(os.path.join(directory, name), **options)
+        model.fit(x[128:], y[128:], batch_size=16, shuffle=False, verbose=0)
+        out[case] = dict(weights=_weights(model),
+                         iterations=int(model.optimizer.iterations.numpy()))
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def keras_jobs(request, tmp_path_factory):
+    np_ = request.param
+    directory = str(tmp_path_factory.mktemp(f"keras_ckpt{np_}"))
+    env = {"HOROVOD_FUSION_THRESHOLD": "0"}
+    first = run_ranks(keras_first_job, np=np_, args=(directory,), timeout=400, env=env)
+    second = {w: run_ranks(keras_second_job, np=np_, args=(directory, w), timeout=400, env=env)
+              for w in ("every_rank", "rank0")}
+    return first, second
+
+
+@pytest.mark.parametrize("case", list(RESUME))
+def test_keras_fresh_processes_continue_exactly(keras_jobs, case):
+    first, second = keras_jobs
+    for rank, (a, b) in enumerate(zip(first, second["every_rank"])):
+        assert b[case]["iterations"] == 16
+        for x, y in zip(a[case], b[case]["weights"]):
+            np.testing.assert_array_equal(y, x, err_msg=f"{case} rank {rank}")
+
+
+def test_keras_one_ranks_file_reuses_no_memory(keras_jobs):
+    first, second = keras_jobs
+    ranks = second["rank0"]
+    for other in ranks[1:]:  # select: global updates from consistent (dropped) memory
+        for a, b in zip(ranks[0]["select"]["weights"], other["select"]["weights"]):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(first, ranks):  # nothing per rank: rank 0's file is every rank's
+        for x, y in zip(a["plain"], b["plain"]["weights"]):
+            np.testing.assert_array_equal(x, y)

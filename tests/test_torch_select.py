@@ -241,7 +241,7 @@ def test_hypernet_descends_its_objective():
     sel = SelectPolicy(SelectConfig(k=1, lr=0.05), 3)
     a0 = sel.hypernet.alpha()
     for _ in range(50):
-        sel.local_scores([1.0, -1.0, 0.0], [0.0] * 3)
+        sel.scores([1.0, -1.0, 0.0], [0.0] * 3)
     a1 = sel.hypernet.alpha()
     assert a1[0] < a0[0] and a1[1] > a0[1]
 

@@ -27,7 +27,7 @@ from hvdsync.delay import DelayConfig  # noqa: E402
 from hvdsync.keras import callbacks  # noqa: E402
 from hvdsync.keras.callbacks import broadcast_variables  # noqa: E402,F811
 from hvdsync.keras.optimizer import DistributedOptimizer  # noqa: E402,F811
-from hvdsync.keras.saving import load_model  # noqa: E402
+from hvdsync.keras.saving import load_model, save_model  # noqa: E402
 from hvdsync.select import SelectConfig  # noqa: E402
 from hvdsync.sparse import SparseConfig  # noqa: E402
 from hvdsync.stats import SyncStats  # noqa: E402

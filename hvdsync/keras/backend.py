@@ -111,6 +111,8 @@ class KerasGradients:
         self.layer_vars = layer_vars
         self.slots = slots
         self._key = {v.path: str(i) for i, v in enumerate(v for vs in layer_vars for v in vs)}
+        self._by_key = {str(i): v for i, v in enumerate(v for vs in layer_vars for v in vs)}
+        self._pos_of: dict[str, int] = {}
         self._layer_of = {v.path: li for li, vs in enumerate(layer_vars) for v in vs}
         self.variables: list = []
         self.grads: list = []
@@ -126,6 +128,7 @@ class KerasGradients:
         self._positions = [[] for _ in self.layer_vars]
         for li, positions in self.layer_positions(self.variables):
             self._positions[li] = positions
+        self._pos_of = {v.path: pos for pos, v in enumerate(self.variables)}
 
     def layer_positions(self, variables: list) -> list[tuple[int, list[int]]]:
         """Per layer present in ``variables`` (layer order), the positions of its variables."""
@@ -164,11 +167,15 @@ class KerasGradients:
     def payload_bytes(self, li: int) -> int:
         return sum(payload_bytes(self.grads[p]) for p in self._positions[li])
 
-    def snapshot(self, li: int, k: int) -> dict:
-        return {"value": self.value(li, k), "state": self.slots.snapshot(self._var(li, k).path)}
+    def snapshot(self, key: str) -> dict:
+        v = self._by_key[key]
+        pos = self._pos_of.get(v.path)
+        value = (self.values[pos] if self.values and pos is not None
+                 else tf.identity(v.value))  # as it is before this step's update
+        return {"value": value, "state": self.slots.snapshot(v.path)}
 
-    def restore(self, li: int, k: int, snap: dict) -> None:
-        v = self._var(li, k)
+    def restore(self, key: str, snap: dict) -> None:
+        v = self._by_key[key]
         v.assign(snap["value"])
         self.slots.restore(v.path, snap["state"])
 
@@ -186,6 +193,7 @@ class KerasGradients:
             v.assign(value)
             self.slots.restore(path, slots)
         self._restore = []
+        self.values, self._pos_of = None, {}  # outside a step, read the variables themselves
 
     def replica_tensors(self, li: int, with_state: bool) -> list:
         out = []
@@ -203,7 +211,7 @@ class KerasGradients:
         return _walk(x, lambda t: t.numpy() if hasattr(t, "numpy") else np.asarray(t))
 
     def from_saved(self, key: str, x: Any) -> Any:
-        if key not in self._key.values():
+        if key not in self._by_key:
             raise ValueError(f"saved hvdsync state refers to variable #{key}, which this model "
                              "does not have")
         return _walk(x, tf.constant)

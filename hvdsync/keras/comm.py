@@ -50,21 +50,27 @@ def coalesce(g: tf.IndexedSlices) -> tf.IndexedSlices:
     return tf.IndexedSlices(values, unique, g.dense_shape)
 
 
-def gather_json(obj, name: str, process_set: ProcessSet) -> list:
-    """Every rank's ``obj`` (JSON data), in rank order (two small eager allgathers)."""
+def gather_bytes(data: bytes, name: str, process_set: ProcessSet) -> list[bytes]:
+    """Every rank's ``data``, in rank order (two eager allgathers)."""
     if process_set.size() == 1:
-        return [obj]
-    data = tf.constant(np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8))
+        return [data]
+    t = tf.constant(np.frombuffer(data, dtype=np.uint8))
     with guard(f"the allgather {name!r}"):
-        sizes = mpi_ops.allgather(tf.constant([int(data.shape[0])], tf.int64),
+        sizes = mpi_ops.allgather(tf.constant([int(t.shape[0])], tf.int64),
                                   name=f"{name}.sizes", process_set=process_set)
-        gathered = mpi_ops.allgather(data, name=name, process_set=process_set)
+        gathered = mpi_ops.allgather(t, name=name, process_set=process_set)
     sizes, raw = sizes.numpy().tolist(), gathered.numpy().tobytes()
     out, i = [], 0
     for n in sizes:
-        out.append(json.loads(raw[i:i + n].decode()))
+        out.append(raw[i:i + n])
         i += n
     return out
+
+
+def gather_json(obj, name: str, process_set: ProcessSet) -> list:
+    """Every rank's ``obj`` (JSON data), in rank order."""
+    return [json.loads(b.decode())
+            for b in gather_bytes(json.dumps(obj).encode(), name, process_set)]
 
 
 class _Request:

@@ -80,18 +80,18 @@ class _DistributedOptimizer(SyncAPI):
             hv.configs, grads=hv.grads, ops=KerasOps(), comm=hv.comm, clip_layer=clip_layer,
             sparse_exchange=lambda c: SparseExchange(c, hv.grads, hv.comm, hv.stats),
             layer_names=names, stats=hv.stats)
-        hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, hv.stats)
+        hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, hv.stats, hv.comm)
         hv.graph_path = graph_runs(hv.techniques)
         hv.signatures = [checkpoint.signature(v.shape, v.dtype) for vs in layer_vars for v in vs]
-        if hv.process_set.included():
-            with tf.init_scope():  # build runs while the train function is traced: go eager
+        with tf.init_scope():  # build may run while the train function is traced: go eager
+            if hv.process_set.included():
                 agreement.require(hv.comm, [(name, [checkpoint.signature(v.shape, v.dtype)
                                                     for v in vs])
                                             for name, vs in zip(names, layer_vars)],
                                   hv.configs, hv.horovod_options)
-        if hv.pending_state is not None:
-            state, hv.pending_state = hv.pending_state, None
-            checkpoint.load_into(self._configured, state, hv.signatures)
+            if hv.pending_state is not None:
+                state, hv.pending_state = hv.pending_state, None
+                self._load_state(state)
 
     # -- the step ---------------------------------------------------------------------------
     def _backend_apply_gradients(self, grads, trainable_variables):
@@ -180,8 +180,18 @@ class _DistributedOptimizer(SyncAPI):
     def save_own_variables(self, store) -> None:
         super().save_own_variables(store)
         if self.built and self._configured:
-            for key, value in checkpoint.pack_state(self.technique_state()).items():
+            state = self.technique_state()
+            every_rank = getattr(self._hv, "every_rank", None)  # hvd.save_model gathered them
+            if every_rank is not None:
+                state = checkpoint.with_every_rank(self._configured, state, every_rank)
+            for key, value in checkpoint.pack_state(state).items():
                 store[key] = value
+
+    def _load_state(self, state: dict) -> None:
+        hv = self._hv
+        restored = checkpoint.load_into(self._configured, state, hv.signatures,
+                                        hv.process_set.rank(), hv.process_set.size())
+        hv.pipeline.after_load(restored)
 
     def load_own_variables(self, store) -> None:
         keys = list(store.keys())
@@ -191,7 +201,7 @@ class _DistributedOptimizer(SyncAPI):
         if own:
             state = checkpoint.unpack_state({k: np.asarray(v) for k, v in own.items()})
             if self.built:
-                checkpoint.load_into(self._configured, state, self._hv.signatures)
+                self._load_state(state)
             else:
                 self._hv.pending_state = state
 

@@ -41,3 +41,36 @@ def load_model(filepath: str, custom_optimizers: Optional[list] = None,
     objects = {c.__name__: loader(c) for c in classes}
     objects.update(custom_objects or {})
     return keras.models.load_model(filepath, custom_objects=objects, compile=compile)
+
+
+def save_model(model, filepath: str, root_rank: int = 0, **kwargs: Any) -> None:
+    """``model.save(filepath, **kwargs)`` on ``root_rank``, with every rank's own hvdsync
+    memory in the file (``hvd.load_model`` then gives each rank its own back; a plain
+    ``model.save`` on one rank holds that rank's, which ``load_model`` drops on every rank).
+    A collective: call it on every rank; every rank returns once the file is written. With
+    ``delay=``, call ``optimizer.flush()`` first (replicas identical)."""
+    import pickle
+
+    from hvdsync import checkpoint
+    from hvdsync.keras.comm import gather_bytes
+    from hvdsync.keras.optimizer import _DistributedOptimizer
+
+    opt = getattr(model, "optimizer", None)
+    hv = opt._hv if isinstance(opt, _DistributedOptimizer) else None
+    process_set = hv.process_set if hv is not None else _global_process_set()
+    if hv is not None and opt.built and opt._configured:
+        own = checkpoint.per_rank_part(opt._configured, opt.technique_state())
+        hv.every_rank = [pickle.loads(b) for b in gather_bytes(
+            pickle.dumps(own), "hvdsync.checkpoint.save", process_set)]
+    try:
+        if process_set.rank() == root_rank:
+            model.save(filepath, **kwargs)
+    finally:
+        if hv is not None:
+            hv.every_rank = None
+    gather_bytes(b"", "hvdsync.checkpoint.written", process_set)  # the file exists for all
+
+
+def _global_process_set():
+    from horovod.tensorflow.mpi_ops import global_process_set
+    return global_process_set

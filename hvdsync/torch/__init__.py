@@ -26,17 +26,21 @@ from hvdsync.stats import SyncStats  # noqa: E402
 from hvdsync.threshold import ThresholdConfig  # noqa: E402
 from hvdsync.torch.optimizer import DistributedOptimizer  # noqa: E402,F811
 from hvdsync.torch.optimizer import _DistributedOptimizer  # noqa: E402
+from hvdsync.torch.saving import load_checkpoint, save_checkpoint  # noqa: E402
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None, **kwargs):  # noqa: F811
-    """Horovod's ``broadcast_optimizer_state``, also for hvdsync's optimizer.
+    """Horovod's ``broadcast_optimizer_state``, also for hvdsync's optimizer, and for its
+    techniques' state: every rank gets ``root_rank``'s shared technique state (a checkpoint
+    loaded on ``root_rank`` only reaches every rank); per-rank memory is not broadcast, so
+    none is kept (docs/checkpoints.md).
 
     Horovod initialises an empty optimizer state by calling ``step()`` on zero gradients; on
     hvdsync's optimizer that step must stay local (no collectives, no stats, no technique
     state), as Horovod arranges for its own optimizer.
     """
-    if isinstance(optimizer, _DistributedOptimizer):
-        with optimizer.skip_synchronize():
-            return _horovod_torch.broadcast_optimizer_state(optimizer, root_rank, model,
-                                                            **kwargs)
-    return _horovod_torch.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
+    if not isinstance(optimizer, _DistributedOptimizer):
+        return _horovod_torch.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
+    with optimizer.skip_synchronize():
+        _horovod_torch.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
+    optimizer._broadcast_technique_state(root_rank)

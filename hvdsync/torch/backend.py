@@ -110,14 +110,14 @@ class TorchGradients:
     def payload_bytes(self, li: int) -> int:
         return sum(payload_bytes(p.grad) for _, p in self.layer_params[li])
 
-    def snapshot(self, li: int, k: int) -> dict:
-        p = self.param(li, k)
+    def snapshot(self, key: str) -> dict:
+        p = self._param[key]
         state = self._optimizer.state.get(p)
         return {"value": p.detach().clone(),
                 "state": copy.deepcopy(state) if state is not None else None}
 
-    def restore(self, li: int, k: int, snap: dict) -> None:
-        p = self.param(li, k)
+    def restore(self, key: str, snap: dict) -> None:
+        p = self._param[key]
         with torch.no_grad():
             p.copy_(snap["value"])
         if snap["state"] is None:

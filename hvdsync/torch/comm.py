@@ -128,20 +128,26 @@ class TorchCommunicator:
                 synchronize(h)
 
 
-    def gather_json(self, obj, name: str) -> list:
-        """Every rank's ``obj`` (JSON data), in rank order (two small allgathers)."""
+    def gather_bytes(self, data: bytes, name: str) -> list[bytes]:
+        """Every rank's ``data``, in rank order (two allgathers)."""
         if self.size == 1:
-            return [obj]
-        data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+            return [data]
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+            torch.zeros(0, dtype=torch.uint8)
         with guard(f"the allgather {name!r}"):
-            sizes = allgather(torch.tensor([data.numel()]), name=f"{name}.sizes",
+            sizes = allgather(torch.tensor([t.numel()]), name=f"{name}.sizes",
                               process_set=self.process_set).tolist()
-            gathered = allgather(data, name=name, process_set=self.process_set).tolist()
+            gathered = allgather(t, name=name, process_set=self.process_set).numpy().tobytes()
         out, i = [], 0
         for n in sizes:
-            out.append(json.loads(bytes(gathered[i:i + n]).decode()))
+            out.append(gathered[i:i + n])
             i += n
         return out
+
+    def gather_json(self, obj, name: str) -> list:
+        """Every rank's ``obj`` (JSON data), in rank order."""
+        return [json.loads(b.decode()) for b in self.gather_bytes(json.dumps(obj).encode(),
+                                                                 name)]
 
 
 def _sparse_finisher(grad: torch.Tensor, result):

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import Any, Optional
 
+import horovod.torch as _horovod_torch
 import torch
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
@@ -72,7 +73,8 @@ class _DistributedOptimizer(SyncAPI):
             configs, grads=self._grads, ops=TorchOps(), comm=comm, clip_layer=clip_layer,
             sparse_exchange=lambda c: SparseExchange(c, self._grads, comm, self.stats),
             layer_names=layer_names, stats=self.stats)
-        self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, self.stats)
+        self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, self.stats,
+                                      comm)
         self._param_signatures = [checkpoint.signature(p.shape, p.dtype)
                                   for lp in layer_params for _, p in lp]
         if process_set.included():
@@ -173,11 +175,27 @@ class _DistributedOptimizer(SyncAPI):
         self._should_synchronize = True
         self._reset_step_counters()
         super().load_state_dict(state_dict)
+        restored = True
         if own is not None:
-            checkpoint.load_into(self._configured, own, self._param_signatures)
+            restored = checkpoint.load_into(self._configured, own, self._param_signatures,
+                                            self.process_set.rank(), self.process_set.size())
         else:
             for t in self._configured:
                 t.forget()
+        self._pipeline.after_load(restored)
+
+    def _broadcast_technique_state(self, root_rank: int) -> None:
+        """Every rank takes ``root_rank``'s technique state (see broadcast_optimizer_state)."""
+        if not self._configured or self.process_set.size() == 1:
+            return
+        mine = checkpoint.state_of(self._configured, self._param_signatures,
+                                   self.process_set.rank(), self.process_set.size())
+        shared = _horovod_torch.broadcast_object(mine, root_rank, "hvdsync.techniques",
+                                                 self.process_set)
+        if self.process_set.rank() != root_rank:
+            checkpoint.load_into(self._configured, shared, self._param_signatures,
+                                 self.process_set.rank(), self.process_set.size(), quiet=True)
+        self._pipeline.after_load(False)  # per-rank memory was not broadcast: none keeps any
 
     # -- hvdsync's API (with SyncAPI's) --------------------------------------------------------
     def _sync_pipeline(self) -> StepPipeline:
