@@ -105,6 +105,8 @@ class DelayPolicy:
         self.step = 0  # finished steps
         #: ids folded in by the last step (newest first), for logging and tests
         self.last_folded: list[int] = []
+        #: ids the last step had to wait for (not arrived, but due: bound or drain)
+        self.last_waited: list[int] = []
 
     @property
     def current(self) -> int:
@@ -128,6 +130,7 @@ class DelayPolicy:
         return wait_for, fold
 
     def finish_step(self, folded: list[int], waited_s: Optional[float],
+                    waited_for: list[int],
                     still_outstanding: int) -> None:
         """Record the step: the staleness of each folded gradient, whether (and how long) it
         waited, and how many global gradients remain in flight."""
@@ -139,6 +142,7 @@ class DelayPolicy:
             self.stats.count("wait_s", waited_s)
         self.stats.count("outstanding", still_outstanding)
         self.last_folded = list(folded)
+        self.last_waited = list(waited_for)
         self.step += 1
 
     def state_dict(self) -> dict:
@@ -248,7 +252,7 @@ class DelayedGradients(Transport):
         if self._average_after_step:
             self.stats.count("averaged")
             self.stats.control(*self._averaging_size())
-        self.policy.finish_step(fold, waited, len(self._in_flight))
+        self.policy.finish_step(fold, waited, wait_for, len(self._in_flight))
 
     def after_optimizer_step(self) -> None:
         """Average the parameters (and, if configured, the optimizer state) when this step
@@ -293,10 +297,12 @@ class DelayedGradients(Transport):
 
     def status(self) -> dict:
         """Finished ``step`` count, ids (step numbers) of the ``outstanding`` global
-        gradients, the ids the last step folded in (``last_folded``, newest first) and the
+        gradients, the ids the last step folded in (``last_folded``, newest first), the ids it
+        had to wait for (``last_waited``: due by the bound or a drain, not arrived) and the
         ``staleness`` histogram ``{lag in steps: count}``."""
         return {"step": self.policy.step, "outstanding": self.outstanding,
                 "last_folded": list(self.policy.last_folded),
+                "last_waited": list(self.policy.last_waited),
                 "staleness": staleness_histogram(self.stats.total.counters)}
 
     # -- parameter averaging ------------------------------------------------------------------

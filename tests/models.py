@@ -70,3 +70,17 @@ def run_cases(body: Callable[..., Any], np: int, cases: dict[str, tuple],
     per_rank = run_ranks(apply_each, np=np, args=(body, list(cases.values())), timeout=timeout,
                          env=env)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
+
+
+def check_pushes(pushed: list[list[str]], names: list[str], k: int, bound) -> None:
+    """``select=``'s pushes, step by step: step 1 pushes every layer; afterwards exactly
+    ``max(k, forced)`` layers, where the forced ones -- those that would otherwise wait more
+    than ``bound`` steps -- are all among them; no layer waits more than ``bound`` steps."""
+    assert sorted(pushed[0]) == sorted(names), pushed[0]
+    waited = {n: 0 for n in names}
+    for t, sent in enumerate(pushed[1:], start=2):
+        forced = {n for n in names if bound is not None and waited[n] + 1 > bound}
+        assert forced <= set(sent), (t, forced, sent)
+        assert len(sent) == max(k, len(forced)), (t, k, forced, sent)
+        waited = {n: 0 if n in sent else w + 1 for n, w in waited.items()}
+        assert bound is None or max(waited.values()) <= bound, (t, waited)

@@ -8,7 +8,7 @@ import pytest
 
 from hvdsync.testing import run_ranks
 from tests.keras_models import fit_body
-from tests.models import apply_each
+from tests.models import apply_each, check_pushes
 
 F64 = dict(dtype="float64")
 
@@ -145,14 +145,7 @@ def test_select_pushes_k_layers_chosen_alike_and_leaves_others_untouched(runs, c
     ranks = runs[case]
     _same_everywhere(ranks, "sent")
     sent = ranks[0]["sent"]
-    assert len(sent[0]) == 3  # step 1 pushes every layer (no scores yet)
-    for step in sent[1:]:
-        assert len(step) >= k and (len(step) == k or len(step) <= 3)
-    waits = {layer: 0 for layer in ranks[0]["layers"]}
-    for step in sent:
-        for layer in waits:
-            waits[layer] = 0 if any(n.endswith(layer) for n in step) else waits[layer] + 1
-            assert waits[layer] <= bound, f"{layer} waited more than {bound} steps"
+    check_pushes(sent, list(ranks[0]["stats"]["layers"]), k, bound)
     for r in ranks:
         w = r["weights"]
         for t in range(1, len(w)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -75,3 +76,67 @@ def test_a_collective_on_one_rank_ends_the_job_with_a_message():
     assert "exited with code" in msg and "timed out" not in msg
     assert "rank 0 waited" in msg and "parameter averaging" in msg and "gives up" in msg
     assert processes_of(err.value.workdir) == []
+
+
+# -- drop-in: a script written for horovod.torch's optimizer -----------------------------------
+def horovod_script(which: str) -> dict:
+    """The patterns of Horovod's docs and examples: broadcasts, elastic TorchState
+    save/restore/sync, synchronize -> clip_grad_norm_ -> skip_synchronize step,
+    set_backward_passes_per_step, and the attributes scripts read."""
+    import horovod.torch as horovod_torch
+
+    import hvdsync.torch as hvdsync_torch
+    hvd = horovod_torch if which == "horovod" else hvdsync_torch
+    hvd.init()
+    torch.manual_seed(0)
+    model = MLP()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0)
+    batches = teacher_batches(hvd.rank(), 12)
+
+    def step(x, y, clip=False):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if clip:
+            opt.synchronize()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+
+    for x, y in batches[:3]:
+        step(x, y, clip=True)
+    state.save()
+    saved = [p.detach().clone() for p in model.parameters()]
+    for x, y in batches[3:5]:
+        step(x, y)
+    state.restore()
+    restored = all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+    state.sync()
+    opt.set_backward_passes_per_step(2)
+    for i in range(5, 11, 2):
+        opt.zero_grad()
+        for x, y in batches[i:i + 2]:
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    names = sorted(opt._parameter_names.values())
+    return dict(params=[p.detach().numpy().copy() for p in model.parameters()],
+                restored=restored, names=names, requires=len(opt._requires_update),
+                attrs=(opt.backward_passes_per_step, opt.op, opt.gradient_predivide_factor,
+                       opt.sparse_as_dense))
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_horovod_script_runs_unchanged_and_gives_horovods_parameters(np_):
+    results = run_cases(horovod_script, np_, {"horovod": ("horovod",), "hvdsync": ("hvdsync",)},
+                        timeout=300)
+    for ref, ours in zip(results["horovod"], results["hvdsync"]):
+        assert ours["restored"] and ref["restored"]
+        assert ours["names"] == ref["names"] and ours["requires"] == ref["requires"] == 6
+        assert ours["attrs"] == ref["attrs"]
+        for a, b in zip(ref["params"], ours["params"]):
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)

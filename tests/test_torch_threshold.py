@@ -196,3 +196,62 @@ def test_state_dict_keeps_unsent_accumulations_and_sync_points():
     del state["hvdsync"]
     opt.load_state_dict(state)
     assert not t.acc and not t.anchor
+
+
+# -- the exact arithmetic of plain SGD ---------------------------------------------------------
+def sgd_exact_body(steps: int, lr: float) -> dict:
+    """float64 MLP, plain SGD and a threshold: this rank's local gradients (hooks registered
+    before the wrapper's), the layers sent and the parameters after every step."""
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    m = MLP().double()
+    named = dict(m.named_parameters())
+    local: dict = {}
+    for n, p in named.items():
+        p.register_post_accumulate_grad_hook(
+            lambda p, n=n: local.__setitem__(n, p.grad.detach().clone().numpy()))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=lr),
+                                   named_parameters=m.named_parameters(),
+                                   threshold=dict(threshold=0.8, max_skip=3))
+    layers = [layer.name for layer in opt.layers]
+    before = {n: 0 for n in layers}
+    rec = dict(theta0={n: p.detach().numpy().copy() for n, p in named.items()},
+               grads=[], sent=[], params=[])
+    for x, y in teacher_batches(hvd.rank(), steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x.double()), y).backward()
+        opt.step()
+        rec["grads"].append(dict(local))
+        now = {n: opt.stats.layers[n].sent for n in layers}
+        rec["sent"].append([n for n in layers if now[n] > before[n]])
+        before = now
+        rec["params"].append({n: p.detach().numpy().copy() for n, p in named.items()})
+    return rec
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_plain_sgd_is_exactly_the_documented_arithmetic(np_):
+    """After a layer syncs at step t it holds ``theta_0 - lr * sum_{j<=t} mean_r g_j`` (what
+    synchronous SGD would hold); between syncs, its last sync value minus ``lr`` times this
+    rank's own gradients since (docs/threshold.md)."""
+    lr, steps = 0.1, 24
+    ranks = run_ranks(sgd_exact_body, np=np_, args=(steps, lr), timeout=180)
+    sent = ranks[0]["sent"]
+    assert 0 < sum(map(len, sent)) < 3 * steps  # a mix of syncs and skips
+    for rank, r in enumerate(ranks):
+        for name in r["theta0"]:
+            layer = name.rsplit(".", 1)[0]
+            synced = r["theta0"][name].copy()  # the value at the layer's last sync
+            since = np.zeros_like(synced)  # sum over steps since then of the rank-mean gradient
+            value = synced.copy()
+            for t in range(steps):
+                since += np.mean([q["grads"][t][name] for q in ranks], axis=0)
+                if layer in sent[t]:
+                    synced, since = synced - lr * since, np.zeros_like(synced)
+                    value = synced.copy()
+                else:
+                    value = value - lr * r["grads"][t][name]
+                np.testing.assert_allclose(r["params"][t][name], value, rtol=0, atol=1e-10,
+                                           err_msg=f"rank {rank} step {t + 1} {name}")

@@ -53,6 +53,9 @@ class _DistributedOptimizer(SyncAPI):
         params = [p for group in self.param_groups for p in group["params"]]
         names = parameter_names(params, named_parameters)
         by_name = {n: p for p, n in names.items()}
+        # Horovod's own attributes that scripts reach for
+        self._parameter_names = names
+        self._requires_update = {p for p in params if p.requires_grad}
         grouping = layers if layers is not None else groups_to_names(groups, names)
         self._layers = build_layers([names[p] for p in params if p.requires_grad], grouping)
         layer_params = [[(n, by_name[n]) for n in layer.param_names] for layer in self._layers]
