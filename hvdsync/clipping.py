@@ -27,17 +27,14 @@ Where clipping happens (``mode``):
   layer's reduction completes. The averaged gradient is identical on every rank, so limits
   and results are too (no control-plane collective needed).
 
-Non-finite gradients (``nonfinite``): with ``"zero"`` (default) a layer whose local gradient
-holds NaN/Inf is replaced by zeros before sending -- that rank contributes nothing to the
-layer this step instead of poisoning every replica -- and counted as ``nonfinite`` in the
-stats with a warning. ``"propagate"`` sends it unchanged, as plain Horovod would. Either way
-every rank still takes part in every collective, so nothing hangs.
+Non-finite gradients: a layer whose gradient holds NaN/Inf is left as it is (its norm is not
+observed) and counted as ``nonfinite``; the step it belongs to is skipped on every rank by
+hvdsync's one policy for non-finite gradients (docs/failures.md).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -46,7 +43,6 @@ from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Gradients, TensorOps, Transform
 
-NONFINITE_MODES = ("zero", "propagate")
 MODES = ("local", "global")
 
 
@@ -77,7 +73,6 @@ class ClipConfig:
     warmup: int = 10
     eps: float = 1e-3
     mode: str = "local"
-    nonfinite: str = "zero"
 
     def __post_init__(self) -> None:
         if self.value is not None:
@@ -109,9 +104,6 @@ class ClipConfig:
             raise ValueError(f"clip eps must be > 0, got {self.eps}")
         if self.mode not in MODES:
             raise ValueError(f"clip mode must be one of {MODES}, got {self.mode!r}")
-        if self.nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"clip nonfinite must be one of {NONFINITE_MODES}, "
-                             f"got {self.nonfinite!r}")
         if not self.has_rule:
             raise ValueError("clip needs at least one rule: value, max_norm, ema, variance "
                              "or ratio")
@@ -213,7 +205,6 @@ class LayerClip(Transform):
         self.layer_names = layer_names
         self.stats = stats
         self._step: list[tuple[int, Any, Any]] = []  # (layer, pre-clip norm, clipped?)
-        self._warned_nonfinite = False
 
     def layer_ready(self, li: int, ks: list[int]) -> None:
         if self.config.mode == "local":
@@ -235,8 +226,9 @@ class LayerClip(Transform):
             self.grads.set(li, k, g)
         self._step.append((li, norm, clipped))
 
-    def end_step(self) -> None:
-        if not self._step:
+    def end_step(self, ok: bool) -> None:
+        if not self._step or not ok:  # a skipped step teaches the running statistics nothing
+            self._step.clear()
             return
         host = self.ops.to_host([x for _, n, c in self._step for x in (n, c)])
         self.observe([(li, host[2 * i], bool(host[2 * i + 1]))
@@ -251,15 +243,7 @@ class LayerClip(Transform):
             if was_clipped:
                 self.stats.count("clipped")
             if not math.isfinite(norm):
-                self.stats.count("nonfinite")
-                if not self._warned_nonfinite:
-                    self._warned_nonfinite = True
-                    what = "sent as zeros" if self.config.nonfinite == "zero" else "sent unchanged"
-                    warnings.warn(f"hvdsync: non-finite gradient in layer "
-                                  f"{self.layer_names[li]!r} ({what}, clip "
-                                  f"nonfinite={self.config.nonfinite!r}); counted in stats as "
-                                  "'nonfinite', further warnings suppressed", RuntimeWarning,
-                                  stacklevel=2)
+                self.stats.count("nonfinite")  # the step is skipped (the pipeline's policy)
 
     def state_dict(self) -> dict:
         return {"policy": self.policy.state_dict()}

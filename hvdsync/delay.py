@@ -193,6 +193,9 @@ class DelayedGradients(Transport):
         self.stats = stats
         self._in_flight: dict[int, dict[int, _InFlight]] = {}  # step id -> layer -> part
         self._average_after_step = False
+        self._bad: list = []  # this step's device flags: a layer's local gradient non-finite
+        #: whether the last step replaced a non-finite local gradient by zeros
+        self.local_nonfinite = False
 
     @property
     def outstanding(self) -> list[int]:
@@ -208,6 +211,13 @@ class DelayedGradients(Transport):
                                  "reached it (pass sparse_as_dense=True or no delay)")
         step = self.policy.current
         local = [self.grads.get(li, k) for k in ks]
+        # Non-finite on this rank: its steps are not exchanged synchronously, so the step
+        # cannot be skipped everywhere; this rank contributes (and applies) zeros instead.
+        bad = self.ops.bad(local)
+        self._bad.append(bad)
+        local = self.ops.zero_if(bad, local)
+        for k, g in zip(ks, local):
+            self.grads.set(li, k, g)
         # In-flight ids span at most staleness + 1 consecutive steps, so this slot keeps
         # collective names unique while letting Horovod's response cache reuse them.
         slot = step % (self.config.staleness + 1)
@@ -253,6 +263,13 @@ class DelayedGradients(Transport):
             self.stats.count("averaged")
             self.stats.control(*self._averaging_size())
         self.policy.finish_step(fold, waited, wait_for, len(self._in_flight))
+
+    def end_step(self, ok: bool) -> None:
+        flags, self._bad = self._bad, []
+        bad_layers = int(sum(self.ops.to_host(flags))) if flags else 0
+        self.local_nonfinite = bad_layers > 0
+        if bad_layers:
+            self.stats.count("nonfinite", bad_layers)
 
     def after_optimizer_step(self) -> None:
         """Average the parameters (and, if configured, the optimizer state) when this step

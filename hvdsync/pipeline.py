@@ -52,9 +52,17 @@ class StepPipeline:
     """Runs the techniques' moments for every step of one wrapped optimizer."""
 
     def __init__(self, layer_names: list[str], techniques: list[Technique], grads: Gradients,
-                 stats: SyncStats, comm: Optional[Communicator] = None):
+                 ops: TensorOps, stats: SyncStats, comm: Optional[Communicator] = None):
         self.layer_names = layer_names
+        self.ops = ops
         self.comm = comm
+        #: whether the last step's gradients were finite on every rank (else it was skipped
+        #: everywhere: the adapter does not let the wrapped optimizer step)
+        self.step_ok = True
+        #: whether a technique replaced a non-finite gradient of this rank by zeros in the
+        #: last step (delay=: the step is not skipped; a loss scaler should back off)
+        self.local_nonfinite = False
+        self._warned_nonfinite = False
         self._after_load: Optional[bool] = None
         self.techniques = list(techniques)
         self.grads = grads
@@ -77,6 +85,8 @@ class StepPipeline:
         self._parts: list[list[tuple[Transport, list[int]]]] = [[] for _ in range(n)]
         self._governed: list[list[int]] = [[] for _ in range(n)]
         self._deferred: list[int] = []
+        self._local_bad: list = []  # device flags per layer (kept only with a decider)
+        self._sent: dict[int, list[int]] = {}  # layer -> parameters exchanged this step
         self._pending: dict[int, list[Pending]] = {}
         self._started = [False] * n
 
@@ -88,6 +98,7 @@ class StepPipeline:
     # -- in backward ---------------------------------------------------------------------------
     def layer_ready(self, li: int) -> None:
         """Layer ``li``'s local gradient is final: transform it and send it (or decide)."""
+        self.grads.prepare(li)
         self.stats.dense(self.grads.payload_bytes(li))  # what plain Horovod would send
         parts = self._parts[li] = self._split(li)
         governed = self._governed[li] = [k for t, ks in parts if t.decidable for k in ks]
@@ -101,6 +112,8 @@ class StepPipeline:
             t.layer_ready(li, everything)
         if self.decider is not None:
             self.decider.layer_ready(li, governed)
+            # the decider shares this (its kept-back layers carry no data to tell)
+            self._local_bad.append(self.ops.bad([self.grads.get(li, k) for k in everything]))
         self._ready[li] = True
         for t, ks in parts:  # not decidable: goes every step (sparse rows)
             if not t.decidable and ks:
@@ -135,6 +148,7 @@ class StepPipeline:
                 self._start(li, t, part)
 
     def _start(self, li: int, t: Transport, ks: list[int]) -> None:
+        self._sent.setdefault(li, []).extend(ks)
         if not self._started[li]:
             if not any(self._started):
                 self.send_times = []
@@ -174,7 +188,8 @@ class StepPipeline:
         for li in held:
             self._fill_and_ready(li)
         if self._deferred:
-            decisions = self.decider.decide({li: self._governed[li] for li in self._deferred})
+            decisions = self.decider.decide({li: self._governed[li] for li in self._deferred},
+                                            self._local_bad)
             for li in self._deferred:
                 self._dispatch(li, decisions[li])
         for t in self.transports:
@@ -189,13 +204,39 @@ class StepPipeline:
             for t in self.transforms:
                 t.after_wait(li)
         self._pending.clear()
+        self.step_ok = self._settle()
         for t in self.techniques:
             t.before_optimizer_step()
-        self.grads.before_optimizer_step()
+        self.grads.before_optimizer_step(self.step_ok)
         for t in self.techniques:
-            t.end_step()
+            t.end_step(self.step_ok)
+        self.local_nonfinite = any(getattr(t, "local_nonfinite", False)
+                                   for t in self.techniques)
         self.stats.end_step()
         self._new_step()
+
+    def _settle(self) -> bool:
+        """Whether the step's gradients were finite on every rank -- from values every rank
+        has alike: the exchanged gradients (a NaN anywhere is in every rank's sum) and, for
+        layers a decider kept back, the decider's control plane. A bad step is skipped on
+        every rank; warned once, counted as ``nonfinite_steps``."""
+        flags = [self.ops.bad([self.grads.get(li, k) for k in ks])
+                 for li, ks in sorted(self._sent.items())]
+        data_ok = not any(self.ops.to_host(flags))
+        ok = self.decider.settle(data_ok, self._local_bad) if self.decider else data_ok
+        if not ok:
+            self.note_nonfinite()
+        return ok
+
+    def note_nonfinite(self) -> None:
+        """Count a step skipped because a gradient was non-finite on some rank; warn once."""
+        self.stats.count("nonfinite_steps")
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn("hvdsync: a gradient held NaN or Inf on some rank: the step is "
+                          "skipped on every rank (counted in stats as 'nonfinite_steps'; "
+                          "further warnings suppressed; docs/failures.md)", RuntimeWarning,
+                          stacklevel=3)
 
     def after_optimizer_step(self) -> None:
         self.grads.after_optimizer_step()

@@ -269,6 +269,7 @@ class SelectedPushes(Decider):
         n = len(layer_names)
         self._dots: list[Any] = [None] * n
         self._eligible = [True] * n
+        self._journal: dict[str, Any] = {}  # residuals as they were before this step
         #: the last step's local scores, rank-averaged scores, residual norms and (hypernet)
         #: alpha per layer -- for logging and plots
         self.last: dict[str, list[float]] = {}
@@ -291,7 +292,9 @@ class SelectedPushes(Decider):
 
     def on_send(self, li: int, ks: list[int]) -> None:
         for k in ks:
-            r = self.residual.pop(self.grads.key(li, k), None)
+            key = self.grads.key(li, k)
+            r = self.residual.pop(key, None)
+            self._journal.setdefault(key, r)  # to put back if the step turns out non-finite
             if r is not None:
                 self.grads.set(li, k, self.ops.accumulate(self.grads.get(li, k), r))
 
@@ -299,12 +302,14 @@ class SelectedPushes(Decider):
         for k in ks:
             key, g = self.grads.key(li, k), self.grads.get(li, k)
             r = self.residual.get(key)
-            self.residual[key] = self.ops.clone(g) if r is None else self.ops.accumulate(r, g)
+            self._journal.setdefault(key, r)
+            self.residual[key] = self.ops.clone(g) if r is None else self.ops.add(r, g)
             self.grads.withhold(li, k)
 
-    def end_step(self) -> None:
-        """Agree on the next step's layers (one control-plane allreduce) and record
-        statistics."""
+    def settle(self, data_ok: bool, local_bad: list) -> bool:
+        """Agree on the next step's layers (one control-plane allreduce of every rank's dot
+        products and residual norms, and whether its gradients were finite); a non-finite
+        step puts the residuals back and leaves the selector as it was."""
         n = len(self.layer_names)
         mask = list(self.policy.selected)
         norms = []
@@ -314,10 +319,20 @@ class SelectedPushes(Decider):
                                         if key in self.residual]))
         dots = ([d if d is not None else self.ops.zero() for d in self._dots]
                 if self.policy.hypernet is not None else [])
-        local = self.ops.to_host(dots + norms)  # one device read
+        host = self.ops.to_host(dots + norms + list(local_bad))  # one device read
+        m = len(dots) + len(norms)
+        local = host[:m]
         self._dots = [None] * n
-        shared = self.comm.control(local, "hvdsync.select.stats")
-        shared_dots, shared_norms = (shared[:n] if dots else [0.0] * n), shared[len(dots):]
+        shared = self.comm.control(local + [float(any(host[m:]))], "hvdsync.select.stats")
+        journal, self._journal = self._journal, {}
+        if not (data_ok and shared[-1] == 0 and all(math.isfinite(x) for x in shared[:m])):
+            for key, r in journal.items():  # nothing of this step is kept
+                if r is None:
+                    self.residual.pop(key, None)
+                else:
+                    self.residual[key] = r
+            return False
+        shared_dots, shared_norms = (shared[:n] if dots else [0.0] * n), shared[len(dots):m]
         scores = self.policy.scores(shared_dots, shared_norms)
         self.policy.pushed(mask)
         self.policy.choose(scores, list(self._eligible))
@@ -326,6 +341,7 @@ class SelectedPushes(Decider):
         if self.policy.hypernet is not None:
             self.last["dots"] = shared_dots
             self.last["alpha"] = self.policy.prev_alpha.tolist()
+        return True
 
     def state_dict(self) -> dict:
         """Shared: the selector (hypernet and its Adam state, score EMA, wait counters, the
@@ -341,6 +357,7 @@ class SelectedPushes(Decider):
 
     def forget(self) -> None:
         self.residual.clear()
+        self._journal.clear()
         self._dots = [None] * len(self._dots)
 
     def status(self) -> dict:

@@ -27,6 +27,9 @@ A *technique* is one of hvdsync's options (``clip=``, ``threshold=``, ``select=`
     end_step()
     after_optimizer_step()     after the wrapped optimizer's update
 
+``settle(data_ok, local_bad)`` (deciders) runs after the waits: a step whose gradients held
+NaN/Inf on any rank is skipped on every rank and commits nothing (docs/failures.md).
+
 ``ks`` are positions of parameters inside layer ``li``: the ones this technique handles.
 Outside a step: ``flush_replicas()``, ``state_dict()``/``load_state_dict()``, ``forget()``,
 ``status()``.
@@ -114,7 +117,11 @@ class Gradients(Protocol):
     def name(self, li: int, k: int) -> str: ...
     def to_saved(self, key: str, x: Any) -> Any: ...
     def from_saved(self, key: str, x: Any) -> Any: ...
-    def before_optimizer_step(self) -> None: ...
+    def prepare(self, li: int) -> None:
+        """Before anything sees layer ``li``'s local gradient (torch: undo the loss scale)."""
+    def before_optimizer_step(self, ok: bool) -> None:
+        """The step's gradients are final; ``ok``: they were finite on every rank (else the
+        step is skipped everywhere: make that visible to what steps next, e.g. a loss scaler)."""
     def after_optimizer_step(self) -> None: ...
 
 
@@ -122,6 +129,12 @@ class TensorOps(Protocol):
     """The arithmetic techniques need, on the adapter's tensors (device scalars stay on the
     device until :meth:`to_host`, read once per step)."""
 
+    def add(self, a: Any, b: Any) -> Any:
+        """``a + b`` as a new tensor."""
+    def bad(self, tensors: Sequence[Any]) -> Any:
+        """A device float scalar: 1 if any value of ``tensors`` is NaN or Inf, else 0."""
+    def zero_if(self, flag: Any, tensors: Sequence[Any]) -> list:
+        """``tensors``, or zeros like them where the device ``flag`` (from :meth:`bad`) is 1."""
     def accumulate(self, acc: Any, x: Any, sign: int = 1) -> Any:
         """``acc + x`` (``sign=-1``: ``acc - x``), in place where the framework allows (the
         caller owns ``acc``)."""
@@ -168,8 +181,10 @@ class Technique:
     def before_optimizer_step(self) -> None:
         """Every reduced gradient is in place; the wrapped optimizer steps next."""
 
-    def end_step(self) -> None:
-        """The exchange of this step is over (read device values once, agree on the next)."""
+    def end_step(self, ok: bool) -> None:
+        """The exchange of this step is over (read device values once); ``ok``: the step's
+        gradients were finite on every rank (else it is skipped everywhere: learn nothing
+        from it)."""
 
     def after_optimizer_step(self) -> None:
         """The wrapped optimizer has updated the parameters."""
@@ -225,6 +240,14 @@ class Decider(Technique):
 
     def on_skip(self, li: int, ks: list[int]) -> None:
         """Layer ``li`` does not go this step: keep its gradient."""
+
+    def settle(self, data_ok: bool, local_bad: list) -> bool:
+        """After every wait: whether this step's gradients were finite on every rank.
+        ``data_ok``: what the exchanged gradients say; ``local_bad``: this rank's device flags
+        per layer (:meth:`TensorOps.bad`) -- the decider shares them for the layers it kept
+        back. Commit this step's memory if so, leave it as it was if not; same answer on
+        every rank."""
+        return data_ok
 
 
 class Transport(Technique):

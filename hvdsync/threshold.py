@@ -146,16 +146,20 @@ class AccumulationThreshold(Decider):
         self.num_layers = num_layers
         self.acc: dict[str, Any] = {}
         self.anchor: dict[str, Any] = {}
+        self._candidate: dict[str, Any] = {}
+        self._ok = True
 
     def decision(self, li: int) -> Optional[bool]:
         return None  # needs every layer's accumulation: decided after backward
 
-    def decide(self, parts: dict[int, list[int]]) -> dict[int, bool]:
-        """Fold this step's gradients into the accumulations and agree on what to send (one
-        control-plane allreduce of every layer's accumulation norm)."""
+    def decide(self, parts: dict[int, list[int]], local_bad: list) -> dict[int, bool]:
+        """Agree on what to send from every layer's accumulation norm including this step's
+        gradient (one control-plane allreduce, which also carries whether any rank's
+        gradient is non-finite: then nothing is sent and nothing is accumulated)."""
         relative = self.policy.config.relative
         g, ops = self.grads, self.ops
         acc_norms, param_norms = [], []
+        self._candidate = {}  # the accumulation with this step's gradient, not yet committed
         for li in range(self.num_layers):
             current, values = [], []
             for k in parts.get(li, []):
@@ -163,20 +167,24 @@ class AccumulationThreshold(Decider):
                     raise ValueError("threshold= needs dense gradients: pass sparse=True (row-"
                                      "sparse layers then take the sparse exchange every step) "
                                      "or sparse_as_dense=True")
-                key = g.key(li, k)
-                if key in self.acc:
-                    self.acc[key] = ops.accumulate(self.acc[key], g.get(li, k))
-                current.append(self.acc.get(key, g.get(li, k)))
+                key, grad = g.key(li, k), g.get(li, k)
+                cand = ops.add(self.acc[key], grad) if key in self.acc else grad
+                self._candidate[key] = cand
+                current.append(cand)
                 if relative:  # parameters as of the last sync: identical on every rank
                     values.append(self.anchor[key]["value"] if key in self.anchor
                                   else g.value(li, k))
             acc_norms.append(ops.norm(current))
             if relative:
                 param_norms.append(ops.norm(values))
-        local = ops.to_host(acc_norms + param_norms)  # one device read
-        shared = self.comm.control(local, "hvdsync.control.threshold")
-        n = self.num_layers
-        send = self.policy.decide(shared[:n], shared[n:] if relative else None)
+        host = ops.to_host(acc_norms + param_norms + list(local_bad))  # one device read
+        n, m = self.num_layers, len(acc_norms) + len(param_norms)
+        shared = self.comm.control(host[:m] + [float(any(host[m:]))],
+                                   "hvdsync.control.threshold")
+        self._ok = shared[-1] == 0 and all(math.isfinite(x) for x in shared[:m])
+        if not self._ok:  # skipped everywhere: the policy does not count this step either
+            return {li: False for li in parts}
+        send = self.policy.decide(shared[:n], shared[n:m] if relative else None)
         return {li: send[li] for li in parts}
 
     def on_send(self, li: int, ks: list[int]) -> None:
@@ -184,21 +192,25 @@ class AccumulationThreshold(Decider):
         optimizer state return to the last sync point if they moved locally since."""
         for k in ks:
             key = self.grads.key(li, k)
-            acc = self.acc.pop(key, None)
-            if acc is not None:
-                self.grads.set(li, k, acc)
+            self.acc.pop(key, None)
+            self.grads.set(li, k, self._candidate.pop(key))
             anchor = self.anchor.pop(key, None)
             if anchor is not None:
                 self.grads.restore(key, anchor)
 
     def on_skip(self, li: int, ks: list[int]) -> None:
         """The layer stays local this step: keep its gradient, remember the sync point."""
+        if not self._ok:
+            return  # a non-finite step: nothing of it is kept
         for k in ks:
             key = self.grads.key(li, k)
-            if key not in self.acc:
-                self.acc[key] = self.ops.clone(self.grads.get(li, k))
+            cand = self._candidate.pop(key)
+            self.acc[key] = cand if key in self.acc else self.ops.clone(cand)
             if key not in self.anchor:
                 self.anchor[key] = self.grads.snapshot(key)
+
+    def settle(self, data_ok: bool, local_bad: list) -> bool:
+        return self._ok and data_ok
 
     def state_dict(self) -> dict:
         """Shared: the skip counters and step. Per rank: the unsent accumulations, the sync

@@ -140,3 +140,130 @@ def test_a_horovod_script_runs_unchanged_and_gives_horovods_parameters(np_):
         assert ours["attrs"] == ref["attrs"]
         for a, b in zip(ref["params"], ours["params"]):
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+
+
+# -- mixed precision and non-finite gradients ---------------------------------------------------
+TECHNIQUES = {
+    "plain": {},
+    "clip": dict(clip=dict(max_norm=0.5)),
+    "clip_adaptive": dict(clip=dict(ema=(0.9, 1.5), warmup=2)),
+    "threshold": dict(threshold=dict(threshold=0.6, max_skip=3)),
+    "select": dict(select=dict(k=1, max_wait=2)),
+    "sparse_threshold": dict(sparse=True, threshold=dict(threshold=0.8, max_skip=3)),
+    "delay": dict(delay=dict(staleness=1, average_every=4)),
+}
+BAD_STEP, BAD_RANK, STEPS = 3, 1, 10
+
+
+def amp_body(case: str, scale: float | None, bad: str | None) -> dict:
+    """Train ``case`` with a GradScaler at ``scale`` (None: no scaler, fp32) in Horovod's AMP
+    pattern. ``bad``: "inf"/"nan" multiplies rank 1's loss at step 3 by that; "drop" leaves
+    step 3 out on every rank (what skipping it everywhere must equal)."""
+    import hvdsync.torch as hvd
+    from tests.test_torch_compositions import BagModel, bag_batches
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    bag = case.startswith("sparse")
+    model = BagModel() if bag else MLP()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if bag else 0.9)
+    scaler = (torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=10 ** 6)
+              if scale is not None else None)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                   scaler=scaler, **TECHNIQUES[case])
+    batches = (bag_batches(hvd.rank(), STEPS) if bag
+               else [(x, None, y) for x, y in teacher_batches(hvd.rank(), STEPS)])
+    for t, (x, offsets, y) in enumerate(batches):
+        if bad == "drop" and t == BAD_STEP:
+            continue
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x, offsets) if bag else model(x), y)
+        if bad in ("inf", "nan") and t == BAD_STEP and hvd.rank() == BAD_RANK:
+            loss = loss * float(bad)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+    opt.flush()
+    memory = opt.state_dict().get("hvdsync", {}).get("techniques", {})
+    tensors = [t for t in _tensors(memory)]
+    return dict(params=[p.detach().numpy().copy() for p in model.parameters()],
+                scale=scaler.get_scale() if scaler is not None else None,
+                stats=opt.stats.as_dict()["total"],
+                memory_finite=all(bool(torch.isfinite(t).all()) for t in tensors))
+
+
+def _tensors(x):
+    if torch.is_tensor(x):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+AMP_CASES = {f"{case}/{variant}": (case, scale, bad) for case in TECHNIQUES
+             for variant, scale, bad in (("scale1", 1.0, None), ("scale2^16", 2.0 ** 16, None),
+                                         ("overflow", 2.0 ** 16, "inf"),
+                                         ("dropped", 2.0 ** 16, "drop"),
+                                         ("nan", None, "nan"), ("nan_dropped", None, "drop"))}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def amp_runs(request):
+    # bit for bit across runs needs Horovod's summation order fixed (3+ ranks: fusion timing)
+    return request.param, run_cases(amp_body, request.param, AMP_CASES, timeout=600,
+                                    env={"HOROVOD_FUSION_THRESHOLD": "0"})
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+@pytest.mark.parametrize("case", list(TECHNIQUES))
+def test_loss_scale_does_not_change_the_result(amp_runs, case):
+    """Clip limits, threshold norms, select scores and every memory see unscaled gradients:
+    training at loss scale 2^16 gives the parameters of loss scale 1, bit for bit."""
+    _, runs = amp_runs
+    for one, big in zip(runs[f"{case}/scale1"], runs[f"{case}/scale2^16"]):
+        assert _same(one, big), case
+
+
+@pytest.mark.parametrize("case", [c for c in TECHNIQUES if c != "delay"])
+@pytest.mark.parametrize("kind", ["overflow", "nan"])
+def test_a_bad_step_on_one_rank_is_skipped_on_every_rank(amp_runs, case, kind):
+    """An overflow (scaler) or a NaN (fp32) in rank 1's gradient at one step: every rank
+    skips that step -- the result is the run without that step, bit for bit -- and no memory
+    keeps an Inf/NaN; a scaler backs off identically on every rank."""
+    _, runs = amp_runs
+    reference = "dropped" if kind == "overflow" else "nan_dropped"
+    for rank, (hit, ref) in enumerate(zip(runs[f"{case}/{kind}"], runs[f"{case}/{reference}"])):
+        assert _same(hit, ref), (case, kind, rank)
+        assert hit["memory_finite"] and all(np.isfinite(p).all() for p in hit["params"])
+        assert hit["stats"]["nonfinite_steps"] == 1
+        if kind == "overflow":
+            assert hit["scale"] == 2.0 ** 15 and ref["scale"] == 2.0 ** 16
+
+
+def test_delay_keeps_a_bad_gradient_to_its_rank(amp_runs):
+    """delay= does not exchange a step synchronously, so the bad rank contributes (and
+    applies) zeros for it: nothing non-finite anywhere, the replicas identical after each
+    averaging, that rank counts it and backs its own scaler off."""
+    np_, runs = amp_runs
+    for kind in ("overflow", "nan"):
+        ranks = runs[f"delay/{kind}"]
+        for rank, r in enumerate(ranks):
+            assert r["memory_finite"] and all(np.isfinite(p).all() for p in r["params"])
+            assert (r["stats"].get("nonfinite", 0) > 0) == (rank == BAD_RANK), (kind, rank)
+            if kind == "overflow":
+                assert r["scale"] == (2.0 ** 15 if rank == BAD_RANK else 2.0 ** 16)
+        for other in ranks[1:]:  # flush() at the end averaged the replicas
+            assert _same(ranks[0], other)

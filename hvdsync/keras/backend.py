@@ -41,6 +41,22 @@ class KerasOps:
     """:class:`hvdsync.technique.TensorOps` on TensorFlow tensors (immutable: new tensors)."""
 
     @staticmethod
+    def add(a, b):
+        return a + b
+
+    @staticmethod
+    def bad(tensors: Sequence) -> tf.Tensor:
+        finite = [tf.reduce_all(tf.math.is_finite(t.values if isinstance(t, tf.IndexedSlices)
+                                                  else t)) for t in tensors]
+        if not finite:
+            return _zero()
+        return 1.0 - tf.cast(tf.reduce_all(tf.stack(finite)), tf.float32)
+
+    @staticmethod
+    def zero_if(flag, tensors: Sequence) -> list:
+        return [tf.where(flag > 0, tf.zeros_like(t), t) for t in tensors]
+
+    @staticmethod
     def accumulate(acc, x, sign: int = 1):
         return acc + x if sign > 0 else acc - x
 
@@ -184,8 +200,11 @@ class KerasGradients:
         self._restore.append((v, v.path, self.value(li, k), self.slots.snapshot(v.path)))
         self.set(li, k, tf.zeros_like(self.get(li, k)))
 
-    def before_optimizer_step(self) -> None:
-        pass
+    def prepare(self, li: int) -> None:
+        pass  # Keras' LossScaleOptimizer hands over unscaled gradients
+
+    def before_optimizer_step(self, ok: bool) -> None:
+        pass  # a skipped step: the compiled function does not apply (see graph.eager_step)
 
     def after_optimizer_step(self) -> None:
         """Put withheld variables (and their slots) back as they were before the update."""

@@ -34,9 +34,6 @@ def clip_layer(grads: list, params: list, c: ClipConfig, limit) -> tuple[list, t
     # Scale only down (a zero norm gives inf -> 1); leave non-finite alone.
     scale = tf.where(finite, tf.minimum(limit / norm, 1.0), 1.0)
     grads = [_map_values(g, lambda v: v * tf.cast(scale, v.dtype)) for g in grads]
-    if c.nonfinite == "zero":
-        grads = [_map_values(g, lambda v: tf.where(finite, v, tf.zeros_like(v)))
-                 for g in grads]
     clipped = tf.logical_and(tf.logical_or(scale < 1.0, tf.not_equal(norm, raw_norm)), finite)
     return grads, raw_norm, clipped
 

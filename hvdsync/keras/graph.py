@@ -60,21 +60,26 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             grads[p] = r
         sent.append(tf.add_n([_bytes(comm, g, wire=True) for g in layer]))
         collectives.append(comm.collectives(layer) if comm.size > 1 else 0)
-    apply(grads, variables)
+    # finite on every rank: the exchanged gradients carry any rank's NaN/Inf to every rank
+    ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(
+        g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads]))
+    _apply_if(ok, apply, grads, variables)
     record = tf.stack(records) if records else tf.zeros([0, 2], tf.float32)
     names = [layer_names[li] for li, _ in layers]
 
-    def finish(sent, dense, record):
+    def finish(sent, dense, record, ok):
         for name, nbytes, d, c in zip(names, sent.tolist(), dense.tolist(), collectives):
             stats.dense(int(d))
             if comm.size > 1:
                 stats.sent(name, int(nbytes), c)
-        if clip is not None:
+        if clip is not None and ok:
             clip.observe([(li, float(n), bool(w))
                           for li, (n, w) in zip(clipped, np.asarray(record).reshape(-1, 2))])
+        if not ok:
+            pipeline.note_nonfinite()
         stats.end_step()
         return np.int32(0)
-    tf.numpy_function(finish, [tf.stack(sent), tf.stack(dense), record], tf.int32,
+    tf.numpy_function(finish, [tf.stack(sent), tf.stack(dense), record, ok], tf.int32,
                       stateful=True)
 
 
@@ -98,10 +103,12 @@ def _bytes(comm: KerasCommunicator, g, wire: bool) -> tf.Tensor:
     return tf.constant(comm.wire_bytes(g) if wire else payload_bytes(g), tf.int64)
 
 
-def eager_step(run: Callable[[list, list], list], finish: Callable[[], None], grads: list,
-               variables: list, apply: Callable[[list, list], None], values: bool) -> None:
-    """Build one step of the pipeline path: ``run(grads, values)`` eagerly (gradients in,
-    gradients to apply out; ``values``: the variables' values read before the update, or
+def eager_step(run: Callable[[list, list], tuple[list, bool]], finish: Callable[[], None],
+               grads: list, variables: list, apply: Callable[[list, list], None],
+               values: bool) -> None:
+    """Build one step of the pipeline path: ``run(grads, values)`` eagerly (gradients in;
+    gradients to apply and whether to apply them out -- a step non-finite on some rank is
+    skipped on every rank; ``values``: the variables' values read before the update, or
     ``[]``), ``apply`` them, then ``finish()`` eagerly after the update."""
     shapes = [v.shape for v in variables]
     flat, spec = _flatten(grads, shapes)
@@ -109,22 +116,32 @@ def eager_step(run: Callable[[list, list], list], finish: Callable[[], None], gr
 
     def call(*tensors):
         step_grads = _unflatten(list(tensors[:len(flat)]), spec)
-        out_flat, out_spec = _flatten(run(step_grads, list(tensors[len(flat):])), shapes)
+        out, ok = run(step_grads, list(tensors[len(flat):]))
+        out_flat, out_spec = _flatten(out, shapes)
         if [s[0] for s in out_spec] != [s[0] for s in spec]:
             raise RuntimeError("hvdsync: a technique changed the gradient layout")
-        return out_flat
-    results = tf.py_function(call, flat + reads, [t.dtype for t in flat])
+        return [*out_flat, tf.constant(bool(ok))]
+    results = tf.py_function(call, flat + reads, [t.dtype for t in flat] + [tf.bool])
     for r, t in zip(results, flat):
         r.set_shape(t.shape if t.shape.is_fully_defined() else [None] * t.shape.rank)
-    new_grads = _unflatten(list(results), spec)
+    new_grads, ok = _unflatten(list(results[:-1]), spec), tf.reshape(results[-1], [])
     with tf.control_dependencies([t for t in results]):
-        apply(new_grads, variables)
+        _apply_if(ok, apply, new_grads, variables)
     after = [tf.convert_to_tensor(v.value) for v in variables]  # read after the update
 
     def close(*_):
         finish()
         return tf.zeros([], tf.int32)
     tf.py_function(close, after, tf.int32)
+
+
+def _apply_if(ok, apply: Callable[[list, list], None], grads: list, variables: list) -> None:
+    """``apply(grads, variables)`` only where ``ok`` (a step non-finite on some rank is
+    skipped on every rank: ``ok`` is the same everywhere)."""
+    def update():
+        apply(grads, variables)
+        return tf.constant(True)
+    tf.cond(ok, update, lambda: tf.constant(False))
 
 
 def in_xla_context() -> bool:

@@ -80,7 +80,7 @@ class _DistributedOptimizer(SyncAPI):
             hv.configs, grads=hv.grads, ops=KerasOps(), comm=hv.comm, clip_layer=clip_layer,
             sparse_exchange=lambda c: SparseExchange(c, hv.grads, hv.comm, hv.stats),
             layer_names=names, stats=hv.stats)
-        hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, hv.stats, hv.comm)
+        hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)
         hv.graph_path = graph_runs(hv.techniques)
         hv.signatures = [checkpoint.signature(v.shape, v.dtype) for vs in layer_vars for v in vs]
         with tf.init_scope():  # build may run while the train function is traced: go eager
@@ -142,10 +142,10 @@ class _DistributedOptimizer(SyncAPI):
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
 
-        def run(step_grads: list, values: list) -> list:
+        def run(step_grads: list, values: list) -> tuple[list, bool]:
             hv.grads.begin_step(variables, step_grads, values)
             hv.pipeline.finish_backward()  # every layer is ready at once in Keras
-            return hv.grads.grads
+            return hv.grads.grads, hv.pipeline.step_ok
         eager_step(run, hv.pipeline.after_optimizer_step, grads, variables,
                    self._apply_update, any(t.reads_values for t in hv.techniques))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -22,6 +22,26 @@ def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 class TorchOps:
     """:class:`hvdsync.technique.TensorOps` on torch tensors (in place where allowed)."""
+
+    @staticmethod
+    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    @staticmethod
+    def bad(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        views = [t._values() if t.is_sparse else t for t in tensors]
+        views = [v for v in views if v.numel()]
+        if not views:
+            return torch.zeros(())
+        # the largest magnitude of each tensor: NaN/Inf show, large finite values do not
+        # overflow as they would in a 2-norm
+        peaks = torch.stack(torch._foreach_norm(views, float("inf")))
+        return (~torch.isfinite(peaks).all()).float()
+
+    @staticmethod
+    def zero_if(flag: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        mask = flag.to(torch.bool)
+        return [t.masked_fill_(mask, 0.0) for t in tensors]  # on the device: no host sync
 
     @staticmethod
     def accumulate(acc: torch.Tensor, x: torch.Tensor, sign: int = 1) -> torch.Tensor:
@@ -68,9 +88,11 @@ class TorchGradients:
     position in layer order."""
 
     def __init__(self, layer_params: list[list[tuple[str, torch.Tensor]]],
-                 optimizer: torch.optim.Optimizer):
+                 optimizer: torch.optim.Optimizer, scaler: Any = None):
         self.layer_params = layer_params
         self._optimizer = optimizer
+        self.scaler = scaler  # a torch.amp.GradScaler: techniques see unscaled gradients
+        self._inv_scale: Optional[torch.Tensor] = None
         self._key: dict[tuple[int, int], str] = {}
         self._param: dict[str, torch.Tensor] = {}
         for li, params in enumerate(layer_params):
@@ -128,11 +150,38 @@ class TorchGradients:
     def withhold(self, li: int, k: int) -> None:
         self._withheld.append(self.param(li, k))
 
-    def before_optimizer_step(self) -> None:
+    def _scale(self) -> Optional[torch.Tensor]:
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        scale = getattr(self.scaler, "_scale", None)  # on the device: no host sync
+        return scale if scale is not None else torch.tensor(self.scaler.get_scale())
+
+    def prepare(self, li: int) -> None:
+        """Undo the loss scale of layer ``li``'s gradients (GradScaler's scales are powers of
+        two: exact), so clip limits, norms, scores and every memory see true gradients."""
+        scale = self._scale()
+        if scale is None:
+            return
+        if self._inv_scale is None:  # once per step, as GradScaler.unscale_ computes it
+            self._inv_scale = scale.double().reciprocal().float()
+        for _, p in self.layer_params[li]:
+            if p.grad is not None:
+                (p.grad._values() if p.grad.is_sparse else p.grad).mul_(
+                    self._inv_scale.to(p.grad.device))
+
+    def before_optimizer_step(self, ok: bool) -> None:
         # No gradient: the wrapped optimizer leaves the parameter and its state alone.
         for p in self._withheld:
             p.grad = None
         self._withheld.clear()
+        grads = [p.grad for layer in self.layer_params for _, p in layer if p.grad is not None]
+        values = [g._values() if g.is_sparse else g for g in grads]
+        if not ok:  # skipped on every rank: let every rank (and its scaler) see it
+            for v in values:
+                v.fill_(float("nan"))
+        elif self._scale() is not None and values:  # scaled again for scaler.unscale_()
+            torch._foreach_mul_(values, self._scale().to(values[0].device))
+        self._inv_scale = None
 
     def after_optimizer_step(self) -> None:
         pass

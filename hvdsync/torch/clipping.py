@@ -43,11 +43,4 @@ def clip_layer(grads: list[torch.Tensor], params: list[torch.Tensor], c: ClipCon
     else:
         scale = torch.ones((), device=norm.device)
     clipped = (scale < 1.0) | (norm != raw_norm)
-    if c.nonfinite == "zero":
-        if views[0].is_cuda:  # no host sync: a masked fill on the device
-            for v in views:
-                v.masked_fill_(~finite, 0.0)
-        elif not bool(finite):
-            for v in views:
-                v.zero_()
     return grads, raw_norm, clipped & finite

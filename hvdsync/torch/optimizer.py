@@ -49,7 +49,7 @@ class _DistributedOptimizer(SyncAPI):
     # -- construction -----------------------------------------------------------------------
     def _hvdsync_init(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                      layers: Grouping, configs: dict[str, Any]) -> None:
+                      layers: Grouping, configs: dict[str, Any], scaler: Any) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         names = parameter_names(params, named_parameters)
         by_name = {n: p for p, n in names.items()}
@@ -69,15 +69,15 @@ class _DistributedOptimizer(SyncAPI):
         self._compression = compression
         layer_names = [layer.name for layer in self._layers]
         self.stats = SyncStats(layer_names)
-        self._grads = TorchGradients(layer_params, self)
+        self._grads = TorchGradients(layer_params, self, scaler)
         self._comm = comm = TorchCommunicator(compression, op, gradient_predivide_factor,
                                               sparse_as_dense, process_set, self.stats)
         self._techniques = build_techniques(
             configs, grads=self._grads, ops=TorchOps(), comm=comm, clip_layer=clip_layer,
             sparse_exchange=lambda c: SparseExchange(c, self._grads, comm, self.stats),
             layer_names=layer_names, stats=self.stats)
-        self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, self.stats,
-                                      comm)
+        self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, TorchOps(),
+                                      self.stats, comm)
         self._param_signatures = [checkpoint.signature(p.shape, p.dtype)
                                   for lp in layer_params for _, p in lp]
         if process_set.included():
@@ -124,6 +124,10 @@ class _DistributedOptimizer(SyncAPI):
         self._pipeline.finish_backward()
         self._reset_step_counters()
         self._synchronized = True
+        scaler = self._grads.scaler
+        if scaler is not None and scaler.is_enabled() and self._pipeline.local_nonfinite:
+            # delay=: this rank's overflow was replaced by zeros, not skipped: back off here
+            scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
 
     @contextmanager
     def skip_synchronize(self):
@@ -144,6 +148,9 @@ class _DistributedOptimizer(SyncAPI):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
+        if not self._pipeline.step_ok:  # non-finite on some rank: skipped on every rank
+            self._pipeline.step_ok = True
+            return None
         result = super().step(closure)
         if self.process_set.included():
             self._pipeline.after_optimizer_step()
@@ -230,6 +237,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          select: SelectConfig | dict | float | None = None,
                          sparse: SparseConfig | dict | bool | float | None = None,
                          delay: DelayConfig | dict | bool | int | None = None,
+                         scaler: Any = None,
                          **unknown: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across Horovod ranks.
 
@@ -266,12 +274,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         delay: update with the local gradient at once and fold in each step's global gradient
             when it arrives, averaging the parameters every K steps (docs/delay.md); call
             :meth:`flush` before evaluating or saving.
+        scaler: the ``torch.amp.GradScaler`` of mixed-precision training: the techniques then
+            see unscaled gradients, and ``synchronize()`` leaves them scaled for
+            ``scaler.unscale_(opt)`` (docs/mixed_precision.md for the recipe).
+
+    A step whose gradients hold NaN/Inf on any rank is skipped on every rank
+    (docs/failures.md): ``synchronize()`` leaves every gradient NaN, ``step()`` does nothing.
 
     Each technique takes its config object (``hvd.ClipConfig`` ...), a dict of its fields, or
     a number (its main field). Which techniques combine: :mod:`hvdsync.rules`.
     """
-    reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers",) + rules.TECHNIQUES,
+    reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers", "scaler") + rules.TECHNIQUES,
                           "DistributedOptimizer")
+    if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in
+                                      ("get_scale", "is_enabled", "update", "unscale_")):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
@@ -294,5 +311,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
                           gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                          layers, configs)
+                          layers, configs, scaler)
     return wrapped

@@ -189,7 +189,7 @@ class SparseExchange(Transport):
                                        p.new_empty((0, *p.shape[s:])), p.shape,
                                        is_coalesced=True)
 
-    def end_step(self) -> None:
+    def end_step(self, ok: bool) -> None:
         """One-round protocol: next step's routes from this step's shared counts."""
         self.predicted = {p: self._route(p).route for p, (layout, _, _) in self._layout.items()
                           if layout == "sparse"}
