@@ -227,13 +227,16 @@ class LayerClip(Transform):
         self._step.append((li, norm, clipped))
 
     def end_step(self, ok: bool) -> None:
-        if not self._step or not ok:  # a skipped step teaches the running statistics nothing
-            self._step.clear()
+        if not self._step:
             return
         host = self.ops.to_host([x for _, n, c in self._step for x in (n, c)])
-        self.observe([(li, host[2 * i], bool(host[2 * i + 1]))
-                      for i, (li, _, _) in enumerate(self._step)])
+        records = [(li, host[2 * i], bool(host[2 * i + 1]))
+                   for i, (li, _, _) in enumerate(self._step)]
         self._step.clear()
+        if ok:
+            self.observe(records)
+        else:  # a skipped step teaches the running statistics nothing
+            self.stats.count("nonfinite", sum(not math.isfinite(n) for _, n, _ in records))
 
     def observe(self, records: Sequence[tuple[int, float, bool]]) -> None:
         """Fold a step's ``(layer, pre-clip norm, clipped?)`` into the running statistics and

@@ -82,7 +82,7 @@ class Recorder:
                 self._sent_before = {}
 
             def on_train_batch_end(self, batch, logs=None):
-                opt = self.model.optimizer
+                opt = _hvdsync(self.model.optimizer)
                 self.lr.append(float(keras.ops.convert_to_numpy(opt.learning_rate)))
                 now = {n: c.sent for n, c in opt.stats.layers.items()}
                 self.sent.append([n for n in now if now[n] > self._sent_before.get(n, 0)])
@@ -102,13 +102,16 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
              vocab: int = 40, seed_by_rank: bool = False, warmup: Optional[dict] = None,
              reference: bool = False, data_rank: Optional[int] = None,
              slow_rank: Optional[int] = None, evaluate: bool = False,
-             horovod_peer: bool = False, nan_rank: Optional[int] = None) -> dict[str, Any]:
+             horovod_peer: bool = False, nan_rank: Optional[int] = None,
+             loss_scale: Optional[float] = None, mixed: bool = False) -> dict[str, Any]:
     """Train on this rank's data through ``model.fit`` with hvdsync's optimizer."""
     import keras
     import tensorflow as tf
     import hvdsync.keras as hvd
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    # mixed: a mixed_float16 model (Keras wraps the optimizer in its LossScaleOptimizer)
+    keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
     if model == "mlp":
         m = mlp(seed=hvd.rank() if seed_by_rank else 0, dtype=dtype)
         x, y = teacher_data(hvd.rank() if data_rank is None else data_rank, steps * batch)
@@ -124,7 +127,11 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
         m = horovod_tape_model(m)
         opt = make_optimizer(opt_name, lr)
     else:
-        opt = hvd.DistributedOptimizer(make_optimizer(opt_name, lr), **options)
+        base = make_optimizer(opt_name, lr)
+        if loss_scale is not None:  # wrapping a LossScaleOptimizer (never grows here)
+            base = keras.optimizers.LossScaleOptimizer(base, initial_scale=loss_scale,
+                                                       dynamic_growth_steps=10 ** 6)
+        opt = hvd.DistributedOptimizer(base, **options)
     m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
     rec = Recorder.make(record_weights and not horovod_peer)
@@ -150,11 +157,14 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
     if horovod_peer:
         return dict(final={key(v): np.array(v.numpy()) for v in m.trainable_variables})
     out = dict(weights=rec.weights, steps=rec.steps, logs=rec.logs, history=hist.history,
-               stats=opt.stats.as_dict(),
-               layers=[layer.name.split("/")[-1] for layer in opt.layers],
+               stats=_hvdsync(opt).stats.as_dict(),
+               iterations=int(m.optimizer.iterations.numpy()),
+               scale=(float(m.optimizer.dynamic_scale.numpy())
+                      if hasattr(m.optimizer, "dynamic_scale") else None),
+               layers=[layer.name.split("/")[-1] for layer in _hvdsync(opt).layers],
                final={key(v): np.array(v.numpy()) for v in m.trainable_variables},
-               rank=hvd.rank(), size=hvd.size(), selection=opt.selection,
-               delay=opt.delay_status, routes=opt.sparse_routes,
+               rank=hvd.rank(), size=hvd.size(), selection=_hvdsync(opt).selection,
+               delay=_hvdsync(opt).delay_status, routes=_hvdsync(opt).sparse_routes,
                # weights after the broadcast = the common start
                start=init, sent=rec.sent, lr=rec.lr,
                opt_vars={v.name: np.array(v.numpy()) for v in opt.variables
@@ -175,6 +185,11 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
         out["reference"] = ref
         out["max_diff"] = max(float(np.abs(out["final"][k] - ref[k]).max()) for k in ref)
     return out
+
+
+def _hvdsync(opt):
+    """The hvdsync optimizer, also inside a LossScaleOptimizer."""
+    return getattr(opt, "inner_optimizer", opt)
 
 
 def emulate(size: int, opt_name: str, lr: float, steps: int, batch: int, model: str = "mlp",

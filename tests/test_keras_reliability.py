@@ -189,3 +189,76 @@ def test_keras_one_ranks_file_reuses_no_memory(keras_jobs):
     for a, b in zip(first, ranks):  # nothing per rank: rank 0's file is every rank's
         for x, y in zip(a["plain"], b["plain"]["weights"]):
             np.testing.assert_array_equal(x, y)
+
+
+# -- mixed precision and non-finite gradients ---------------------------------------------------
+AMP = {
+    "plain": ({}, "momentum", {}),
+    "clip": (dict(clip=dict(max_norm=0.05)), "momentum", {}),
+    "threshold": (dict(threshold=dict(threshold=0.3, max_skip=3)), "momentum", {}),
+    "select": (dict(select=dict(k=1, max_wait=2)), "momentum", {}),
+    # staleness 0: what arrives when cannot change the result, so runs compare bit for bit
+    "delay": (dict(delay=dict(staleness=0)), "sgd", {}),
+    "sparse_select": (dict(sparse=True, select=dict(k=1, max_wait=2)), "sgd",
+                      dict(model="emb_mlp", vocab=500)),
+}
+
+
+def amp_rank() -> dict:
+    out = {}
+    for name, (options, opt_name, extra) in AMP.items():
+        for scale in (1.0, 2.0 ** 16):  # wrapping a LossScaleOptimizer, float32 compute
+            out[f"{name}/{scale:g}"] = fit_body(options, opt_name, 0.05, 8, 16,
+                                                loss_scale=scale, **extra)
+        if not extra:  # one rank's NaN input at the second batch (float32, no loss scaling)
+            out[f"{name}/nan"] = fit_body(options, opt_name, 0.05, 8, 16, nan_rank=1)
+    # mixed_float16: Keras wraps the optimizer itself; one rank's NaN overflows the scaler
+    for name in ("plain", "select"):
+        out[f"{name}/mixed_nan"] = fit_body(AMP[name][0], "momentum", 0.05, 8, 16, mixed=True,
+                                            nan_rank=1)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def amp_runs(request):
+    ranks = run_ranks(amp_rank, np=request.param, timeout=600,
+                      env={"HOROVOD_FUSION_THRESHOLD": "0"})
+    return {case: [r[case] for r in ranks] for case in ranks[0]}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", list(AMP))
+def test_keras_loss_scale_does_not_change_the_result(amp_runs, name):
+    for one, big in zip(amp_runs[f"{name}/1"], amp_runs[f"{name}/65536"]):
+        assert _equal(one["final"], big["final"]), name
+        assert big["scale"] == 2.0 ** 16  # no overflow, no growth
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, extra) in AMP.items() if not extra])
+def test_keras_nan_on_one_rank_is_skipped_everywhere(amp_runs, name):
+    ranks = amp_runs[f"{name}/nan"]
+    for r in ranks:
+        assert all(np.isfinite(w).all() for w in r["final"].values())
+        if name != "delay":  # skipped on every rank: one update fewer everywhere
+            assert r["iterations"] == 7 and r["stats"]["total"]["nonfinite_steps"] == 1
+    if name == "delay":  # the bad rank's own contribution became zeros
+        assert [r["stats"]["total"].get("nonfinite", 0) > 0 for r in ranks] == \
+            [rank == 1 for rank in range(len(ranks))]
+    if name in ("plain", "clip", "select"):  # global updates
+        for other in ranks[1:]:
+            assert _equal(ranks[0]["final"], other["final"])
+
+
+@pytest.mark.parametrize("name", ["plain", "select"])
+def test_mixed_float16_overflow_on_one_rank_is_skipped_everywhere(amp_runs, name):
+    """Keras wraps the hvdsync optimizer in its LossScaleOptimizer; one rank's overflow makes
+    every rank skip that step and halve its scale (no hang, no drift between ranks)."""
+    ranks = amp_runs[f"{name}/mixed_nan"]
+    for r in ranks:
+        assert r["iterations"] == 7 and r["scale"] == 2.0 ** 14
+        assert all(np.isfinite(w).all() for w in r["final"].values())
+    for other in ranks[1:]:
+        assert _equal(ranks[0]["final"], other["final"])

@@ -96,10 +96,11 @@ def test_adaptive_clip_clips_and_keeps_replicas_identical(runs):
         assert _weights_equal(ranks[0]["final"], other["final"])
 
 
-def test_nonfinite_gradient_is_zeroed_not_spread(runs):
+def test_nonfinite_gradient_skips_the_step_everywhere(runs):
     ranks = runs["clip_nonfinite"]
     for r in ranks:
         assert all(np.isfinite(w).all() for w in r["final"].values())
+        assert r["stats"]["total"]["nonfinite_steps"] == 1  # skipped on every rank
     assert ranks[1]["stats"]["total"]["nonfinite"] == 3  # each layer of the NaN step
     assert "nonfinite" not in ranks[0]["stats"]["total"]
     for other in ranks[1:]:

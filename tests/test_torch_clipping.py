@@ -177,23 +177,16 @@ def test_adaptive_rules_match_reference(np_, name):
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_nan_gradient_is_zeroed_not_spread(np_):
+def test_nan_gradient_on_one_rank_voids_the_step_everywhere(np_):
+    """Rank 1's NaN at step 1: every rank's gradients of that step are NaN after synchronize
+    (the step is skipped everywhere: docs/failures.md); the steps around it are untouched."""
     steps = 3
     results = run_ranks(clip_body, np=np_, args=(dict(max_norm=100.0), steps, {}, (1, 1, "a.weight")),
                         timeout=120)
-    expected_a = sum(known_grads(r, 1, {})["a.weight"] for r in range(np_) if r != 1) / np_
     for rank, res in enumerate(results):
-        assert all(np.isfinite(g).all() for step in res["grads"] for g in step.values())
-        np.testing.assert_allclose(res["grads"][1]["a.weight"], expected_a, rtol=1e-5, atol=1e-6)
-    assert results[1]["nonfinite"] == [0, 1, 0]
-
-
-def test_nan_gradient_propagates_when_asked():
-    results = run_ranks(clip_body, np=2, args=(dict(max_norm=100.0, nonfinite="propagate"), 2, {},
-                                               (1, 0, "a.bias")), timeout=120)
-    for res in results:  # every rank sees the NaN (as with plain Horovod); nothing hung
-        assert np.isnan(res["grads"][1]["a.bias"]).any()
-        assert np.isfinite(res["grads"][0]["a.bias"]).all()
+        assert all(np.isnan(g).all() for g in res["grads"][1].values()), rank
+        assert all(np.isfinite(g).all() for t in (0, 2) for g in res["grads"][t].values())
+    assert results[1]["nonfinite"] == [0, 1, 0]  # clip counts the layer on the rank it hit
 
 
 # -- parity, pipelining, state ------------------------------------------------------------------
@@ -277,7 +270,7 @@ def test_clip_state_saved_and_restored():
     (dict(variance=(0.9, -1.0)), ValueError, "k must be >= 0"),
     (dict(max_norm=1.0, warmup=-1), ValueError, "warmup"),
     (dict(max_norm=1.0, mode="before"), ValueError, "mode must be one of"),
-    (dict(max_norm=1.0, nonfinite="raise"), ValueError, "nonfinite must be one of"),
+    (dict(max_norm=1.0, nonfinite="zero"), TypeError, "nonfinite"),
     (dict(), ValueError, "at least one rule"),
     (dict(max_nrom=1.0), TypeError, "max_nrom"),
 ])

@@ -20,6 +20,12 @@ from hvdsync.keras.comm import gather_json
 from hvdsync.watchdog import guard
 
 
+def _hvdsync_optimizer(model):
+    """The model's optimizer, or the one a LossScaleOptimizer wraps (mixed precision)."""
+    opt = getattr(model, "optimizer", None)
+    return getattr(opt, "inner_optimizer", opt)
+
+
 def _broadcast(variables: list, root_rank: int, prefix: str, process_set) -> None:
     if process_set.size() == 1:
         return
@@ -185,7 +191,7 @@ class SyncStatsCallback(keras.callbacks.Callback):
         self._epoch_start = None
 
     def _stats(self):
-        opt = getattr(self.model, "optimizer", None)
+        opt = _hvdsync_optimizer(self.model)
         try:
             return opt.stats
         except AttributeError:
@@ -252,7 +258,7 @@ class FlushCallback(keras.callbacks.Callback):
         self._in_fit = False
 
     def _flush(self):
-        opt = getattr(self.model, "optimizer", None)
+        opt = _hvdsync_optimizer(self.model)
         if opt is not None and hasattr(opt, "flush") and opt.built:
             opt.flush()
 

@@ -137,11 +137,20 @@ def eager_step(run: Callable[[list, list], tuple[list, bool]], finish: Callable[
 
 def _apply_if(ok, apply: Callable[[list, list], None], grads: list, variables: list) -> None:
     """``apply(grads, variables)`` only where ``ok`` (a step non-finite on some rank is
-    skipped on every rank: ``ok`` is the same everywhere)."""
+    skipped on every rank: ``ok`` is the same everywhere). A skipped step does not count:
+    Keras adds one to the optimizer's ``iterations`` after every apply, so take it back
+    (as Keras' own LossScaleOptimizer leaves a skipped step uncounted)."""
+    optimizer = getattr(apply, "__self__", None)
+
     def update():
         apply(grads, variables)
         return tf.constant(True)
-    tf.cond(ok, update, lambda: tf.constant(False))
+
+    def skip():
+        if optimizer is not None and not optimizer.gradient_accumulation_steps:
+            optimizer._iterations.assign_add(-1)
+        return tf.constant(False)
+    tf.cond(ok, update, skip)
 
 
 def in_xla_context() -> bool:

@@ -12,6 +12,7 @@ collectives in the same order (layers in a fixed order, decisions from shared va
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import keras
@@ -27,6 +28,7 @@ from hvdsync.clipping import ClipConfig
 from hvdsync.config import check_bool, reject_unknown_kwargs
 from hvdsync.delay import DelayConfig
 from hvdsync.keras.graph import eager_step, graph_runs, graph_step, in_xla_context
+from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
 from hvdsync.keras.backend import KerasGradients, KerasOps, Slots
 from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.comm import KerasCommunicator
@@ -62,6 +64,9 @@ class _DistributedOptimizer(SyncAPI):
     def build(self, variables):
         super().build(variables)
         self._hvdsync_build(list(variables))
+        caller = sys._getframe(1).f_locals.get("self")  # Keras' LossScaleOptimizer.build?
+        if isinstance(caller, LossScaleOptimizer) and caller.inner_optimizer is self:
+            share_loss_scale_decision(caller, self._hv.process_set)
 
     def _hvdsync_build(self, variables: list) -> None:
         hv = self._hv
@@ -258,6 +263,16 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
     """
     reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers",) + rules.TECHNIQUES,
                           "DistributedOptimizer")
+    if isinstance(optimizer, LossScaleOptimizer):  # wrap what it wraps; it decides for all
+        inner = DistributedOptimizer(
+            optimizer.inner_optimizer, name, device_dense, device_sparse, compression,
+            sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
+            average_aggregated_gradients, num_groups, groups, process_set,
+            scale_local_gradients, layers=layers, clip=clip, threshold=threshold,
+            select=select, sparse=sparse, delay=delay)
+        return LossScaleOptimizer(inner, initial_scale=optimizer.initial_scale,
+                                  dynamic_growth_steps=optimizer.dynamic_growth_steps,
+                                  name=optimizer.name)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer (Keras 3), got "
                         f"{type(optimizer).__module__}.{type(optimizer).__name__}")

@@ -174,14 +174,19 @@ class TorchGradients:
         for p in self._withheld:
             p.grad = None
         self._withheld.clear()
+        self._inv_scale = None
+
+    def hand_over(self, ok: bool) -> None:
+        """Leave ``p.grad`` as the user's next move expects: NaN everywhere after a step
+        skipped on every rank (so every rank, and its loss scaler, sees it); else scaled
+        again by the loss scaler's current scale, for ``scaler.unscale_(optimizer)``."""
         grads = [p.grad for layer in self.layer_params for _, p in layer if p.grad is not None]
         values = [g._values() if g.is_sparse else g for g in grads]
-        if not ok:  # skipped on every rank: let every rank (and its scaler) see it
+        if not ok:
             for v in values:
                 v.fill_(float("nan"))
-        elif self._scale() is not None and values:  # scaled again for scaler.unscale_()
+        elif self._scale() is not None and values:
             torch._foreach_mul_(values, self._scale().to(values[0].device))
-        self._inv_scale = None
 
     def after_optimizer_step(self) -> None:
         pass

@@ -128,6 +128,7 @@ class _DistributedOptimizer(SyncAPI):
         if scaler is not None and scaler.is_enabled() and self._pipeline.local_nonfinite:
             # delay=: this rank's overflow was replaced by zeros, not skipped: back off here
             scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
+        self._grads.hand_over(self._pipeline.step_ok)
 
     @contextmanager
     def skip_synchronize(self):
