@@ -183,7 +183,9 @@ def test_save_and_load_round_trip(tmp_path, options):
         if technique == "select":
             assert state["select"]["policy"]["step"] == 7
         if technique == "clip":
-            assert sum(state["clip"]["policy"]["count"]) == 7 * 3
+            # adaptive clip's norm statistics are each rank's own memory: a checkpoint of
+            # 2 ranks does not hand them to a 1-rank job (docs/checkpoints.md)
+            assert sum(state["clip"]["policy"]["count"]) == 0
     # training continues from the restored state
     x, y = teacher_data(0, 32)
     model.fit(x, y, batch_size=16, verbose=0)

@@ -101,8 +101,7 @@ def test_nonfinite_gradient_skips_the_step_everywhere(runs):
     for r in ranks:
         assert all(np.isfinite(w).all() for w in r["final"].values())
         assert r["stats"]["total"]["nonfinite_steps"] == 1  # skipped on every rank
-    assert ranks[1]["stats"]["total"]["nonfinite"] == 3  # each layer of the NaN step
-    assert "nonfinite" not in ranks[0]["stats"]["total"]
+        assert r["iterations"] == 6 - 1  # the NaN step does not count as an update
     for other in ranks[1:]:
         assert _weights_equal(ranks[0]["final"], other["final"])
 

@@ -16,7 +16,6 @@ import sys
 from typing import Any, Optional
 
 import keras
-import numpy as np
 import tensorflow as tf
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
@@ -34,6 +33,7 @@ from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
 from hvdsync.keras.sparse import SparseExchange
+from hvdsync.keras.state import KerasCheckpointing
 from hvdsync.layers import Grouping, Layer, build_layers
 from hvdsync.pipeline import StepPipeline, build_techniques
 from hvdsync.select import SelectConfig
@@ -55,7 +55,7 @@ class _Hvdsync:
         self.__dict__.update(kw)
 
 
-class _DistributedOptimizer(SyncAPI):
+class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
     """Mixed in front of the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
 
     _hv: _Hvdsync
@@ -173,42 +173,6 @@ class _DistributedOptimizer(SyncAPI):
     def layers(self) -> list[Layer]:
         """The layers in send order, as :class:`hvdsync.Layer` objects (once built)."""
         return list(getattr(self._hv, "layers", []))
-
-    def technique_state(self) -> dict:
-        """hvdsync's checkpoint entry for this optimizer (docs/checkpoints.md); what
-        ``model.save()`` stores beside the optimizer's variables."""
-        hv = self._hv
-        return checkpoint.state_of(self._configured, hv.signatures, hv.process_set.rank(),
-                                   hv.process_set.size())
-
-    # -- saving -------------------------------------------------------------------------------
-    def save_own_variables(self, store) -> None:
-        super().save_own_variables(store)
-        if self.built and self._configured:
-            state = self.technique_state()
-            every_rank = getattr(self._hv, "every_rank", None)  # hvd.save_model gathered them
-            if every_rank is not None:
-                state = checkpoint.with_every_rank(self._configured, state, every_rank)
-            for key, value in checkpoint.pack_state(state).items():
-                store[key] = value
-
-    def _load_state(self, state: dict) -> None:
-        hv = self._hv
-        restored = checkpoint.load_into(self._configured, state, hv.signatures,
-                                        hv.process_set.rank(), hv.process_set.size())
-        hv.pipeline.after_load(restored)
-
-    def load_own_variables(self, store) -> None:
-        keys = list(store.keys())
-        own = {k: store[k] for k in keys if k.startswith(checkpoint.STATE_KEY)}
-        super().load_own_variables({k: store[k] for k in keys
-                                    if not k.startswith(checkpoint.STATE_KEY)})
-        if own:
-            state = checkpoint.unpack_state({k: np.asarray(v) for k, v in own.items()})
-            if self.built:
-                self._load_state(state)
-            else:
-                self._hv.pending_state = state
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,

@@ -26,7 +26,8 @@ from hvdsync.stats import SyncStats  # noqa: E402
 from hvdsync.threshold import ThresholdConfig  # noqa: E402
 from hvdsync.torch.optimizer import DistributedOptimizer  # noqa: E402,F811
 from hvdsync.torch.optimizer import _DistributedOptimizer  # noqa: E402
-from hvdsync.torch.saving import load_checkpoint, save_checkpoint  # noqa: E402
+from hvdsync.torch.saving import (broadcast_technique_state, load_checkpoint,  # noqa: E402
+                                  save_checkpoint)
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None, **kwargs):  # noqa: F811
@@ -43,4 +44,4 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, **kwargs):  # no
         return _horovod_torch.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
     with optimizer.skip_synchronize():
         _horovod_torch.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
-    optimizer._broadcast_technique_state(root_rank)
+    broadcast_technique_state(optimizer, root_rank)

@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import Any, Optional
 
-import horovod.torch as _horovod_torch
 import torch
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
@@ -195,19 +194,6 @@ class _DistributedOptimizer(SyncAPI):
                 t.forget()
         self._pipeline.after_load(restored)
 
-    def _broadcast_technique_state(self, root_rank: int) -> None:
-        """Every rank takes ``root_rank``'s technique state (see broadcast_optimizer_state)."""
-        if not self._configured or self.process_set.size() == 1:
-            return
-        mine = checkpoint.state_of(self._configured, self._param_signatures,
-                                   self.process_set.rank(), self.process_set.size())
-        shared = _horovod_torch.broadcast_object(mine, root_rank, "hvdsync.techniques",
-                                                 self.process_set)
-        if self.process_set.rank() != root_rank:
-            checkpoint.load_into(self._configured, shared, self._param_signatures,
-                                 self.process_set.rank(), self.process_set.size(), quiet=True)
-        self._pipeline.after_load(False)  # per-rank memory was not broadcast: none keeps any
-
     # -- hvdsync's API (with SyncAPI's) --------------------------------------------------------
     def _sync_pipeline(self) -> StepPipeline:
         return self._pipeline
@@ -264,17 +250,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         layers: hvdsync's grouping of parameters into layers (the unit sent together and
             decided on): ``None`` groups by module, or a callable / mapping from parameter
             name to layer name, see :data:`hvdsync.layers.Grouping`.
-        clip: per-layer gradient clipping pipelined with the sends (docs/clip.md).
-        threshold: send a layer only once its accumulated gradient is large enough
-            (docs/threshold.md).
-        select: push only the top-k layers per step, ranked by a tiny hypernetwork (or by
-            residual norm / at random); the others accumulate (docs/select.md).
-        sparse: exchange row-sparse gradients (embeddings) with one counts collective and one
-            grouped allgather of deduplicated rows, or a dense allreduce where cheaper
-            (docs/sparse.md).
-        delay: update with the local gradient at once and fold in each step's global gradient
-            when it arrives, averaging the parameters every K steps (docs/delay.md); call
-            :meth:`flush` before evaluating or saving.
+        clip, threshold, select, sparse, delay: the techniques (docs/clip.md,
+            docs/threshold.md, docs/select.md, docs/sparse.md, docs/delay.md; with ``delay=``
+            call :meth:`flush` before evaluating or saving).
         scaler: the ``torch.amp.GradScaler`` of mixed-precision training: the techniques then
             see unscaled gradients, and ``synchronize()`` leaves them scaled for
             ``scaler.unscale_(opt)`` (docs/mixed_precision.md for the recipe).

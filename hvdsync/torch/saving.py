@@ -31,6 +31,23 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
+def broadcast_technique_state(optimizer, root_rank: int) -> None:
+    """Every rank takes ``root_rank``'s shared technique state (``broadcast_optimizer_state``
+    of hvdsync.torch calls it): a checkpoint loaded on ``root_rank`` only reaches every rank.
+    Per-rank memory is not broadcast, so none keeps any."""
+    import horovod.torch as horovod_torch
+    if not optimizer._configured or optimizer.process_set.size() == 1:
+        return
+    ps = optimizer.process_set
+    mine = checkpoint.state_of(optimizer._configured, optimizer._param_signatures, ps.rank(),
+                               ps.size())
+    shared = horovod_torch.broadcast_object(mine, root_rank, "hvdsync.techniques", ps)
+    if ps.rank() != root_rank:
+        checkpoint.load_into(optimizer._configured, shared, optimizer._param_signatures,
+                             ps.rank(), ps.size(), quiet=True)
+    optimizer._pipeline.after_load(False)
+
+
 def save_checkpoint(path: str, model: torch.nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None,
                     root_rank: int = 0) -> None:

@@ -1,0 +1,48 @@
+"""hvdsync's state in Keras' own saving: ``model.save()`` stores it beside the optimizer's
+variables, ``load_model`` restores it (docs/checkpoints.md). Mixed into the wrapper."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hvdsync import checkpoint
+
+
+class KerasCheckpointing:
+    """``technique_state()`` and the ``save_own_variables``/``load_own_variables`` hooks."""
+
+    def technique_state(self) -> dict:
+        """hvdsync's checkpoint entry for this optimizer (docs/checkpoints.md); what
+        ``model.save()`` stores beside the optimizer's variables."""
+        hv = self._hv
+        return checkpoint.state_of(self._configured, hv.signatures, hv.process_set.rank(),
+                                   hv.process_set.size())
+
+    def save_own_variables(self, store) -> None:
+        super().save_own_variables(store)
+        if self.built and self._configured:
+            state = self.technique_state()
+            every_rank = getattr(self._hv, "every_rank", None)  # hvd.save_model gathered them
+            if every_rank is not None:
+                state = checkpoint.with_every_rank(self._configured, state, every_rank)
+            for key, value in checkpoint.pack_state(state).items():
+                store[key] = value
+
+    def _load_state(self, state: dict) -> None:
+        hv = self._hv
+        restored = checkpoint.load_into(self._configured, state, hv.signatures,
+                                        hv.process_set.rank(), hv.process_set.size())
+        hv.pipeline.after_load(restored)
+
+    def load_own_variables(self, store) -> None:
+        keys = list(store.keys())
+        own = {k: store[k] for k in keys if k.startswith(checkpoint.STATE_KEY)}
+        super().load_own_variables({k: store[k] for k in keys
+                                    if not k.startswith(checkpoint.STATE_KEY)})
+        if own:
+            state = checkpoint.unpack_state({k: np.asarray(v) for k, v in own.items()})
+            if self.built:
+                self._load_state(state)
+            else:
+                self._hv.pending_state = state
+
