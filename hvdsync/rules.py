@@ -101,29 +101,30 @@ def configure(*, op: str, sparse_as_dense: bool, **given: Any) -> dict[str, Any]
     return {name: configs[name] for name in TECHNIQUES if configs[name] is not None}
 
 
-def check_arguments(*, compression: Any, backward_passes_per_step: Any, op: Any,
-                    horovod_ops: dict[str, Any], gradient_predivide_factor: Any,
-                    sparse_as_dense: Any, process_set: Any, process_set_type: type,
-                    num_groups: int, groups: Any, layers: Any,
-                    techniques: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """The checks both adapters' factories make on Horovod's arguments and hvdsync's, with
-    the framework's own op objects in ``horovod_ops`` (``Average``, ``Sum``, ``Adasum``,
-    ``Min``, ``Max``, ``Product``). Returns the techniques' configs (:func:`configure`) and
-    the grouping Horovod's ``num_groups``/``groups`` ask for."""
+def check_arguments(mpi_ops: Any, *, compression: Any, backward_passes_per_step: Any,
+                    op: Any, gradient_predivide_factor: Any, sparse_as_dense: Any,
+                    process_set: Any, num_groups: int, groups: Any, layers: Any,
+                    **techniques: Any) -> tuple[dict[str, Any], Any]:
+    """The checks both adapters' factories make on Horovod's arguments and hvdsync's.
+    ``mpi_ops`` is the framework's Horovod ops module (``horovod.torch.mpi_ops`` or
+    ``horovod.tensorflow.mpi_ops``: its ``Average``, ``Sum``, ``Adasum``, ``Min``, ``Max``,
+    ``Product`` and ``ProcessSet``); ``techniques`` are the technique keywords as given.
+    Returns the techniques' configs (:func:`configure`) and the grouping Horovod's
+    ``num_groups``/``groups`` ask for."""
     if not (callable(getattr(compression, "compress", None))
             and callable(getattr(compression, "decompress", None))):
         raise TypeError("compression must provide compress() and decompress(), e.g. "
                         f"hvd.Compression.fp16; got {compression!r}")
     positive_int("backward_passes_per_step", backward_passes_per_step)
-    o = horovod_ops
-    check_reduce_op(op, average=o["Average"], sum_=o["Sum"], adasum=o["Adasum"],
-                    others=(o["Min"], o["Max"], o["Product"]),
+    o = mpi_ops
+    check_reduce_op(op, average=o.Average, sum_=o.Sum, adasum=o.Adasum,
+                    others=(o.Min, o.Max, o.Product),
                     gradient_predivide_factor=positive_float("gradient_predivide_factor",
                                                              gradient_predivide_factor))
     check_bool("sparse_as_dense", sparse_as_dense)
-    kind = "average" if op == o["Average"] else "sum" if op == o["Sum"] else "other"
+    kind = "average" if op == o.Average else "sum" if op == o.Sum else "other"
     configs = configure(op=kind, sparse_as_dense=sparse_as_dense, **techniques)
-    if not isinstance(process_set, process_set_type):
+    if not isinstance(process_set, o.ProcessSet):
         raise TypeError(f"process_set must be a horovod ProcessSet, got {process_set!r}")
     if num_groups:
         warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)

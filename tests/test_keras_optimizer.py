@@ -11,7 +11,6 @@ import pytest
 
 from hvdsync.testing import run_ranks
 from tests.keras_models import fit_body, key, mlp, teacher_data
-from tests.models import apply_each
 
 
 def _parity_cases():
@@ -127,9 +126,9 @@ def test_broadcast_callback_starts_every_rank_from_rank0(callbacks_run):
 
 def test_metric_average_callback(callbacks_run):
     hist = [r["broadcast"]["history"] for r in callbacks_run]
-    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+    for name in ("loss", "accuracy", "val_loss", "val_accuracy"):
         for other in hist[1:]:
-            assert other[key] == pytest.approx(hist[0][key], rel=1e-6), key
+            assert other[name] == pytest.approx(hist[0][name], rel=1e-6), name
     # without averaging the ranks' validation losses differ (different data)
 
 

@@ -148,6 +148,7 @@ def test_too_many_backward_passes_is_refused_like_horovod():
     m = MLP()
     opt = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters(),
                                    backward_passes_per_step=2)
+    assert opt.backward_passes_per_step == 2  # (the hooks are the optimizer's: keep it alive)
     x, y = teacher_batches(0, 1)[0]
     for _ in range(2):
         torch.nn.functional.cross_entropy(m(x), y).backward()

@@ -47,13 +47,18 @@ def _train(model, opt, batches) -> None:
         opt.step()
 
 
-def first_job(directory: str) -> dict:
-    """Train 8 steps, checkpoint every case (one file per case, written by rank 0 with every
-    rank's memory), train 8 more: the uninterrupted result."""
+def _start():
+    """One rank's start: Horovod up, one thread, its 2 * STEPS batches."""
     import hvdsync.torch as hvd
     hvd.init()
     torch.set_num_threads(1)
-    batches = teacher_batches(hvd.rank(), 2 * STEPS)
+    return hvd, teacher_batches(hvd.rank(), 2 * STEPS)
+
+
+def first_job(directory: str) -> dict:
+    """Train 8 steps, checkpoint every case (one file per case, written by rank 0 with every
+    rank's memory), train 8 more: the uninterrupted result."""
+    hvd, batches = _start()
     out = {}
     for case, options in CASES.items():
         model, opt = _make(options)
@@ -71,10 +76,7 @@ def second_job(directory: str, how: str) -> dict:
     """Fresh processes: restore each case and train the same 8 steps. ``how``: "helper"
     (hvd.load_checkpoint), "own" (each rank its own state_dict file), "rank0" (rank 0's
     state_dict on every rank: Horovod's habit)."""
-    import hvdsync.torch as hvd
-    hvd.init()
-    torch.set_num_threads(1)
-    batches = teacher_batches(hvd.rank(), 2 * STEPS)
+    hvd, batches = _start()
     out = {}
     for case, options in CASES.items():
         model, opt = _make(options)

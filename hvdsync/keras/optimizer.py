@@ -17,9 +17,9 @@ from typing import Any, Optional
 
 import keras
 import tensorflow as tf
+from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import Compression
-from horovod.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
-                                        global_process_set)
+from horovod.tensorflow.mpi_ops import Average, ProcessSet, global_process_set
 
 from hvdsync import agreement, checkpoint, rules
 from hvdsync.api import SyncAPI
@@ -252,14 +252,11 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
         raise ValueError("scale_local_gradients=False is not supported by hvdsync.keras")
     check_bool("average_aggregated_gradients", average_aggregated_gradients)
     configs, groups = rules.check_arguments(
-        compression=compression, backward_passes_per_step=backward_passes_per_step, op=op,
-        horovod_ops=dict(Average=Average, Sum=Sum, Adasum=Adasum, Min=Min, Max=Max,
-                         Product=Product),
-        gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        process_set=process_set, process_set_type=ProcessSet, num_groups=num_groups,
-        groups=groups, layers=layers,
-        techniques=dict(clip=clip, threshold=threshold, select=select, sparse=sparse,
-                        delay=delay))
+        mpi_ops, compression=compression, backward_passes_per_step=backward_passes_per_step,
+        op=op, gradient_predivide_factor=gradient_predivide_factor,
+        sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
+        groups=groups, layers=layers, clip=clip, threshold=threshold, select=select,
+        sparse=sparse, delay=delay)
     grouping = layers if layers is not None else groups_to_names(groups)
 
     base = type(optimizer)

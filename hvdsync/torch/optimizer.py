@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
+from horovod.torch import mpi_ops
 from horovod.torch.compression import Compression
-from horovod.torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
-                                   global_process_set)
+from horovod.torch.mpi_ops import Average, ProcessSet, global_process_set
 
 from hvdsync import agreement, checkpoint, rules
 from hvdsync.api import SyncAPI
@@ -274,14 +274,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already wrapped by hvdsync.torch.DistributedOptimizer")
     configs, groups = rules.check_arguments(
-        compression=compression, backward_passes_per_step=backward_passes_per_step, op=op,
-        horovod_ops=dict(Average=Average, Sum=Sum, Adasum=Adasum, Min=Min, Max=Max,
-                         Product=Product),
-        gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        process_set=process_set, process_set_type=ProcessSet, num_groups=num_groups,
-        groups=groups, layers=layers,
-        techniques=dict(clip=clip, threshold=threshold, select=select, sparse=sparse,
-                        delay=delay))
+        mpi_ops, compression=compression, backward_passes_per_step=backward_passes_per_step,
+        op=op, gradient_predivide_factor=gradient_predivide_factor,
+        sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
+        groups=groups, layers=layers, clip=clip, threshold=threshold, select=select,
+        sparse=sparse, delay=delay)
 
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
