@@ -84,7 +84,6 @@ class StepPipeline:
         self._ready = [False] * n
         self._parts: list[list[tuple[Transport, list[int]]]] = [[] for _ in range(n)]
         self._governed: list[list[int]] = [[] for _ in range(n)]
-        self._deferred: list[int] = []
         self._local_bad: list = []  # device flags per layer (kept only with a decider)
         self._sent: dict[int, list[int]] = {}  # layer -> parameters exchanged this step
         self._pending: dict[int, list[Pending]] = {}
@@ -118,13 +117,8 @@ class StepPipeline:
         for t, ks in parts:  # not decidable: goes every step (sparse rows)
             if not t.decidable and ks:
                 self._start(li, t, ks)
-        if not governed:
-            return
-        decision = self.decider.decision(li) if self.decider is not None else True
-        if decision is None:
-            self._deferred.append(li)
-        else:
-            self._dispatch(li, decision)
+        if governed:
+            self._dispatch(li, self.decider.decision(li) if self.decider is not None else True)
 
     def _split(self, li: int) -> list[tuple[Transport, list[int]]]:
         """Each parameter of the layer to the first transport that owns it."""
@@ -172,8 +166,8 @@ class StepPipeline:
     # -- synchronize() -----------------------------------------------------------------------
     def finish_backward(self) -> None:
         """Make every layer ready (parameters without a gradient get zeros, as in Horovod),
-        take the deferred decisions, send everything queued, wait for all of it, and close
-        the step up to the wrapped optimizer's update."""
+        send everything queued, start the decider's control exchange, wait for all of it, and
+        close the step up to the wrapped optimizer's update."""
         self._check_load()
         n = len(self.layer_names)
         missing = [li for li in range(n) if not self._ready[li]]
@@ -187,13 +181,10 @@ class StepPipeline:
             self._add(t.start_early())
         for li in held:
             self._fill_and_ready(li)
-        if self._deferred:
-            decisions = self.decider.decide({li: self._governed[li] for li in self._deferred},
-                                            self._local_bad)
-            for li in self._deferred:
-                self._dispatch(li, decisions[li])
         for t in self.transports:
             self._add(t.flush())
+        if self.decider is not None:  # in flight with the data, waited on in _settle
+            self.decider.share(self._local_bad)
         for li in sorted(self._pending):
             ps = self._pending[li]
             self.stats.sent(self.layer_names[li], sum(p.nbytes for p in ps),
@@ -223,7 +214,7 @@ class StepPipeline:
         flags = [self.ops.bad([self.grads.get(li, k) for k in ks])
                  for li, ks in sorted(self._sent.items())]
         data_ok = not any(self.ops.to_host(flags))
-        ok = self.decider.settle(data_ok, self._local_bad) if self.decider else data_ok
+        ok = self.decider.settle(data_ok) if self.decider else data_ok
         if not ok:
             self.note_nonfinite()
         return ok

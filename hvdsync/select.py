@@ -19,7 +19,7 @@ sends its gradient plus the residual, so nothing a rank computed is lost. Which 
 
 Agreement (the no-hang rule of docs/design.md): every rank's statistics -- the dot products
 and residual norms, ``2 * len(layers)`` floats -- are averaged in **one** control-plane
-allreduce per step, and every rank computes the scores from those averages: the hypernet,
+allreduce per step (started with the step's data, waited on after it), and every rank computes the scores from those averages: the hypernet,
 its scores and the chosen top ``k`` (ties by layer order) are the same on every rank. A layer not pushed for ``max_wait`` steps is forced
 in (forced layers come first; if more than ``k`` are forced, all of them are pushed, so the
 bound always holds).
@@ -42,7 +42,7 @@ import numpy as np
 
 from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Communicator, Decider, Gradients, TensorOps
+from hvdsync.technique import Communicator, Decider, Gradients, Pending, TensorOps
 
 SELECTORS = ("hypernet", "norm", "random")
 
@@ -270,6 +270,8 @@ class SelectedPushes(Decider):
         self._dots: list[Any] = [None] * n
         self._eligible = [True] * n
         self._journal: dict[str, Any] = {}  # residuals as they were before this step
+        self._local: list[float] = []  # this rank's statistics of the step (for the stats)
+        self._control: Optional[Pending] = None
         #: the last step's local scores, rank-averaged scores, residual norms and (hypernet)
         #: alpha per layer -- for logging and plots
         self.last: dict[str, list[float]] = {}
@@ -287,7 +289,7 @@ class SelectedPushes(Decider):
             self._dots[li] = self.ops.dot([(self.grads.get(li, k), self.grads.value(li, k))
                                            for k in ks])
 
-    def decision(self, li: int) -> Optional[bool]:
+    def decision(self, li: int) -> bool:
         return self.policy.selected[li]  # chosen at the end of the last step
 
     def on_send(self, li: int, ks: list[int]) -> None:
@@ -306,12 +308,10 @@ class SelectedPushes(Decider):
             self.residual[key] = self.ops.clone(g) if r is None else self.ops.add(r, g)
             self.grads.withhold(li, k)
 
-    def settle(self, data_ok: bool, local_bad: list) -> bool:
-        """Agree on the next step's layers (one control-plane allreduce of every rank's dot
-        products and residual norms, and whether its gradients were finite); a non-finite
-        step puts the residuals back and leaves the selector as it was."""
+    def share(self, local_bad: list) -> None:
+        """Start the control-plane allreduce of every rank's dot products and residual norms
+        (and whether its gradients were finite): the next step's layers come from it."""
         n = len(self.layer_names)
-        mask = list(self.policy.selected)
         norms = []
         for li in range(n):
             keys = [self.grads.key(li, k) for k in range(self.grads.size(li))]
@@ -321,9 +321,19 @@ class SelectedPushes(Decider):
                 if self.policy.hypernet is not None else [])
         host = self.ops.to_host(dots + norms + list(local_bad))  # one device read
         m = len(dots) + len(norms)
-        local = host[:m]
+        self._local = host[:m]
         self._dots = [None] * n
-        shared = self.comm.control(local + [float(any(host[m:]))], "hvdsync.select.stats")
+        self._control = self.comm.control_async(self._local + [float(any(host[m:]))],
+                                                "hvdsync.select.stats")
+
+    def settle(self, data_ok: bool) -> bool:
+        """Take the next step's layers from the shared statistics; a non-finite step puts
+        the residuals back and leaves the selector as it was."""
+        shared, local = self._control.wait(), self._local
+        self._control = None
+        n = len(self.layer_names)
+        m = len(local)
+        nd = n if self.policy.hypernet is not None else 0
         journal, self._journal = self._journal, {}
         if not (data_ok and shared[-1] == 0 and all(math.isfinite(x) for x in shared[:m])):
             for key, r in journal.items():  # nothing of this step is kept
@@ -332,11 +342,11 @@ class SelectedPushes(Decider):
                 else:
                     self.residual[key] = r
             return False
-        shared_dots, shared_norms = (shared[:n] if dots else [0.0] * n), shared[len(dots):m]
+        shared_dots, shared_norms = (shared[:n] if nd else [0.0] * n), shared[nd:m]
         scores = self.policy.scores(shared_dots, shared_norms)
-        self.policy.pushed(mask)
+        self.policy.pushed(list(self.policy.selected))
         self.policy.choose(scores, list(self._eligible))
-        self.stats.count("residual_norm", sum(x * x for x in local[len(dots):]) ** 0.5)
+        self.stats.count("residual_norm", sum(x * x for x in local[nd:]) ** 0.5)
         self.last = {"scores": scores, "residual_norms": shared_norms}
         if self.policy.hypernet is not None:
             self.last["dots"] = shared_dots

@@ -14,21 +14,24 @@ A *technique* is one of hvdsync's options (``clip=``, ``threshold=``, ``select=`
 (docs/design.md walks one gradient through them)::
 
     layer_ready(li, ks)        per layer, as soon as its local gradient is final
-      decision(li)             deciders: send this layer now? None = after backward
+      decision(li)             deciders: does this layer go this step? (planned last step)
+      on_send(li, ks) / on_skip(li, ks)
       start(li, ks)            transports: start sending (or queue)
     backward_done()            transports: every layer that backward makes ready is
     holds(li)                  transports: a missing layer that can be filled only later
     start_early()              transports: collectives that must run before those layers
-    decide(parts)              deciders: the layers whose decision waited for backward
-    on_send(li, ks) / on_skip(li, ks)
     flush()                    transports: send what was queued
+    share(local_bad)           deciders: start the control exchange for the next plan
     after_wait(li)             per layer, once its reduced gradient has arrived
+    settle(data_ok)            deciders: finite everywhere? commit, plan the next step
     before_optimizer_step()
-    end_step()
+    end_step(ok)
     after_optimizer_step()     after the wrapped optimizer's update
 
-``settle(data_ok, local_bad)`` (deciders) runs after the waits: a step whose gradients held
-NaN/Inf on any rank is skipped on every rank and commits nothing (docs/failures.md).
+Deciders decide **before the gradients exist**: step ``t``'s sends are planned at the end of
+step ``t - 1`` from values every rank shares, so each layer's send starts in backward the
+moment it is ready. A step whose gradients held NaN/Inf on any rank is skipped on every rank
+and commits nothing (``settle``; docs/failures.md).
 
 ``ks`` are positions of parameters inside layer ``li``: the ones this technique handles.
 Outside a step: ``flush_replicas()``, ``state_dict()``/``load_state_dict()``, ``forget()``,
@@ -158,6 +161,7 @@ class Communicator(Protocol):
     def allreduce(self, name: str, tensors: list) -> Pending: ...
     def flush(self, background: bool = False) -> None: ...
     def control(self, values: list[float], name: str) -> list[float]: ...
+    def control_async(self, values: list[float], name: str) -> Pending: ...
     def average(self, groups: list[tuple[str, list]]) -> tuple[int, int]: ...
 
 
@@ -225,28 +229,27 @@ class Transform(Technique):
 class Decider(Technique):
     role = DECIDER
 
-    def decision(self, li: int) -> Optional[bool]:
-        """Whether layer ``li`` is sent this step, if known now (``None``: decided by
-        :meth:`decide` after backward)."""
+    def decision(self, li: int) -> bool:
+        """Whether layer ``li`` is sent this step: planned at the end of the last step from
+        shared values, so the same on every rank and known before backward."""
         return True
 
-    def decide(self, parts: dict[int, list[int]]) -> dict[int, bool]:
-        """Decisions for the layers whose :meth:`decision` was ``None``; every rank calls it
-        with the same layers and must get the same answer (shared values only)."""
-        raise NotImplementedError
-
     def on_send(self, li: int, ks: list[int]) -> None:
-        """Layer ``li`` goes this step: put what it kept back into its gradient."""
+        """Layer ``li`` goes this step: put what it kept back into its gradient (nothing is
+        forgotten yet: the step may turn out non-finite)."""
 
     def on_skip(self, li: int, ks: list[int]) -> None:
-        """Layer ``li`` does not go this step: keep its gradient."""
+        """Layer ``li`` does not go this step: keep its gradient (provisionally)."""
 
-    def settle(self, data_ok: bool, local_bad: list) -> bool:
-        """After every wait: whether this step's gradients were finite on every rank.
-        ``data_ok``: what the exchanged gradients say; ``local_bad``: this rank's device flags
-        per layer (:meth:`TensorOps.bad`) -- the decider shares them for the layers it kept
-        back. Commit this step's memory if so, leave it as it was if not; same answer on
-        every rank."""
+    def share(self, local_bad: list) -> None:
+        """Every layer of the step has been sent or kept back: start the control-plane
+        exchange of what the next plan needs, with ``local_bad`` (this rank's device flags per
+        layer, :meth:`TensorOps.bad`: the layers kept back carry no data to tell)."""
+
+    def settle(self, data_ok: bool) -> bool:
+        """After every wait: whether this step's gradients were finite on every rank
+        (``data_ok``: what the exchanged gradients say). Commit this step's memory and plan
+        the next step if so, leave both as they were if not; same answer on every rank."""
         return data_ok
 
 

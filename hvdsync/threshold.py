@@ -1,16 +1,24 @@
 """``threshold=``: accumulation thresholds -- communicate a layer only when what it has
 accumulated is large enough (a decider).
 
-Each rank adds every step's gradient of a layer to a local accumulation. Once per step all
-ranks share, in **one** small control-plane allreduce, every layer's accumulation norm
-(averaged over ranks), and with ``relative=True`` its parameter norm; from those identical numbers every rank takes the
-same decision per layer:
+Each rank adds every step's gradient of a layer to a local accumulation. At the end of each
+step all ranks share, in **one** small control-plane allreduce (started with the step's data
+and waited on after it), every layer's accumulation norm (averaged over ranks), and with
+``relative=True`` its parameter norm as of its last sync; from those identical numbers every
+rank takes the same plan for the **next** step, per layer:
 
-* **send** when the averaged accumulation norm reaches the threshold (``threshold``, or
+* **send** when the averaged accumulation norm has reached the threshold (``threshold``, or
   ``threshold * ||theta_l||`` with ``relative=True``), or when the layer has been skipped
-  ``max_skip`` steps in a row, or on every ``sync_every``-th step (all layers). The layer's
-  accumulation is allreduced (averaged) and the model is updated with it;
+  ``max_skip`` steps in a row, or on every ``sync_every``-th step (all layers). The layer then
+  sends its accumulation plus that step's gradient (allreduced, averaged) and the model is
+  updated with it;
 * **skip** otherwise: nothing is sent and the layer is updated with this rank's own gradient.
+
+So a layer whose accumulation reaches the threshold at step ``t`` goes at step ``t + 1``, with
+step ``t + 1``'s gradient included: one step of lag buys a decision known before backward,
+so each planned layer's allreduce starts in backward the moment its gradient is ready, as
+Horovod's does. Nothing is lost either way: every gradient is in some send. Step 1 has
+nothing accumulated: it sends only with a threshold of 0 (or ``sync_every=1``).
 
 ``scope="global"`` takes one decision for the whole model from the norm of all layers'
 accumulations together.
@@ -34,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.config import coerce_config
-from hvdsync.technique import Communicator, Decider, Gradients, TensorOps
+from hvdsync.technique import Communicator, Decider, Gradients, Pending, TensorOps
 
 SCOPES = ("layer", "global")
 
@@ -77,8 +85,9 @@ class ThresholdConfig:
 
 
 class ThresholdPolicy:
-    """The per-step send/skip decision (identical on every rank given identical inputs) and
-    its state: consecutive skips per layer and the step counter."""
+    """The per-step send/skip plan (identical on every rank given identical inputs) and its
+    state: consecutive skips per layer (counting the step planned) and ``step``, the steps
+    planned so far (the current plan is for step ``step``)."""
 
     def __init__(self, config: ThresholdConfig, num_layers: int):
         self.config = config
@@ -87,8 +96,8 @@ class ThresholdPolicy:
 
     def decide(self, acc_norms: list[float],
                param_norms: Optional[list[float]] = None) -> list[bool]:
-        """Which layers to send this step, from rank-averaged norms (shared values only);
-        ``param_norms`` is needed only with ``relative=True``."""
+        """Which layers to send in the next step, from rank-averaged norms (shared values
+        only); ``param_norms`` is needed only with ``relative=True``."""
         c = self.config
         if c.relative and param_norms is None:
             raise ValueError("a relative threshold needs the layers' parameter norms")
@@ -124,13 +133,14 @@ class ThresholdPolicy:
 
 
 class AccumulationThreshold(Decider):
-    """Per-layer local accumulation, the shared send/skip decision, and reconciliation.
+    """Per-layer local accumulation, the shared send/skip plan, and reconciliation.
 
     ``acc[key]`` holds the gradients of a parameter summed since its layer last synced
     (present only while the layer skips: a layer sent every step costs no copy).
     ``anchor[key]`` holds the parameter and its optimizer state as they were at that sync
     (taken when the first local-only update is about to happen), restored right before the
-    layer's next sync. Keys are :meth:`Gradients.key` (a parameter's position).
+    layer's next sync. Keys are :meth:`Gradients.key` (a parameter's position). ``plan``: the
+    layers that go this step, chosen at the end of the last one.
     """
 
     name = "threshold"
@@ -146,71 +156,86 @@ class AccumulationThreshold(Decider):
         self.num_layers = num_layers
         self.acc: dict[str, Any] = {}
         self.anchor: dict[str, Any] = {}
-        self._candidate: dict[str, Any] = {}
-        self._ok = True
+        # step 1: nothing accumulated yet (only a threshold of 0 or sync_every=1 sends)
+        self.plan = self.policy.decide([0.0] * num_layers,
+                                       [1.0] * num_layers if config.relative else None)
+        self._new_step()
 
-    def decision(self, li: int) -> Optional[bool]:
-        return None  # needs every layer's accumulation: decided after backward
+    def _new_step(self) -> None:
+        self._candidate: dict[str, Any] = {}  # skipped: acc + this step's gradient
+        self._synced: list[str] = []  # sent this step: acc goes, the anchor is restored
+        self._control: Optional[Pending] = None
 
-    def decide(self, parts: dict[int, list[int]], local_bad: list) -> dict[int, bool]:
-        """Agree on what to send from every layer's accumulation norm including this step's
-        gradient (one control-plane allreduce, which also carries whether any rank's
-        gradient is non-finite: then nothing is sent and nothing is accumulated)."""
-        relative = self.policy.config.relative
-        g, ops = self.grads, self.ops
-        acc_norms, param_norms = [], []
-        self._candidate = {}  # the accumulation with this step's gradient, not yet committed
-        for li in range(self.num_layers):
-            current, values = [], []
-            for k in parts.get(li, []):
-                if g.is_row_sparse(li, k):
-                    raise ValueError("threshold= needs dense gradients: pass sparse=True (row-"
-                                     "sparse layers then take the sparse exchange every step) "
-                                     "or sparse_as_dense=True")
-                key, grad = g.key(li, k), g.get(li, k)
-                cand = ops.add(self.acc[key], grad) if key in self.acc else grad
-                self._candidate[key] = cand
-                current.append(cand)
-                if relative:  # parameters as of the last sync: identical on every rank
-                    values.append(self.anchor[key]["value"] if key in self.anchor
-                                  else g.value(li, k))
-            acc_norms.append(ops.norm(current))
-            if relative:
-                param_norms.append(ops.norm(values))
-        host = ops.to_host(acc_norms + param_norms + list(local_bad))  # one device read
-        n, m = self.num_layers, len(acc_norms) + len(param_norms)
-        shared = self.comm.control(host[:m] + [float(any(host[m:]))],
-                                   "hvdsync.control.threshold")
-        self._ok = shared[-1] == 0 and all(math.isfinite(x) for x in shared[:m])
-        if not self._ok:  # skipped everywhere: the policy does not count this step either
-            return {li: False for li in parts}
-        send = self.policy.decide(shared[:n], shared[n:m] if relative else None)
-        return {li: send[li] for li in parts}
+    def decision(self, li: int) -> bool:
+        return self.plan[li]
+
+    def layer_ready(self, li: int, ks: list[int]) -> None:
+        for k in ks:
+            if self.grads.is_row_sparse(li, k):
+                raise ValueError("threshold= needs dense gradients: pass sparse=True (row-"
+                                 "sparse layers then take the sparse exchange every step) "
+                                 "or sparse_as_dense=True")
 
     def on_send(self, li: int, ks: list[int]) -> None:
-        """The layer syncs now: its gradient becomes the accumulation, and its parameters and
-        optimizer state return to the last sync point if they moved locally since."""
+        """The layer syncs now: it sends its accumulation with this step's gradient."""
+        g = self.grads
         for k in ks:
-            key = self.grads.key(li, k)
-            self.acc.pop(key, None)
-            self.grads.set(li, k, self._candidate.pop(key))
-            anchor = self.anchor.pop(key, None)
-            if anchor is not None:
-                self.grads.restore(key, anchor)
+            key = g.key(li, k)
+            if key in self.acc:
+                g.set(li, k, self.ops.add(self.acc[key], g.get(li, k)))
+            self._synced.append(key)
 
     def on_skip(self, li: int, ks: list[int]) -> None:
-        """The layer stays local this step: keep its gradient, remember the sync point."""
-        if not self._ok:
-            return  # a non-finite step: nothing of it is kept
+        """The layer stays local this step: its gradient joins the accumulation (committed
+        in :meth:`settle` if the step is finite everywhere)."""
+        g = self.grads
         for k in ks:
-            key = self.grads.key(li, k)
-            cand = self._candidate.pop(key)
-            self.acc[key] = cand if key in self.acc else self.ops.clone(cand)
-            if key not in self.anchor:
-                self.anchor[key] = self.grads.snapshot(key)
+            key, grad = g.key(li, k), g.get(li, k)
+            self._candidate[key] = (self.ops.add(self.acc[key], grad) if key in self.acc
+                                    else self.ops.clone(grad))
 
-    def settle(self, data_ok: bool, local_bad: list) -> bool:
-        return self._ok and data_ok
+    def share(self, local_bad: list) -> None:
+        """Start the control-plane allreduce of every layer's accumulation norm after this
+        step (0 for a layer that synced; with ``relative``, the parameter norm as of the
+        layer's last sync) and of whether this rank's gradients were finite."""
+        g, ops = self.grads, self.ops
+        acc_norms, param_norms = [], []
+        for li in range(self.num_layers):
+            keys = [g.key(li, k) for k in range(g.size(li))]
+            acc_norms.append(ops.norm([self._candidate[key] for key in keys
+                                       if key in self._candidate]))
+            if self.policy.config.relative:  # identical on every rank
+                param_norms.append(ops.norm([self.anchor[key]["value"] if key in self.anchor
+                                             else g.value(li, k)
+                                             for k, key in enumerate(keys)]))
+        host = ops.to_host(acc_norms + param_norms + list(local_bad))  # one device read
+        m = len(acc_norms) + len(param_norms)
+        self._control = self.comm.control_async(host[:m] + [float(any(host[m:]))],
+                                                "hvdsync.control.threshold")
+
+    def settle(self, data_ok: bool) -> bool:
+        """If the step was finite on every rank: synced layers drop their accumulation and
+        return to their sync point (before the optimizer step applies the averaged sum),
+        skipped ones keep their new accumulation, and the next step's plan is taken from the
+        shared norms. If not: nothing of the step is kept and the plan stands."""
+        shared = self._control.wait()
+        n = self.num_layers
+        ok = data_ok and shared[-1] == 0 and all(math.isfinite(x) for x in shared[:-1])
+        if ok:
+            g = self.grads
+            for key in self._synced:
+                self.acc.pop(key, None)
+                anchor = self.anchor.pop(key, None)
+                if anchor is not None:
+                    g.restore(key, anchor)
+            for key, cand in self._candidate.items():
+                self.acc[key] = cand
+                if key not in self.anchor:  # the first local-only update is next
+                    self.anchor[key] = g.snapshot(key)
+            relative = self.policy.config.relative
+            self.plan = self.policy.decide(shared[:n], shared[n:-1] if relative else None)
+        self._new_step()
+        return ok
 
     def state_dict(self) -> dict:
         """Shared: the skip counters and step. Per rank: the unsent accumulations, the sync
@@ -218,7 +243,7 @@ class AccumulationThreshold(Decider):
         rank's local steps have taken those parameters (``local``: replicas differ there, so
         a model saved by one rank does not hold the others')."""
         g = self.grads
-        return {"policy": self.policy.state_dict(),
+        return {"policy": self.policy.state_dict(), "plan": list(self.plan),
                 "acc": {k: g.to_saved(k, v) for k, v in self.acc.items()},
                 "anchor": {k: g.to_saved(k, v) for k, v in self.anchor.items()},
                 "local": {k: g.to_saved(k, g.snapshot(k)) for k in self.anchor}}
@@ -228,6 +253,9 @@ class AccumulationThreshold(Decider):
         parameters loaded with the model and forget what they had not sent."""
         g = self.grads
         self.policy.load_state_dict(state["policy"])
+        # (a checkpoint without a plan: sync every layer next step, which is always safe)
+        self.plan = [bool(x) for x in state.get("plan", [True] * self.num_layers)]
+        self._new_step()
         self.acc = {k: g.from_saved(k, v) for k, v in state.get("acc", {}).items()}
         self.anchor = {k: g.from_saved(k, v) for k, v in state.get("anchor", {}).items()}
         for k, snap in state.get("local", {}).items():
@@ -238,6 +266,8 @@ class AccumulationThreshold(Decider):
         none they would roll layers back to values from before it)."""
         self.acc.clear()
         self.anchor.clear()
+        self._new_step()
 
     def status(self) -> dict:
-        return {"step": self.policy.step, "skipped_for": list(self.policy.skipped_for)}
+        return {"step": self.policy.step, "skipped_for": list(self.policy.skipped_for),
+                "next": list(self.plan)}

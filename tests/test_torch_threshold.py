@@ -188,12 +188,14 @@ def test_state_dict_keeps_unsent_accumulations_and_sync_points():
     assert t.acc and t.anchor
     state = opt.state_dict()
     saved = state["hvdsync"]["techniques"]["threshold"]
-    assert saved["policy"] == {"skipped_for": [3, 3, 3], "step": 3}
+    # planned through step 4 (the plan is made a step ahead): skipping, 4 in a row
+    assert saved["policy"] == {"skipped_for": [4, 4, 4], "step": 4}
+    assert saved["plan"] == [False, False, False]
     assert set(saved["acc"]) == set(saved["anchor"]) == {str(i) for i in range(6)}
     acc = {k: v.clone() for k, v in t.acc.items()}
     opt.load_state_dict(state)
     assert set(t.acc) == set(acc) and all(torch.equal(t.acc[k], v) for k, v in acc.items())
-    assert t.policy.skipped_for == [3, 3, 3]
+    assert t.policy.skipped_for == [4, 4, 4] and t.plan == [False, False, False]
     del state["hvdsync"]
     opt.load_state_dict(state)
     assert not t.acc and not t.anchor

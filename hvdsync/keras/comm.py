@@ -210,6 +210,11 @@ class KerasCommunicator:
             out = mpi_ops._allreduce(x, name=name, op=Average, process_set=self.process_set)
             return out.numpy().tolist()
 
+    def control_async(self, values: list[float], name: str) -> Pending:
+        """:meth:`control`, done now (Horovod's eager TensorFlow ops block): the whole eager
+        step runs after backward, so there is no backward left to overlap."""
+        return Pending.resolved(self.control(values, name))
+
     def average(self, groups: list[tuple[str, list[Any]]]) -> None:
         """Average each named group of variables across ranks (eager) and assign the result."""
         if self.size == 1:

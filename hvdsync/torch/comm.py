@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 from horovod.torch.mpi_ops import Average, ProcessSet
-from horovod.torch.mpi_ops import (allgather, allreduce, grouped_allreduce_async_, poll,
-                                   sparse_allreduce_async, synchronize)
+from horovod.torch.mpi_ops import (allgather, allreduce_async, grouped_allreduce_async_,
+                                   poll, sparse_allreduce_async, synchronize)
 
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Pending
@@ -108,12 +108,18 @@ class TorchCommunicator:
         """The control plane: one small allreduce (average) of per-layer statistics, so that
         decisions changing which collectives run are taken from values every rank shares.
         Counted in ``stats`` when a collective runs (not on a single rank)."""
+        return self.control_async(values, name).wait()
+
+    def control_async(self, values: list[float], name: str) -> Pending:
+        """:meth:`control` started now; the pending's ``wait()`` gives the averages (a
+        decider starts it with the step's data and waits after the data)."""
         if self.size == 1:
-            return list(values)
+            return Pending.resolved(list(values))
         t = torch.tensor(values, dtype=torch.float64)
         self.stats.control(t.numel() * t.element_size())
-        with guard(f"the control allreduce {name!r}"):
-            return allreduce(t, name=name, op=Average, process_set=self.process_set).tolist()
+        handle = allreduce_async(t, name=name, op=Average, process_set=self.process_set)
+        return Pending(lambda: synchronize(handle).tolist(), lambda: poll(handle),
+                       what=f"the control allreduce {name!r}")
 
     def average(self, groups: list[tuple[str, list[torch.Tensor]]]) -> None:
         """Average each named group of tensors across ranks, in place (all groups in flight

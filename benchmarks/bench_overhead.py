@@ -1,0 +1,148 @@
+"""Step overhead of hvdsync when nothing is skipped, against Horovod's own optimizer.
+
+    python -m benchmarks.bench_overhead                       # CNN and digits, 2 ranks
+    python -m benchmarks.bench_overhead --workloads teacher_cnn --rounds 20
+
+Each rank pins itself to one core (2 ranks on 2 cores) and builds every method on its own
+copy of the same model: plain ``horovod.torch.DistributedOptimizer``; hvdsync with nothing
+enabled; and each technique configured so that it sends everything (``clip`` with a limit
+never reached, ``threshold=0``, ``select`` with every layer, ``delay`` with staleness 0).
+Rounds interleave the methods (the order rotates every round), each method trains
+``--steps`` steps per round after one warm-up step, and a round's time per step is the
+slowest rank's. The figure per method is the ratio to Horovod's time per step *in the same
+round*, averaged over rounds, with a 95 % confidence interval (Student t over rounds): the
+machine's drift cancels in the ratio, and the interval says whether an overhead is resolved.
+Loopback links: what is measured is hvdsync's own work per step, not the network.
+Results: ``benchmarks/results/overhead_np<N>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+from benchmarks.common import markdown_table, report
+from benchmarks.workloads import WORKLOADS
+from hvdsync.testing import run_ranks
+
+METHODS: dict[str, Any] = {
+    "horovod": None,
+    "hvdsync": {},
+    "clip (never clips)": dict(clip=dict(max_norm=1e9)),
+    "threshold=0": dict(threshold=0.0),
+    "select (every layer)": dict(select=dict(k=1.0)),
+    "delay staleness=0": dict(delay=dict(staleness=0)),
+}
+
+# two-sided 95 % Student t quantiles by degrees of freedom (scipy is not a dependency)
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
+        10: 2.23, 11: 2.20, 12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 19: 2.09, 24: 2.06,
+        29: 2.05}
+
+
+def t95(df: int) -> float:
+    """The quantile for ``df`` degrees of freedom (the next smaller tabulated one: wider)."""
+    if df < 1:
+        return math.inf
+    return _T95[max(k for k in _T95 if k <= df)]
+
+
+def overhead_body(workload: str, methods: list[str], rounds: int, steps: int) -> dict:
+    """One rank: every method on its own model copy, rounds interleaved; per round and
+    method the slowest rank's seconds per step."""
+    import horovod.torch as horovod
+    import torch
+    from torch import nn
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    os.sched_setaffinity(0, {hvd.rank() % os.cpu_count()})
+    torch.set_num_threads(1)
+    w = WORKLOADS[workload]
+    torch.manual_seed(0)
+    template = w.make_model(False)
+    next_batch = w.batches(hvd.rank(), hvd.size(), 0)
+    batches = [next_batch() for _ in range(steps + 1)]
+    runs = {}
+    for name in methods:
+        model = w.make_model(False)
+        model.load_state_dict(template.state_dict())
+        base = w.make_optimizer(model, hvd.size())
+        if METHODS[name] is None:
+            opt = horovod.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        else:
+            opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                           **METHODS[name])
+        runs[name] = (model, opt)
+
+    def train(name: str, batch_list) -> None:
+        model, opt = runs[name]
+        for x, y in batch_list:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    per_round: dict[str, list[float]] = {name: [] for name in methods}
+    for r in range(rounds):
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for name in order:
+            train(name, batches[:1])  # warm-up
+            horovod.allreduce(torch.zeros(1), name=f"go.{r}.{name}")  # start together
+            t0 = time.perf_counter()
+            train(name, batches[1:])
+            local = (time.perf_counter() - t0) / steps
+            slowest = horovod.allreduce(torch.tensor([local], dtype=torch.float64),
+                                        op=horovod.Max, name=f"t.{r}.{name}").item()
+            per_round[name].append(slowest)
+    return per_round
+
+
+def summarize(per_round: dict[str, list[float]]) -> dict[str, dict]:
+    base = per_round["horovod"]
+    out = {}
+    for name, times in per_round.items():
+        ratios = [t / b for t, b in zip(times, base)]
+        mean = statistics.fmean(ratios)
+        sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
+        half = t95(len(ratios) - 1) * sd / math.sqrt(len(ratios)) if len(ratios) > 1 else 0.0
+        out[name] = dict(step_ms=1e3 * statistics.median(times), ratio=mean,
+                         ci95=[mean - half, mean + half], ratios=ratios)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", nargs="+", default=["teacher_cnn", "digits_mlp"],
+                    choices=list(WORKLOADS))
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per method per round")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    args = ap.parse_args(argv)
+    if args.rounds < 2:
+        ap.error("--rounds must be >= 2 (the interval needs a spread)")
+    methods = ["horovod"] + [m for m in args.methods if m != "horovod"]
+    rows, data = [], {}
+    for wl in args.workloads:
+        per_rank = run_ranks(overhead_body, np=args.np, args=(wl, methods, args.rounds,
+                                                             args.steps), timeout=3600)
+        summary = data[wl] = summarize(per_rank[0])  # every rank holds the same maxima
+        for name in methods:
+            s = summary[name]
+            rows.append([wl, name, f"{s['step_ms']:.1f}", f"{s['ratio']:.3f}",
+                         f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]",
+                         f"{100 * (s['ratio'] - 1):+.1f} %"])
+    table = markdown_table(["workload", "method", "ms/step (median)", "time/step vs horovod",
+                            "95 % CI", "overhead"], rows)
+    report(f"overhead_np{args.np}", f"Step overhead with nothing skipped, {args.np} ranks x 1 "
+           f"core, loopback, {args.rounds} interleaved rounds x {args.steps} steps", table,
+           dict(rounds=args.rounds, steps=args.steps, np=args.np, results=data),
+           "benchmarks.bench_overhead", argv)
+
+
+if __name__ == "__main__":
+    main()
