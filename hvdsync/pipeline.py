@@ -84,7 +84,7 @@ class StepPipeline:
         self._ready = [False] * n
         self._parts: list[list[tuple[Transport, list[int]]]] = [[] for _ in range(n)]
         self._governed: list[list[int]] = [[] for _ in range(n)]
-        self._local_bad: list = []  # device flags per layer (kept only with a decider)
+        self._kept: list = []  # this rank's gradients of the layers the decider kept back
         self._sent: dict[int, list[int]] = {}  # layer -> parameters exchanged this step
         self._pending: dict[int, list[Pending]] = {}
         self._started = [False] * n
@@ -111,8 +111,6 @@ class StepPipeline:
             t.layer_ready(li, everything)
         if self.decider is not None:
             self.decider.layer_ready(li, governed)
-            # the decider shares this (its kept-back layers carry no data to tell)
-            self._local_bad.append(self.ops.bad([self.grads.get(li, k) for k in everything]))
         self._ready[li] = True
         for t, ks in parts:  # not decidable: goes every step (sparse rows)
             if not t.decidable and ks:
@@ -132,6 +130,8 @@ class StepPipeline:
     def _dispatch(self, li: int, send: bool) -> None:
         ks = self._governed[li]
         if not send:
+            # checked for NaN/Inf by the decider's control plane (no data goes to tell)
+            self._kept.extend(self.grads.get(li, k) for k in ks)
             self.decider.on_skip(li, ks)
             self.stats.skipped(self.layer_names[li])
             return
@@ -184,7 +184,7 @@ class StepPipeline:
         for t in self.transports:
             self._add(t.flush())
         if self.decider is not None:  # in flight with the data, waited on in _settle
-            self.decider.share(self._local_bad)
+            self.decider.share(self.ops.bad(self._kept))
         for li in sorted(self._pending):
             ps = self._pending[li]
             self.stats.sent(self.layer_names[li], sum(p.nbytes for p in ps),
@@ -211,9 +211,8 @@ class StepPipeline:
         has alike: the exchanged gradients (a NaN anywhere is in every rank's sum) and, for
         layers a decider kept back, the decider's control plane. A bad step is skipped on
         every rank; warned once, counted as ``nonfinite_steps``."""
-        flags = [self.ops.bad([self.grads.get(li, k) for k in ks])
-                 for li, ks in sorted(self._sent.items())]
-        data_ok = not any(self.ops.to_host(flags))
+        sent = [self.grads.get(li, k) for li, ks in sorted(self._sent.items()) for k in ks]
+        data_ok = not self.ops.to_host([self.ops.bad(sent)])[0]  # one check, one device read
         ok = self.decider.settle(data_ok) if self.decider else data_ok
         if not ok:
             self.note_nonfinite()

@@ -308,7 +308,7 @@ class SelectedPushes(Decider):
             self.residual[key] = self.ops.clone(g) if r is None else self.ops.add(r, g)
             self.grads.withhold(li, k)
 
-    def share(self, local_bad: list) -> None:
+    def share(self, local_bad: Any) -> None:
         """Start the control-plane allreduce of every rank's dot products and residual norms
         (and whether its gradients were finite): the next step's layers come from it."""
         n = len(self.layer_names)
@@ -319,12 +319,11 @@ class SelectedPushes(Decider):
                                         if key in self.residual]))
         dots = ([d if d is not None else self.ops.zero() for d in self._dots]
                 if self.policy.hypernet is not None else [])
-        host = self.ops.to_host(dots + norms + list(local_bad))  # one device read
+        host = self.ops.to_host(dots + norms + [local_bad])  # one device read
         m = len(dots) + len(norms)
         self._local = host[:m]
         self._dots = [None] * n
-        self._control = self.comm.control_async(self._local + [float(any(host[m:]))],
-                                                "hvdsync.select.stats")
+        self._control = self.comm.control_async(host, "hvdsync.select.stats")
 
     def settle(self, data_ok: bool) -> bool:
         """Take the next step's layers from the shared statistics; a non-finite step puts

@@ -241,10 +241,11 @@ class Decider(Technique):
     def on_skip(self, li: int, ks: list[int]) -> None:
         """Layer ``li`` does not go this step: keep its gradient (provisionally)."""
 
-    def share(self, local_bad: list) -> None:
+    def share(self, local_bad: Any) -> None:
         """Every layer of the step has been sent or kept back: start the control-plane
-        exchange of what the next plan needs, with ``local_bad`` (this rank's device flags per
-        layer, :meth:`TensorOps.bad`: the layers kept back carry no data to tell)."""
+        exchange of what the next plan needs, with ``local_bad`` (a device flag,
+        :meth:`TensorOps.bad` of this rank's kept-back gradients: they carry no data to
+        tell whether they were finite)."""
 
     def settle(self, data_ok: bool) -> bool:
         """After every wait: whether this step's gradients were finite on every rank

@@ -194,7 +194,7 @@ class AccumulationThreshold(Decider):
             self._candidate[key] = (self.ops.add(self.acc[key], grad) if key in self.acc
                                     else self.ops.clone(grad))
 
-    def share(self, local_bad: list) -> None:
+    def share(self, local_bad: Any) -> None:
         """Start the control-plane allreduce of every layer's accumulation norm after this
         step (0 for a layer that synced; with ``relative``, the parameter norm as of the
         layer's last sync) and of whether this rank's gradients were finite."""
@@ -208,10 +208,8 @@ class AccumulationThreshold(Decider):
                 param_norms.append(ops.norm([self.anchor[key]["value"] if key in self.anchor
                                              else g.value(li, k)
                                              for k, key in enumerate(keys)]))
-        host = ops.to_host(acc_norms + param_norms + list(local_bad))  # one device read
-        m = len(acc_norms) + len(param_norms)
-        self._control = self.comm.control_async(host[:m] + [float(any(host[m:]))],
-                                                "hvdsync.control.threshold")
+        host = ops.to_host(acc_norms + param_norms + [local_bad])  # one device read
+        self._control = self.comm.control_async(host, "hvdsync.control.threshold")
 
     def settle(self, data_ok: bool) -> bool:
         """If the step was finite on every rank: synced layers drop their accumulation and
