@@ -3,22 +3,24 @@ accumulated is large enough (a decider).
 
 Each rank adds every step's gradient of a layer to a local accumulation. At the end of each
 step all ranks share, in **one** small control-plane allreduce (started with the step's data
-and waited on after it), every layer's accumulation norm (averaged over ranks), and with
-``relative=True`` its parameter norm as of its last sync; from those identical numbers every
-rank takes the same plan for the **next** step, per layer:
+and waited on after it), every layer's *expected* accumulation at the next step -- the norm of
+what it holds after this step plus the norm of this step's gradient (the size of one more),
+averaged over ranks -- and with ``relative=True`` its parameter norm as of its last sync; from
+those identical numbers every rank takes the same plan for the **next** step, per layer:
 
-* **send** when the averaged accumulation norm has reached the threshold (``threshold``, or
+* **send** when the expected accumulation norm reaches the threshold (``threshold``, or
   ``threshold * ||theta_l||`` with ``relative=True``), or when the layer has been skipped
   ``max_skip`` steps in a row, or on every ``sync_every``-th step (all layers). The layer then
   sends its accumulation plus that step's gradient (allreduced, averaged) and the model is
   updated with it;
 * **skip** otherwise: nothing is sent and the layer is updated with this rank's own gradient.
 
-So a layer whose accumulation reaches the threshold at step ``t`` goes at step ``t + 1``, with
-step ``t + 1``'s gradient included: one step of lag buys a decision known before backward,
-so each planned layer's allreduce starts in backward the moment its gradient is ready, as
-Horovod's does. Nothing is lost either way: every gradient is in some send. Step 1 has
-nothing accumulated: it sends only with a threshold of 0 (or ``sync_every=1``).
+Deciding a step ahead makes the plan known before backward, so each planned layer's
+allreduce starts in backward the moment its gradient is ready, as Horovod's does; the
+"one more gradient" estimate keeps the decision close to the rule it replaces (send once
+``||accumulation + this step's gradient||`` reaches the threshold, which could only be
+decided after backward). Nothing is lost either way: every gradient is in exactly one send.
+Step 1 has no estimate yet: it sends only with a threshold of 0 (or ``sync_every=1``).
 
 ``scope="global"`` takes one decision for the whole model from the norm of all layers'
 accumulations together.
@@ -164,17 +166,21 @@ class AccumulationThreshold(Decider):
     def _new_step(self) -> None:
         self._candidate: dict[str, Any] = {}  # skipped: acc + this step's gradient
         self._synced: list[str] = []  # sent this step: acc goes, the anchor is restored
+        self._grad_norm: dict[int, Any] = {}  # layer -> norm of this step's gradient
         self._control: Optional[Pending] = None
 
     def decision(self, li: int) -> bool:
         return self.plan[li]
 
     def layer_ready(self, li: int, ks: list[int]) -> None:
+        """Take the norm of the layer's gradient (a device value: no host sync in backward)."""
         for k in ks:
             if self.grads.is_row_sparse(li, k):
                 raise ValueError("threshold= needs dense gradients: pass sparse=True (row-"
                                  "sparse layers then take the sparse exchange every step) "
                                  "or sparse_as_dense=True")
+        if ks:
+            self._grad_norm[li] = self.ops.norm([self.grads.get(li, k) for k in ks])
 
     def on_send(self, li: int, ks: list[int]) -> None:
         """The layer syncs now: it sends its accumulation with this step's gradient."""
@@ -195,20 +201,22 @@ class AccumulationThreshold(Decider):
                                     else self.ops.clone(grad))
 
     def share(self, local_bad: Any) -> None:
-        """Start the control-plane allreduce of every layer's accumulation norm after this
-        step (0 for a layer that synced; with ``relative``, the parameter norm as of the
-        layer's last sync) and of whether this rank's gradients were finite."""
+        """Start the control-plane allreduce of every layer's *expected* accumulation at the
+        next step -- the norm of what it holds after this step (0 if it synced) plus the norm
+        of this step's gradient, the size of one more -- with ``relative``, the parameter norm
+        as of the layer's last sync, and whether this rank's gradients were finite."""
         g, ops = self.grads, self.ops
-        acc_norms, param_norms = [], []
+        expected, param_norms = [], []
         for li in range(self.num_layers):
             keys = [g.key(li, k) for k in range(g.size(li))]
-            acc_norms.append(ops.norm([self._candidate[key] for key in keys
-                                       if key in self._candidate]))
+            held = ops.norm([self._candidate[key] for key in keys if key in self._candidate])
+            expected.append(ops.add(held, self._grad_norm[li]) if li in self._grad_norm
+                            else held)
             if self.policy.config.relative:  # identical on every rank
                 param_norms.append(ops.norm([self.anchor[key]["value"] if key in self.anchor
                                              else g.value(li, k)
                                              for k, key in enumerate(keys)]))
-        host = ops.to_host(acc_norms + param_norms + [local_bad])  # one device read
+        host = ops.to_host(expected + param_norms + [local_bad])  # one device read
         self._control = self.comm.control_async(host, "hvdsync.control.threshold")
 
     def settle(self, data_ok: bool) -> bool:
