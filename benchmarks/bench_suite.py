@@ -7,8 +7,10 @@ emulated slow network.
 
 Peers, all trained in the same job one after the other from the same initial weights and data
 streams: plain ``horovod.torch.DistributedOptimizer``; Horovod with ``Compression.fp16``;
-PyTorch DDP (Gloo) with the PowerSGD communication hook (rank 2, after 10 plain steps; the
-ranks join a ``torch.distributed`` process group the way torchrun's env:// rendezvous does);
+PyTorch DDP (Gloo) with the PowerSGD communication hook (rank 2, after 10 plain steps), with
+the fp16 compression hook, and post-local SGD (10 synchronous steps, then local steps with the
+model averaged every 32 by ``PeriodicModelAverager``) -- the ranks join a
+``torch.distributed`` process group the way torchrun's env:// rendezvous does;
 hvdsync with nothing enabled, with each technique, and a recommended combination.
 
 Every method trains the workload's number of steps; one that took less time than plain
@@ -44,7 +46,11 @@ METHODS: dict[str, dict[str, Any]] = {
     # Horovod's fp16 compression crashes on sparse gradients (its sparse path hands
     # decompress() no context), so on embeddings it runs with a dense embedding gradient
     "horovod fp16": dict(kind="horovod", fp16=True, dense_model=True),
-    "ddp+powersgd": dict(kind="ddp", dense_model=True),
+    "ddp+powersgd": dict(kind="ddp", hook="powersgd", dense_model=True),
+    "ddp fp16": dict(kind="ddp", hook="fp16", dense_model=True),
+    # post-local SGD: synchronous for the first 10 steps, then local steps with the model
+    # averaged every 32 (PeriodicModelAverager): the closest peer of delay='s averaging
+    "ddp post-local sgd": dict(kind="ddp", hook="post_local", dense_model=True),
     "hvdsync": dict(kind="hvdsync", kwargs={}),
     "hvdsync clip": dict(kind="hvdsync", kwargs=dict(clip=dict(max_norm=5.0))),
     "hvdsync threshold": dict(kind="hvdsync", kwargs=dict(threshold=THRESHOLD),
@@ -114,12 +120,32 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         net = model
     elif spec["kind"] == "ddp":
         import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
         net = nn.parallel.DistributedDataParallel(model)
-        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                       start_powerSGD_iter=10)
-        net.register_comm_hook(state, powersgd.powerSGD_hook)
         opt = base
+        if spec["hook"] == "powersgd":
+            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                           start_powerSGD_iter=10)
+            net.register_comm_hook(state, powersgd.powerSGD_hook)
+        elif spec["hook"] == "fp16":
+            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        else:
+            from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plsgd
+            from torch.distributed.algorithms.model_averaging.averagers import \
+                PeriodicModelAverager
+            net.register_comm_hook(plsgd.PostLocalSGDState(process_group=None,
+                                                           subgroup=None,
+                                                           start_localSGD_iter=10),
+                                   plsgd.post_localSGD_hook)
+            averager = PeriodicModelAverager(period=32, warmup_steps=10)
+            base_step = base.step
+
+            def step_and_average(*args, **kw):
+                out = base_step(*args, **kw)
+                averager.average_parameters(model.parameters())
+                return out
+            opt.step = step_and_average
         assert dist.is_initialized()
     else:
         kwargs = dict(spec["kwargs"])
@@ -181,9 +207,16 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         # tensors handed to Horovod (it fuses them); a sparse one is two allgathers
         collectives = sum(2 if p.grad is not None and p.grad.is_sparse else 1
                           for p in model.parameters())
-    else:
+    elif spec["hook"] == "powersgd":
         nbytes = _powersgd_bytes(model)
         collectives = 3  # per DDP bucket (one bucket here): rank-1 tensors, P, Q
+    else:
+        dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if spec["hook"] == "fp16":
+            nbytes, collectives = dense_bytes / 2, 1
+        else:  # 10 synchronous steps, then a parameter averaging every 32 steps
+            rounds = min(steps, 10) + max(steps - 10, 0) // 32
+            nbytes, collectives = dense_bytes * rounds / steps, rounds / steps
     return dict(curve=curve, final=final, steps=steps, train_s=train_s,
                 bytes_per_step=nbytes, collectives_per_step=collectives,
                 step_s=train_s / steps)
