@@ -177,8 +177,8 @@ def test_save_and_load_round_trip(tmp_path, options):
         technique = next(iter(options))
         state = opt.technique_state()["techniques"]
         assert technique in state
-        if technique == "threshold":
-            assert state["threshold"]["policy"]["step"] == 7
+        if technique == "threshold":  # planned a step ahead: through step 8
+            assert state["threshold"]["policy"]["step"] == 8
         if technique == "select":
             assert state["select"]["policy"]["step"] == 7
         if technique == "clip":
