@@ -134,8 +134,10 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
             from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plsgd
             from torch.distributed.algorithms.model_averaging.averagers import \
                 PeriodicModelAverager
+            # one rank per machine here: the "intra-node" subgroup of local SGD is the rank
+            local_group, _ = dist.new_subgroups(group_size=1)
             net.register_comm_hook(plsgd.PostLocalSGDState(process_group=None,
-                                                           subgroup=None,
+                                                           subgroup=local_group,
                                                            start_localSGD_iter=10),
                                    plsgd.post_localSGD_hook)
             averager = PeriodicModelAverager(period=32, warmup_steps=10)
