@@ -19,9 +19,10 @@ sends its gradient plus the residual, so nothing a rank computed is lost. Which 
 
 Agreement (the no-hang rule of docs/design.md): every rank's statistics -- the dot products
 and residual norms, ``2 * len(layers)`` floats -- are averaged in **one** control-plane
-allreduce per step (started with the step's data, waited on after it), and every rank computes the scores from those averages: the hypernet,
-its scores and the chosen top ``k`` (ties by layer order) are the same on every rank. A layer not pushed for ``max_wait`` steps is forced
-in (forced layers come first; if more than ``k`` are forced, all of them are pushed, so the
+allreduce per step (started with the step's data, waited on after it), and every rank
+computes the scores from those averages: the hypernet, its scores and the chosen top ``k``
+(ties by layer order) are the same on every rank. A layer not pushed for ``max_wait`` steps
+is forced in (forced layers come first; if more than ``k`` are forced, all of them are pushed, so the
 bound always holds).
 
 Overlap: the scores for step ``t`` exist only after step ``t``'s backward, so the set pushed
