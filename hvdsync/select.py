@@ -22,8 +22,8 @@ and residual norms, ``2 * len(layers)`` floats -- are averaged in **one** contro
 allreduce per step (started with the step's data, waited on after it), and every rank
 computes the scores from those averages: the hypernet, its scores and the chosen top ``k``
 (ties by layer order) are the same on every rank. A layer not pushed for ``max_wait`` steps
-is forced in (forced layers come first; if more than ``k`` are forced, all of them are pushed, so the
-bound always holds).
+is forced in (forced layers come first; if more than ``k`` are forced, all of them are
+pushed, so the bound always holds).
 
 Overlap: the scores for step ``t`` exist only after step ``t``'s backward, so the set pushed
 at step ``t + 1`` is the one chosen at the end of step ``t`` -- known before step ``t + 1``'s
