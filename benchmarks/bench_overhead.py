@@ -12,8 +12,10 @@ Rounds interleave the methods (the order rotates every round), each method train
 slowest rank's. The figure per method is the ratio to Horovod's time per step *in the same
 round*, averaged over rounds, with a 95 % confidence interval (Student t over rounds): the
 machine's drift cancels in the ratio, and the interval says whether an overhead is resolved.
-Loopback links: what is measured is hvdsync's own work per step, not the network.
-Results: ``benchmarks/results/overhead_np<N>.{json,md}``.
+Loopback links by default: what is measured is hvdsync's own work per step, not the network;
+``--net 100`` runs the ranks on 100 Mbit/s emulated links (root), where the step is the
+exchange and what counts is how well sends overlap backward.
+Results: ``benchmarks/results/overhead_np<N>[_<rate>mbit].{json,md}``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from typing import Any
 
 from benchmarks.common import markdown_table, report
+from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
 from benchmarks.workloads import WORKLOADS
 from hvdsync.testing import run_ranks
 
@@ -122,14 +125,23 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per method per round")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--net", default="loopback",
+                    help="'loopback' or a link rate in Mbit/s for the emulated network")
     args = ap.parse_args(argv)
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (the interval needs a spread)")
     methods = ["horovod"] + [m for m in args.methods if m != "horovod"]
     rows, data = [], {}
     for wl in args.workloads:
-        per_rank = run_ranks(overhead_body, np=args.np, args=(wl, methods, args.rounds,
-                                                             args.steps), timeout=3600)
+        call = (wl, methods, args.rounds, args.steps)
+        if args.net == "loopback":
+            per_rank = run_ranks(overhead_body, np=args.np, args=call, timeout=3600)
+        else:
+            reason = namespaces_unavailable()
+            if reason:
+                ap.error(f"--net {args.net}: {reason}")
+            with EmulatedNetwork(args.np, rate_mbit=float(args.net)) as net:
+                per_rank = run_ranks_on(net, overhead_body, args.np, args=call, timeout=3600)
         summary = data[wl] = summarize(per_rank[0])  # every rank holds the same maxima
         for name in methods:
             s = summary[name]
@@ -138,8 +150,10 @@ def main(argv=None) -> None:
                          f"{100 * (s['ratio'] - 1):+.1f} %"])
     table = markdown_table(["workload", "method", "ms/step (median)", "time/step vs horovod",
                             "95 % CI", "overhead"], rows)
-    report(f"overhead_np{args.np}", f"Step overhead with nothing skipped, {args.np} ranks x 1 "
-           f"core, loopback, {args.rounds} interleaved rounds x {args.steps} steps", table,
+    link = "loopback" if args.net == "loopback" else f"{args.net} Mbit/s emulated links"
+    suffix = "" if args.net == "loopback" else f"_{args.net}mbit"
+    report(f"overhead_np{args.np}{suffix}", f"Step overhead with nothing skipped, {args.np} "
+           f"ranks x 1 core, {link}, {args.rounds} interleaved rounds x {args.steps} steps", table,
            dict(rounds=args.rounds, steps=args.steps, np=args.np, results=data),
            "benchmarks.bench_overhead", argv)
 

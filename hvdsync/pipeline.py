@@ -74,6 +74,9 @@ class StepPipeline:
         if len(deciders) > 1 or not self.transports:
             raise ValueError("a pipeline takes at most one decider and at least one transport")
         self.by_name = {t.name: t for t in techniques}
+        # [0..n-1] by n, built once and shared (read only): a layer's positions, on the hot
+        # path (sizes are known only per step in Keras, so not precomputed per layer)
+        self._ranges: dict[int, list[int]] = {}
         #: ``(layer name, time.perf_counter())`` when each layer's first send of the current
         #: (or last) step started: shows sends overlapping backward
         self.send_times: list[tuple[str, float]] = []
@@ -88,6 +91,7 @@ class StepPipeline:
         self._sent: dict[int, list[int]] = {}  # layer -> parameters exchanged this step
         self._pending: dict[int, list[Pending]] = {}
         self._started = [False] * n
+        self._any_started = False
 
     @property
     def busy(self) -> bool:
@@ -102,7 +106,7 @@ class StepPipeline:
         parts = self._parts[li] = self._split(li)
         governed = self._governed[li] = [k for t, ks in parts if t.decidable for k in ks]
         owned = dict(parts)
-        everything = list(range(self.grads.size(li)))
+        everything = self._positions(li)
         # Transports first (sparse sums duplicate rows before anything measures them), then
         # transforms (clip), then the decider (its statistics see the clipped gradient).
         for t in self.transports:
@@ -120,12 +124,21 @@ class StepPipeline:
 
     def _split(self, li: int) -> list[tuple[Transport, list[int]]]:
         """Each parameter of the layer to the first transport that owns it."""
-        owned: dict[Transport, list[int]] = {}
         last = self.transports[-1]
+        if len(self.transports) == 1:
+            return [(last, self._positions(li))]
+        owned: dict[Transport, list[int]] = {}
         for k in range(self.grads.size(li)):
             t = next((t for t in self.transports[:-1] if t.owns(li, k)), last)
             owned.setdefault(t, []).append(k)
         return list(owned.items())
+
+    def _positions(self, li: int) -> list[int]:
+        n = self.grads.size(li)
+        r = self._ranges.get(n)
+        if r is None:
+            r = self._ranges[n] = list(range(n))
+        return r
 
     def _dispatch(self, li: int, send: bool) -> None:
         ks = self._governed[li]
@@ -144,8 +157,9 @@ class StepPipeline:
     def _start(self, li: int, t: Transport, ks: list[int]) -> None:
         self._sent.setdefault(li, []).extend(ks)
         if not self._started[li]:
-            if not any(self._started):
+            if not self._any_started:
                 self.send_times = []
+                self._any_started = True
             self._started[li] = True
             self.send_times.append((self.layer_names[li], time.perf_counter()))
         pending = t.start(li, ks)
@@ -212,7 +226,7 @@ class StepPipeline:
         layers a decider kept back, the decider's control plane. A bad step is skipped on
         every rank; warned once, counted as ``nonfinite_steps``."""
         sent = [self.grads.get(li, k) for li, ks in sorted(self._sent.items()) for k in ks]
-        data_ok = not self.ops.to_host([self.ops.bad(sent)])[0]  # one check, one device read
+        data_ok = self.ops.all_finite(sent)  # one check, one device read
         ok = self.decider.settle(data_ok) if self.decider else data_ok
         if not ok:
             self.note_nonfinite()

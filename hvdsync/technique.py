@@ -70,6 +70,7 @@ class Pending:
         self._result: Any = None
         self.nbytes = nbytes
         self.collectives = collectives
+        self._guarded = True
 
     @classmethod
     def resolved(cls, result: Any = None) -> "Pending":
@@ -80,7 +81,10 @@ class Pending:
 
     def wait(self) -> Any:
         if not self._done:
-            with guard(self.what):
+            if self._guarded:
+                with guard(self.what):
+                    self._result = self._wait()
+            else:
                 self._result = self._wait()
             self._done = True
             self._wait = self._ready = None
@@ -93,8 +97,10 @@ class Pending:
 
     def then(self, fn: Callable[[Any], Any]) -> "Pending":
         """A pending that waits for this one and returns ``fn(result)``; same counts."""
-        return Pending(lambda: fn(self.wait()), self.ready, self.nbytes, self.collectives,
-                       self.what)
+        p = Pending(lambda: fn(self.wait()), self.ready, self.nbytes, self.collectives,
+                    self.what)
+        p._guarded = False  # this one's wait() is guarded already
+        return p
 
 
 # -- what an adapter provides ----------------------------------------------------------------
@@ -136,6 +142,8 @@ class TensorOps(Protocol):
         """``a + b`` as a new tensor."""
     def bad(self, tensors: Sequence[Any]) -> Any:
         """A device float scalar: 1 if any value of ``tensors`` is NaN or Inf, else 0."""
+    def all_finite(self, tensors: Sequence[Any]) -> bool:
+        """Whether every value of ``tensors`` is finite (one device read)."""
     def zero_if(self, flag: Any, tensors: Sequence[Any]) -> list:
         """``tensors``, or zeros like them where the device ``flag`` (from :meth:`bad`) is 1."""
     def accumulate(self, acc: Any, x: Any, sign: int = 1) -> Any:

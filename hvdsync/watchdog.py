@@ -10,8 +10,8 @@ prints what was waited for, and why that usually happens, and ends the process w
 code 70. The launcher (``horovodrun``) then stops the other ranks: the job ends, with a
 message, instead of hanging.
 
-The cost on the hot path is two dictionary writes per wait; the thread wakes every few
-seconds.
+The cost on the hot path is an environment lookup and two dictionary writes per wait; the
+thread wakes every few seconds.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import os
 import sys
 import threading
 import time
-from contextlib import contextmanager
-from typing import Iterator
+from typing import Optional
 
 ENV = "HVDSYNC_TIMEOUT_SECONDS"
 DEFAULT_TIMEOUT_S = 900.0
@@ -42,27 +41,36 @@ def timeout_s() -> float:
     return max(value, 0.0)
 
 
-@contextmanager
-def guard(what: str) -> Iterator[None]:
-    """Mark a blocking wait for ``what`` (a collective's name and purpose)."""
-    limit = timeout_s()
-    if limit <= 0:
-        yield
-        return
-    _start(limit)
-    key = threading.get_ident()
-    outer = _waits.get(key)
-    _waits[key] = (what, time.monotonic())
-    try:
-        yield
-    finally:
-        if outer is None:
-            _waits.pop(key, None)
+class guard:
+    """``with guard(what):`` marks a blocking wait for ``what`` (a collective's name and
+    purpose). A class rather than a generator-based context manager: it runs on every wait
+    of every step."""
+
+    __slots__ = ("what", "key", "outer")
+
+    def __init__(self, what: str):
+        self.what = what
+        self.key: Optional[int] = None
+
+    def __enter__(self) -> None:
+        if timeout_s() <= 0:
+            return
+        if not _thread:
+            _start()
+        self.key = key = threading.get_ident()
+        self.outer = _waits.get(key)
+        _waits[key] = (self.what, time.monotonic())
+
+    def __exit__(self, *exc) -> None:
+        if self.key is None:
+            return
+        if self.outer is None:
+            _waits.pop(self.key, None)
         else:
-            _waits[key] = outer
+            _waits[self.key] = self.outer
 
 
-def _start(limit: float) -> None:
+def _start() -> None:
     with _lock:
         if not _thread:
             t = threading.Thread(target=_watch, name="hvdsync-watchdog", daemon=True)

@@ -53,6 +53,10 @@ class KerasOps:
         return 1.0 - tf.cast(tf.reduce_all(tf.stack(finite)), tf.float32)
 
     @staticmethod
+    def all_finite(tensors: Sequence) -> bool:
+        return not KerasOps.to_host([KerasOps.bad(tensors)])[0]
+
+    @staticmethod
     def zero_if(flag, tensors: Sequence) -> list:
         return [tf.where(flag > 0, tf.zeros_like(t), t) for t in tensors]
 

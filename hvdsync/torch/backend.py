@@ -5,6 +5,7 @@ so a ``load_state_dict`` of the optimizer is always seen), and tensor arithmetic
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -37,6 +38,15 @@ class TorchOps:
         # overflow as they would in a 2-norm
         peaks = torch.stack(torch._foreach_norm(views, float("inf")))
         return (~torch.isfinite(peaks).all()).float()
+
+    @staticmethod
+    def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+        views = [t._values() if t.is_sparse else t for t in tensors]
+        views = [v for v in views if v.numel()]
+        if not views:
+            return True
+        # the largest magnitude over all tensors (NaN propagates through max): one read
+        return math.isfinite(torch.stack(torch._foreach_norm(views, float("inf"))).max().item())
 
     @staticmethod
     def zero_if(flag: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -180,13 +190,16 @@ class TorchGradients:
         """Leave ``p.grad`` as the user's next move expects: NaN everywhere after a step
         skipped on every rank (so every rank, and its loss scaler, sees it); else scaled
         again by the loss scaler's current scale, for ``scaler.unscale_(optimizer)``."""
+        scale = None if not ok else self._scale()
+        if ok and scale is None:
+            return  # the common case: nothing to do
         grads = [p.grad for layer in self.layer_params for _, p in layer if p.grad is not None]
         values = [g._values() if g.is_sparse else g for g in grads]
         if not ok:
             for v in values:
                 v.fill_(float("nan"))
-        elif self._scale() is not None and values:
-            torch._foreach_mul_(values, self._scale().to(values[0].device))
+        elif values:
+            torch._foreach_mul_(values, scale.to(values[0].device))
 
     def after_optimizer_step(self) -> None:
         pass

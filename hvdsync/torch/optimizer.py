@@ -10,6 +10,7 @@ Horovod), waits, and leaves the reduced gradients in ``p.grad`` for the wrapped 
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -58,7 +59,10 @@ class _DistributedOptimizer(SyncAPI):
         grouping = layers if layers is not None else groups_to_names(groups, names)
         self._layers = build_layers([names[p] for p in params if p.requires_grad], grouping)
         layer_params = [[(n, by_name[n]) for n in layer.param_names] for layer in self._layers]
-        self._layer_of = {p: li for li, lp in enumerate(layer_params) for _, p in lp}
+        # the hooked parameters and their layers, by position (the hook gets its position:
+        # no tensor hashing on the hot path)
+        self._hooked = [p for lp in layer_params for _, p in lp]
+        self._layer_at = [li for li, lp in enumerate(layer_params) for _ in lp]
 
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -93,23 +97,24 @@ class _DistributedOptimizer(SyncAPI):
         self._reset_step_counters()
         self._hook_handles = []
         if process_set.included():
-            for p in self._layer_of:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            for i, p in enumerate(self._hooked):
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_grad, i)))
 
     def _reset_step_counters(self) -> None:
-        self._passes_left = {p: self.backward_passes_per_step for p in self._layer_of}
+        self._passes_left = [self.backward_passes_per_step] * len(self._hooked)
         self._ready_in_layer = [0] * len(self._layers)
 
     # -- backward: per-parameter hook ---------------------------------------------------------
-    def _on_grad(self, p: torch.Tensor) -> None:
-        left = self._passes_left[p] - 1
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        left = self._passes_left[i] - 1
         if left < 0:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before call "
                 "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
-        self._passes_left[p] = left
+        self._passes_left[i] = left
         if left == 0:
-            li = self._layer_of[p]
+            li = self._layer_at[i]
             self._ready_in_layer[li] += 1
             if self._ready_in_layer[li] == self._grads.size(li):
                 self._pipeline.layer_ready(li)

@@ -1,0 +1,48 @@
+"""The benchmark suite's bookkeeping (no ranks): time to a per-seed target and its spread."""
+
+import pytest
+
+from benchmarks.bench_suite import rows_for, summarize
+
+
+def _run(curve, final, steps=300, step_s=0.1):
+    return dict(curve=curve, final=final, steps=steps, step_s=step_s, bytes_per_step=100.0,
+                collectives_per_step=1.0)
+
+
+def test_time_to_target_is_per_seed_and_reported_with_its_spread():
+    # seed 0: Horovod ends at 0.80 (target 0.795); seed 1 at 0.60 (target 0.595). The other
+    # method reaches seed 0's target at 5 s (Horovod: 10 s) and seed 1's at 3 s (Horovod 6 s)
+    horovod = [_run([(5, 0.5), (10, 0.80)], 0.80), _run([(3, 0.4), (6, 0.60)], 0.60)]
+    other = [_run([(5, 0.795), (10, 0.81)], 0.81), _run([(3, 0.60), (6, 0.62)], 0.62)]
+    rank = {"horovod": horovod, "other": other}
+    s = summarize([rank, rank], ["horovod", "other"], "digits_mlp")
+    assert s["targets"] == pytest.approx([0.795, 0.595])
+    m = s["methods"]["other"]
+    assert m["time_to_target_ratio"] == pytest.approx(0.5)
+    assert m["time_to_target_ratio_sd"] == pytest.approx(0.0)
+    assert m["time_to_target"] == pytest.approx(4.0)
+    # with one common target (the mean, 0.695) seed 0 would have counted Horovod at 10 s
+    # and the other method at 5 s, seed 1 never: per-seed targets are what is asked
+
+
+def test_a_seed_that_misses_its_target_leaves_the_ratio_out_and_says_so():
+    horovod = [_run([(10, 0.80)], 0.80), _run([(6, 0.60)], 0.60)]
+    other = [_run([(10, 0.70)], 0.70), _run([(3, 0.61)], 0.61)]
+    rank = {"horovod": horovod, "other": other}
+    s = summarize([rank], ["horovod", "other"], "digits_mlp")
+    assert s["methods"]["other"]["time_to_target_ratio"] is None
+    row = rows_for("cell", s, "digits_mlp")[1]
+    assert row[2] == "not reached (1/2)" and row[3] == "-"
+
+
+def test_loss_metric_is_shown_as_a_loss():
+    # scores are minus the loss: Horovod ends at loss 2.0; the other at 1.9 (better)
+    horovod = [_run([(10, -2.0)], -2.0)]
+    other = [_run([(4, -1.99), (8, -1.9)], -1.9)]
+    rank = {"horovod": horovod, "other": other}
+    s = summarize([rank], ["horovod", "other"], "stdlib_lm")
+    assert s["targets"] == pytest.approx([-2.01])
+    assert s["methods"]["other"]["time_to_target_ratio"] == pytest.approx(0.4)
+    row = rows_for("cell", s, "stdlib_lm")[1]
+    assert row[4] == "1.900 +- 0.000" and row[5] == "1.900 (300)"
