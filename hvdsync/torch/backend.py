@@ -21,6 +21,16 @@ def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors))).float())
 
 
+def _peak(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The largest magnitude over all ``tensors`` (None for no values): NaN/Inf show (NaN
+    propagates through max), large finite values do not overflow as in a 2-norm."""
+    views = [t._values() if t.is_sparse else t for t in tensors]
+    views = [v for v in views if v.numel()]
+    if not views:
+        return None
+    return torch.stack(torch._foreach_norm(views, float("inf"))).max()
+
+
 class TorchOps:
     """:class:`hvdsync.technique.TensorOps` on torch tensors (in place where allowed)."""
 
@@ -30,23 +40,13 @@ class TorchOps:
 
     @staticmethod
     def bad(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        views = [t._values() if t.is_sparse else t for t in tensors]
-        views = [v for v in views if v.numel()]
-        if not views:
-            return torch.zeros(())
-        # the largest magnitude of each tensor: NaN/Inf show, large finite values do not
-        # overflow as they would in a 2-norm
-        peaks = torch.stack(torch._foreach_norm(views, float("inf")))
-        return (~torch.isfinite(peaks).all()).float()
+        peak = _peak(tensors)
+        return torch.zeros(()) if peak is None else (~torch.isfinite(peak)).float()
 
     @staticmethod
     def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-        views = [t._values() if t.is_sparse else t for t in tensors]
-        views = [v for v in views if v.numel()]
-        if not views:
-            return True
-        # the largest magnitude over all tensors (NaN propagates through max): one read
-        return math.isfinite(torch.stack(torch._foreach_norm(views, float("inf"))).max().item())
+        peak = _peak(tensors)
+        return peak is None or math.isfinite(peak.item())  # one device read
 
     @staticmethod
     def zero_if(flag: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
