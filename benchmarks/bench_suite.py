@@ -39,7 +39,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS, markdown_table, report
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
-from benchmarks.workloads import WORKLOADS
+from benchmarks.workloads import METRIC_LABEL, WORKLOADS, as_shown
 from hvdsync.stats import human_bytes
 from hvdsync.testing import RanksFailed
 
@@ -176,9 +176,6 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
     limit = steps * EXTEND if budget_s is not None else steps
     batches = [next_batch() for _ in range(steps)]  # made before the clock runs
 
-    def accuracy() -> float:  # the workload's held-out score (higher is better)
-        return w.score(model, x_test, y_test)
-
     def stop_after(step: int) -> bool:
         """Whether training ends after this step: decided from the slowest rank's time at
         evaluation points only, so that all ranks decide alike."""
@@ -206,7 +203,7 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
             opt.flush()  # replicas identical (delay=) before the accuracy that is compared
             train_s += time.perf_counter() - t0
         if step % w.eval_every == 0 or step == steps or done:
-            curve.append((train_s, accuracy()))
+            curve.append((train_s, w.score(model, x_test, y_test)))  # higher is better
         if step == steps:
             final = curve[-1][1]
         if done:
@@ -344,23 +341,20 @@ def plot(results: dict, name: str) -> list[str]:
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
     for ax, cell in zip(axes.flat, cells):
         s = results[cell]
-        loss = s.get("metric") == "loss"
-
-        def shown(x: float) -> float:
-            return -x if loss else 100 * x
+        metric = s.get("metric", "accuracy")
         for m, v in s["methods"].items():
             t, a = zip(*v["curve"])
-            ax.plot(t, [shown(x) for x in a], marker=".", label=m,
+            ax.plot(t, [as_shown(metric, x) for x in a], marker=".", label=m,
                     linewidth=2.2 if m.startswith("hvdsync rec") else 1.2)
-        ax.axhline(shown(s["target"]), color="grey", linestyle=":", linewidth=1)
+        target = as_shown(metric, s["target"])
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
         ax.set_title(cell, fontsize=9)
         ax.set_xlabel("training time, slowest rank (s)")
-        if loss:
-            ax.set_ylabel("validation loss (nats/byte)")
-            ax.set_ylim(top=shown(s["target"]) + 1.5)
+        ax.set_ylabel(METRIC_LABEL[metric])
+        if metric == "loss":
+            ax.set_ylim(top=target + 1.5)
         else:
-            ax.set_ylabel("held-out accuracy %")
-            ax.set_ylim(bottom=max(0, shown(s["target"]) - 40))
+            ax.set_ylim(bottom=max(0, target - 40))
     for ax in list(axes.flat)[len(cells):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7, loc="lower right")

@@ -25,6 +25,18 @@ import torch
 from torch import nn
 
 
+#: each held-out metric's axis label
+METRIC_LABEL = {"accuracy": "held-out accuracy %", "loss": "validation loss (nats/byte)"}
+
+
+def as_shown(metric: str, score: float, spread: bool = False) -> float:
+    """A score (higher is better) as the metric reads: accuracy in %, or the loss; a spread
+    of scores as a spread of that."""
+    if metric == "loss":
+        return score if spread else -score
+    return 100 * score
+
+
 @dataclass
 class Workload:
     name: str
@@ -48,10 +60,6 @@ class Workload:
             return (out.argmax(1) == y).float().mean().item()
 
     @property
-    def metric_label(self) -> str:
-        return "validation loss (nats/byte)" if self.metric == "loss" else "accuracy %"
-
-    @property
     def tolerance(self) -> float:
         """How far below the baseline's score still counts as reaching it: about one
         standard error of the held-out metric (0.5 point of accuracy; 0.01 nats)."""
@@ -59,9 +67,7 @@ class Workload:
 
     def show(self, score: float, spread: bool = False) -> str:
         """A score (or a spread of scores) as the metric reads: accuracy in %, loss."""
-        if self.metric == "loss":
-            return f"{(score if spread else -score):.3f}"
-        return f"{100 * score:.2f}"
+        return f"{as_shown(self.metric, score, spread):.{3 if self.metric == 'loss' else 2}f}"
 
 
 # -- digits MLP -------------------------------------------------------------------------------
