@@ -44,6 +44,7 @@ from hvdsync.stats import human_bytes
 from hvdsync.testing import RanksFailed
 
 THRESHOLD = dict(threshold=0.05, relative=True, max_skip=8)
+LOWRANK = dict(rank=2, warmup_steps=10)
 METHODS: dict[str, dict[str, Any]] = {
     "horovod": dict(kind="horovod"),
     # Horovod's fp16 compression crashes on sparse gradients (its sparse path hands
@@ -66,6 +67,13 @@ METHODS: dict[str, dict[str, Any]] = {
     "hvdsync delay": dict(kind="hvdsync", kwargs=dict(delay=dict(staleness=4, average_every=32)),
                           dense_model=True),
     "hvdsync sparse": dict(kind="hvdsync", kwargs=dict(sparse=True), sparse_only=True),
+    # rank and warm-up of the DDP+PowerSGD peer
+    "hvdsync lowrank": dict(kind="hvdsync", kwargs=dict(lowrank=LOWRANK), dense_model=True),
+    "hvdsync lowrank + fp16": dict(kind="hvdsync", fp16=True, kwargs=dict(lowrank=LOWRANK),
+                                   dense_model=True),
+    "hvdsync lowrank + threshold + fp16": dict(kind="hvdsync", fp16=True,
+                                               kwargs=dict(lowrank=LOWRANK, threshold=THRESHOLD),
+                                               dense_model=True),
     "hvdsync recommended": dict(kind="hvdsync", fp16=True,
                                 kwargs=dict(delay=dict(staleness=4, average_every=32)),
                                 sparse_kwargs=dict(sparse=True)),

@@ -11,6 +11,7 @@ TensorFlow::
 from hvdsync.clipping import ClipConfig
 from hvdsync.delay import DelayConfig
 from hvdsync.layers import Layer, build_layers
+from hvdsync.lowrank import LowRankConfig
 from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
@@ -18,5 +19,5 @@ from hvdsync.threshold import ThresholdConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["ClipConfig", "DelayConfig", "Layer", "SelectConfig", "SparseConfig", "SyncStats",
-           "ThresholdConfig", "build_layers", "__version__"]
+__all__ = ["ClipConfig", "DelayConfig", "Layer", "LowRankConfig", "SelectConfig", "SparseConfig",
+           "SyncStats", "ThresholdConfig", "build_layers", "__version__"]

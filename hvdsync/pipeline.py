@@ -22,6 +22,7 @@ from hvdsync import checkpoint, rules
 from hvdsync.agreement import RanksDisagree
 from hvdsync.clipping import ClipLayer, LayerClip
 from hvdsync.delay import DelayedGradients
+from hvdsync.lowrank import LowRankCompression
 from hvdsync.plain import PlainAllreduce
 from hvdsync.select import SelectedPushes
 from hvdsync.stats import SyncStats
@@ -42,6 +43,7 @@ def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOp
         "threshold": lambda c: AccumulationThreshold(c, grads, ops, comm, len(layer_names)),
         "select": lambda c: SelectedPushes(c, grads, ops, comm, layer_names, stats),
         "sparse": sparse_exchange,
+        "lowrank": lambda c: LowRankCompression(c, grads, ops, comm, layer_names, stats),
         "delay": lambda c: DelayedGradients(c, grads, ops, comm, layer_names, stats),
         "plain": lambda _: PlainAllreduce(grads, comm, layer_names),
     }

@@ -2,8 +2,8 @@
 both adapters (their ``DistributedOptimizer`` factories call :func:`configure`).
 
 Roles (see :mod:`hvdsync.technique`): ``clip`` transforms a layer's gradient; ``threshold``
-and ``select`` decide which layers go; ``sparse`` and ``delay`` are transports (how a layer
-goes; without ``delay`` dense layers take the plain grouped allreduce). The keyword order
+and ``select`` decide which layers go; ``sparse``, ``lowrank`` and ``delay`` are transports
+(how a layer goes; without ``delay`` dense layers take the plain grouped allreduce). The keyword order
 below is the role order, used everywhere (signatures, docs, the pipeline). docs/design.md
 shows the exclusions as a table.
 """
@@ -17,14 +17,15 @@ from typing import Any, Optional
 from hvdsync.clipping import ClipConfig
 from hvdsync.config import check_bool, check_reduce_op, positive_float, positive_int
 from hvdsync.delay import DelayConfig
+from hvdsync.lowrank import LowRankConfig
 from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
 from hvdsync.threshold import ThresholdConfig
 
 #: every technique keyword, in role order
-TECHNIQUES = ("clip", "threshold", "select", "sparse", "delay")
+TECHNIQUES = ("clip", "threshold", "select", "sparse", "lowrank", "delay")
 CONFIGS = {"clip": ClipConfig, "threshold": ThresholdConfig, "select": SelectConfig,
-           "sparse": SparseConfig, "delay": DelayConfig}
+           "sparse": SparseConfig, "lowrank": LowRankConfig, "delay": DelayConfig}
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ EXCLUSIONS = (
               "delay= folds dense global gradients into later steps and averages the "
               "parameters every K steps; row-sparse gradients have no such fold yet; pass "
               "one of them"),
+    Exclusion("delay", "lowrank",
+              "delay= sends each step's global gradient in the background and folds it in "
+              "later; its exchange has no compressed form yet (lowrank= needs two rounds per "
+              "layer, P then Q); pass one of them"),
     Exclusion("delay", "clip mode 'global'",
               "delay= folds the global gradient in later, so clipping the averaged gradient "
               "before the step does not apply; use clip mode 'local'"),
@@ -61,6 +66,7 @@ OPS = {
     "sparse": ("average", "sum"),
     "threshold": ("average", "sum"),
     "select": ("average", "sum"),
+    "lowrank": ("average", "sum"),
 }
 _OP_WHY = {
     "delay": "delay= mixes local gradients with averaged global ones, so it needs op=Average",
@@ -69,6 +75,8 @@ _OP_WHY = {
                  "op=Average or op=Sum only",
     "select": "select= sends gradients plus what accumulated while a layer waited, so it "
               "supports op=Average or op=Sum only",
+    "lowrank": "lowrank= reduces the factors of a product (P, then Q), so it supports "
+               "op=Average or op=Sum only",
 }
 
 

@@ -159,6 +159,19 @@ class TensorOps(Protocol):
         """Device scalars as floats, in one read."""
     def nbytes(self, t: Any) -> int: ...
     def dtype_key(self, t: Any) -> str: ...
+    # low-rank factors (lowrank=): the adapter says how a tensor is viewed as a matrix
+    def matrix_shape(self, t: Any) -> Optional[tuple[int, int]]:
+        """``(rows, cols)`` of ``t`` as a matrix; ``None`` for vectors and scalars."""
+    def matrix(self, t: Any) -> Any: ...
+    def from_matrix(self, m: Any, like: Any) -> Any:
+        """``m`` (from :meth:`matrix`) in the shape of ``like``."""
+    def matmul(self, a: Any, b: Any, transpose_a: bool = False,
+               transpose_b: bool = False) -> Any: ...
+    def orthonormal(self, p: Any) -> Any:
+        """An orthonormal basis of ``p``'s columns (QR's Q, same shape); deterministic."""
+    def random_matrix(self, rows: int, cols: int, seed: int, like: Any) -> Any:
+        """Standard normal, the same for the same ``seed`` on every rank; ``like``'s dtype
+        and device."""
 
 
 class Communicator(Protocol):

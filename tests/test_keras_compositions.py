@@ -36,6 +36,14 @@ CASES = {
                                         threshold=0.0), "sgd", 0.1, 8, 16, dict(F64, **REF)),
     "threshold_zero_passes": (dict(threshold=0.0, backward_passes_per_step=2), "sgd", 0.05, 8,
                               16, dict(F64, **REF)),
+    # rank >= min(n, m) for every kernel: the factors span everything (the plain average)
+    "lowrank_full": (dict(lowrank=dict(rank=16, warmup_steps=0, min_compression=0)), "sgd",
+                     0.1, 8, 16, dict(F64, **REF)),
+    "lowrank_clip_fp16": (dict(lowrank=dict(rank=2, warmup_steps=2), clip=dict(max_norm=0.05),
+                               fp16=True), "momentum", 0.05, 12, 16, {}),
+    "lowrank_threshold": (dict(lowrank=dict(rank=2, warmup_steps=2),
+                               threshold=dict(threshold=0.3, max_skip=3)), "sgd", 0.5, 12, 16,
+                          {}),
 }
 
 
@@ -100,7 +108,8 @@ def test_sparse_with_select(runs):
 
 
 @pytest.mark.parametrize("case", ["sparse_threshold_zero", "sparse_select_all",
-                                  "clip_global_threshold_zero", "threshold_zero_passes"])
+                                  "clip_global_threshold_zero", "threshold_zero_passes",
+                                  "lowrank_full"])
 def test_sends_everything_equals_averaged_training(runs, case):
     """Each composition with nothing skipped equals plain averaged-gradient training (global
     clipping and gradient accumulation included) computed in one process."""
@@ -128,3 +137,37 @@ def test_delay_with_clip_and_fp16(runs):
     for a, b in zip(r["clip_fp16"], r["delay_sync_clip_fp16"]):  # staleness 0: synchronous
         for k, v in a["final"].items():
             np.testing.assert_allclose(b["final"][k], v, rtol=0, atol=tol, err_msg=k)
+
+
+def test_lowrank_with_clip_and_fp16(runs):
+    """Low-rank factors in fp16 after per-layer clipping: after warm-up the compressible
+    kernels (fc1 12x16, fc2 16x16 at rank 2) send their factors, everything else goes whole;
+    every update is global, so the replicas are identical after every step."""
+    _, r = runs
+    ranks = r["lowrank_clip_fp16"]
+    for t in range(12):
+        for other in ranks[1:]:
+            assert _weights_equal(ranks[0]["weights"][t], other["weights"][t]), t
+    c = ranks[0]["stats"]["total"]
+    assert c["clipped"] > 0
+    dense = c["bytes_dense"] // 12  # float32 bytes of one step
+    factors = 2 * ((12 + 16) + (16 + 16)) * 4  # P and Q of fc1 and fc2, float32
+    per_step = dense - (12 * 16 + 16 * 16) * 4 + factors
+    assert c["bytes_sent"] == (2 * dense + 10 * per_step) // 2  # fp16 on the wire
+
+
+def test_lowrank_with_threshold(runs):
+    _, r = runs
+    ranks = r["lowrank_threshold"]
+    for other in ranks[1:]:
+        assert other["sent"] == ranks[0]["sent"], "ranks decided differently"
+    c = ranks[0]["stats"]["total"]
+    assert c["layers_skipped"] > 0 and c["layers_sent"] > 0
+    for t, s in enumerate(ranks[0]["sent"]):
+        for layer in [_layer(n) for n in s]:  # a layer that synced is identical everywhere
+            for k, v in ranks[0]["weights"][t].items():
+                if k.startswith(layer + "/"):
+                    for other in ranks[1:]:
+                        np.testing.assert_array_equal(v, other["weights"][t][k])
+    final = [h["loss"][-1] for h in (rank["history"] for rank in ranks)]
+    assert all(np.isfinite(final))

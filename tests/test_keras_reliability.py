@@ -98,6 +98,7 @@ RESUME = {
     "clip": dict(clip=dict(ema=(0.9, 1.0), warmup=2)),
     "threshold": dict(threshold=dict(threshold=0.3, max_skip=4)),
     "select": dict(select=dict(k=1, max_wait=3)),
+    "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
 }
 
 
@@ -197,6 +198,7 @@ AMP = {
     "clip": (dict(clip=dict(max_norm=0.05)), "momentum", {}),
     "threshold": (dict(threshold=dict(threshold=0.3, max_skip=3)), "momentum", {}),
     "select": (dict(select=dict(k=1, max_wait=2)), "momentum", {}),
+    "lowrank": (dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)), "momentum", {}),
     # staleness 0: what arrives when cannot change the result, so runs compare bit for bit
     "delay": (dict(delay=dict(staleness=0)), "sgd", {}),
     "sparse_select": (dict(sparse=True, select=dict(k=1, max_wait=2)), "sgd",
@@ -247,7 +249,7 @@ def test_keras_nan_on_one_rank_is_skipped_everywhere(amp_runs, name):
     if name == "delay":  # the bad rank's own contribution became zeros
         assert [r["stats"]["total"].get("nonfinite", 0) > 0 for r in ranks] == \
             [rank == 1 for rank in range(len(ranks))]
-    if name in ("plain", "clip", "select"):  # global updates
+    if name in ("plain", "clip", "select", "lowrank"):  # global updates
         for other in ranks[1:]:
             assert _equal(ranks[0]["final"], other["final"])
 

@@ -150,6 +150,7 @@ TECHNIQUES = {
     "threshold": dict(threshold=dict(threshold=0.6, max_skip=3)),
     "select": dict(select=dict(k=1, max_wait=2)),
     "sparse_threshold": dict(sparse=True, threshold=dict(threshold=0.8, max_skip=3)),
+    "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
     # staleness 0: what arrives when cannot change the result, so runs compare bit for bit
     "delay": dict(delay=dict(staleness=0)),
 }

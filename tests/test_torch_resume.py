@@ -22,12 +22,13 @@ CASES = {
     "clip": dict(clip=dict(ema=(0.9, 1.0), warmup=2)),
     "threshold": dict(threshold=dict(threshold=0.6, max_skip=4)),
     "select": dict(select=dict(k=1, max_wait=3)),
+    "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
     "delay": dict(delay=dict(staleness=1, average_every=4)),
 }
 #: deterministic: a resumed run equals the uninterrupted one bit for bit. delay= folds in what
 #: has *arrived*, which depends on timing, so its runs differ between any two executions;
 #: what a restore must keep for it is the schedule (tested below).
-EXACT = ["plain", "clip", "threshold", "select"]
+EXACT = ["plain", "clip", "threshold", "select", "lowrank"]
 
 
 def _make(options: dict):
@@ -129,12 +130,12 @@ def test_delay_keeps_its_schedule(jobs, how):
 
 def test_one_ranks_state_on_every_rank_reuses_no_memory(jobs):
     """Rank 0's state_dict loaded everywhere: per-rank memory (threshold's accumulations and
-    sync points, select's residuals) is dropped on every rank alike -- so replicas stay
+    sync points, select's residuals, lowrank's error feedback) is dropped on every rank alike -- so replicas stay
     consistent -- while the shared state (counters, hypernet) is restored."""
     _, uninterrupted, resumed = jobs
-    for case in ("threshold", "select"):
+    for case in ("threshold", "select", "lowrank"):
         ranks = [r[case] for r in resumed["rank0"]]
-        if case == "select":  # global updates: identical replicas
+        if case != "threshold":  # global updates: identical replicas
             for other in ranks[1:]:
                 for a, b in zip(ranks[0]["params"], other["params"]):
                     np.testing.assert_array_equal(a, b)

@@ -28,6 +28,7 @@ from hvdsync.keras import callbacks  # noqa: E402
 from hvdsync.keras.callbacks import broadcast_variables  # noqa: E402,F811
 from hvdsync.keras.optimizer import DistributedOptimizer  # noqa: E402,F811
 from hvdsync.keras.saving import load_model, save_model  # noqa: E402
+from hvdsync.lowrank import LowRankConfig  # noqa: E402
 from hvdsync.select import SelectConfig  # noqa: E402
 from hvdsync.sparse import SparseConfig  # noqa: E402
 from hvdsync.stats import SyncStats  # noqa: E402

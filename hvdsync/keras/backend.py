@@ -96,6 +96,37 @@ class KerasOps:
     def dtype_key(x) -> str:
         return tf.as_dtype(x.dtype).name
 
+    # -- low-rank factors (lowrank=): a kernel as a matrix of its output units (the last
+    # dimension, Keras' layout) by the rest
+    @staticmethod
+    def matrix_shape(x) -> Optional[tuple[int, int]]:
+        shape = [int(d) for d in x.shape]
+        if len(shape) < 2 or not all(shape):
+            return None
+        return int(np.prod(shape[:-1])), shape[-1]
+
+    @staticmethod
+    def matrix(x):
+        return tf.reshape(tf.convert_to_tensor(x), [-1, int(x.shape[-1])])
+
+    @staticmethod
+    def from_matrix(m, like):
+        return tf.reshape(m, like.shape)
+
+    @staticmethod
+    def matmul(a, b, transpose_a: bool = False, transpose_b: bool = False):
+        return tf.linalg.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+    @staticmethod
+    def orthonormal(p):
+        if p.dtype in (tf.float16, tf.bfloat16):  # no half-precision QR
+            return tf.cast(tf.linalg.qr(tf.cast(p, tf.float32)).q, p.dtype)
+        return tf.linalg.qr(p).q
+
+    @staticmethod
+    def random_matrix(rows: int, cols: int, seed: int, like):
+        return tf.random.stateless_normal([rows, cols], seed=[seed, 0], dtype=like.dtype)
+
 
 class Slots:
     """The wrapped optimizer's variables that belong to each model variable (momentum, Adam

@@ -35,6 +35,7 @@ from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
 from hvdsync.keras.sparse import SparseExchange
 from hvdsync.keras.state import KerasCheckpointing
 from hvdsync.layers import Grouping, Layer, build_layers
+from hvdsync.lowrank import LowRankConfig
 from hvdsync.pipeline import StepPipeline, build_techniques
 from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
@@ -195,6 +196,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
                          threshold: ThresholdConfig | dict | float | None = None,
                          select: SelectConfig | dict | float | None = None,
                          sparse: SparseConfig | dict | bool | float | None = None,
+                         lowrank: LowRankConfig | dict | int | None = None,
                          delay: DelayConfig | dict | bool | int | None = None,
                          **unknown: Any) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so its updates use gradients reduced across Horovod ranks.
@@ -221,7 +223,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
         process_set: reduce over this Horovod process set only.
         layers: hvdsync's grouping of variables into layers: ``None`` groups by Keras layer, or
             a callable / mapping from variable path to layer name.
-        clip, threshold, select, sparse, delay: the techniques, as in
+        clip, threshold, select, sparse, lowrank, delay: the techniques, as in
             :func:`hvdsync.torch.DistributedOptimizer` (config objects, dicts of their fields,
             or a number); see docs/ and, for which combine, :mod:`hvdsync.rules`.
     """
@@ -233,7 +235,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
             sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
             average_aggregated_gradients, num_groups, groups, process_set,
             scale_local_gradients, layers=layers, clip=clip, threshold=threshold,
-            select=select, sparse=sparse, delay=delay)
+            select=select, sparse=sparse, lowrank=lowrank, delay=delay)
         return LossScaleOptimizer(inner, initial_scale=optimizer.initial_scale,
                                   dynamic_growth_steps=optimizer.dynamic_growth_steps,
                                   name=optimizer.name)
@@ -256,7 +258,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
         groups=groups, layers=layers, clip=clip, threshold=threshold, select=select,
-        sparse=sparse, delay=delay)
+        sparse=sparse, lowrank=lowrank, delay=delay)
     grouping = layers if layers is not None else groups_to_names(groups)
 
     base = type(optimizer)

@@ -20,6 +20,7 @@ globals().update({k: v for k, v in vars(_horovod_torch).items() if not k.startsw
 from hvdsync.agreement import RanksDisagree  # noqa: E402
 from hvdsync.clipping import ClipConfig  # noqa: E402
 from hvdsync.delay import DelayConfig  # noqa: E402
+from hvdsync.lowrank import LowRankConfig  # noqa: E402
 from hvdsync.select import SelectConfig  # noqa: E402
 from hvdsync.sparse import SparseConfig  # noqa: E402
 from hvdsync.stats import SyncStats  # noqa: E402

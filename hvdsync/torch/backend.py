@@ -87,6 +87,35 @@ class TorchOps:
     def nbytes(t: torch.Tensor) -> int:
         return payload_bytes(t)
 
+    # -- low-rank factors (lowrank=): a tensor as a matrix of its first dimension by the rest
+    @staticmethod
+    def matrix_shape(t: torch.Tensor) -> Optional[tuple[int, int]]:
+        return (t.shape[0], t.numel() // t.shape[0]) if t.dim() >= 2 and t.numel() else None
+
+    @staticmethod
+    def matrix(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0], -1)
+
+    @staticmethod
+    def from_matrix(m: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return m.reshape(like.shape)
+
+    @staticmethod
+    def matmul(a: torch.Tensor, b: torch.Tensor, transpose_a: bool = False,
+               transpose_b: bool = False) -> torch.Tensor:
+        return (a.T if transpose_a else a) @ (b.T if transpose_b else b)
+
+    @staticmethod
+    def orthonormal(p: torch.Tensor) -> torch.Tensor:
+        if p.dtype in (torch.float16, torch.bfloat16):  # no half-precision QR
+            return torch.linalg.qr(p.float()).Q.to(p.dtype)
+        return torch.linalg.qr(p).Q
+
+    @staticmethod
+    def random_matrix(rows: int, cols: int, seed: int, like: torch.Tensor) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(rows, cols, generator=gen).to(like.device, like.dtype)
+
     @staticmethod
     def dtype_key(t: torch.Tensor) -> str:
         return str(t.dtype).removeprefix("torch.")

@@ -27,6 +27,7 @@ from hvdsync.clipping import ClipConfig
 from hvdsync.config import positive_int, reject_unknown_kwargs
 from hvdsync.delay import DelayConfig
 from hvdsync.layers import Grouping, Layer, build_layers
+from hvdsync.lowrank import LowRankConfig
 from hvdsync.pipeline import StepPipeline, build_techniques
 from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
@@ -228,6 +229,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          threshold: ThresholdConfig | dict | float | None = None,
                          select: SelectConfig | dict | float | None = None,
                          sparse: SparseConfig | dict | bool | float | None = None,
+                         lowrank: LowRankConfig | dict | int | None = None,
                          delay: DelayConfig | dict | bool | int | None = None,
                          scaler: Any = None,
                          **unknown: Any) -> torch.optim.Optimizer:
@@ -255,8 +257,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         layers: hvdsync's grouping of parameters into layers (the unit sent together and
             decided on): ``None`` groups by module, or a callable / mapping from parameter
             name to layer name, see :data:`hvdsync.layers.Grouping`.
-        clip, threshold, select, sparse, delay: the techniques (docs/clip.md,
-            docs/threshold.md, docs/select.md, docs/sparse.md, docs/delay.md; with ``delay=``
+        clip, threshold, select, sparse, lowrank, delay: the techniques (docs/clip.md,
+            docs/threshold.md, docs/select.md, docs/sparse.md, docs/lowrank.md,
+            docs/delay.md; with ``delay=``
             call :meth:`flush` before evaluating or saving).
         scaler: the ``torch.amp.GradScaler`` of mixed-precision training: the techniques then
             see unscaled gradients, and ``synchronize()`` leaves them scaled for
@@ -283,7 +286,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
         groups=groups, layers=layers, clip=clip, threshold=threshold, select=select,
-        sparse=sparse, delay=delay)
+        sparse=sparse, lowrank=lowrank, delay=delay)
 
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
