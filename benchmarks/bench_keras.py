@@ -31,6 +31,8 @@ METHODS = {
     "select k=25%": dict(select=dict(k=0.25)),
     "delay s=2 K=16": dict(delay=dict(staleness=2, average_every=16)),
     "fp16": "fp16",
+    "lowrank r=4": dict(lowrank=dict(rank=4)),
+    "lowrank r=4 + fp16": dict(lowrank=dict(rank=4), fp16=True),
 }
 
 
@@ -83,7 +85,9 @@ def _one_round(methods: list[str], steps: int, width: int, depth: int, batch: in
         elif options == "fp16":
             opt = hvd.DistributedOptimizer(base, compression=hvd.Compression.fp16)
         else:
-            opt = hvd.DistributedOptimizer(base, **options)
+            options = dict(options)
+            wire = hvd.Compression.fp16 if options.pop("fp16", False) else hvd.Compression.none
+            opt = hvd.DistributedOptimizer(base, compression=wire, **options)
         model.compile(optimizer=opt, metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x[:warmup * batch], y[:warmup * batch], batch_size=batch, verbose=0)
@@ -115,6 +119,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--name", default="keras", help="results file name (benchmarks/results/)")
     args = ap.parse_args(argv)
     reason = namespaces_unavailable()
     rows, data = [], {}
@@ -148,7 +153,7 @@ def main(argv=None) -> None:
     headers = ["network", "ranks", "method", "time/step ms (slowest rank)",
                "time/step vs horovod", "bytes/step vs horovod", "held-out accuracy %"]
     model = f"{args.depth}-layer MLP width {args.width}, batch {args.batch}/rank, Adam"
-    report("keras", f"hvdsync.keras vs Horovod (Keras 3 fit), {model}, {args.steps} steps",
+    report(args.name, f"hvdsync.keras vs Horovod (Keras 3 fit), {model}, {args.steps} steps",
            markdown_table(headers, rows), dict(model=model, steps=args.steps, cells=data),
            "benchmarks.bench_keras", argv)
 

@@ -4,6 +4,7 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --clip 1.0
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --threshold 0.6 --max-skip 8
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --select 1
+    horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --lowrank 4
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --delay 2 --average-every 8
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --save /tmp/digits.keras
 
@@ -32,7 +33,8 @@ import hvdsync.keras as hvd  # noqa: E402
 def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
           clip: Optional[dict] = None, threshold: Optional[dict] = None,
           select: Optional[dict] = None, delay: Optional[dict] = None,
-          save: Optional[str] = None, verbose: bool = True) -> dict[str, Any]:
+          save: Optional[str] = None, verbose: bool = True,
+          lowrank: Optional[dict] = None) -> dict[str, Any]:
     """Train on this rank's shard with ``model.fit``; return test accuracy and the stats."""
     hvd.init()
     keras.utils.set_random_seed(seed)
@@ -52,7 +54,8 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
         keras.layers.Dense(10, name="out"),
     ])
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr * hvd.size(), momentum=0.9),
-                                   clip=clip, threshold=threshold, select=select, delay=delay)
+                                   clip=clip, threshold=threshold, select=select, delay=delay,
+                                   lowrank=lowrank)
     model.compile(optimizer=opt,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -86,6 +89,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--threshold", type=float, help="accumulation threshold (threshold=)")
     p.add_argument("--max-skip", type=int, help="with --threshold: most steps a layer skips")
     p.add_argument("--select", type=int, help="layers pushed per step (select=)")
+    p.add_argument("--lowrank", type=int, help="rank of the weight matrices' factors (lowrank=)")
     p.add_argument("--delay", type=int, help="staleness of the global gradient (delay=)")
     p.add_argument("--average-every", type=int, default=8, help="with --delay: K")
     p.add_argument("--save", help="save the trained model (.keras) here")
@@ -97,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> None:
           select=dict(k=a.select) if a.select else None,
           delay=dict(staleness=a.delay, average_every=a.average_every)
           if a.delay is not None else None,
-          save=a.save)
+          save=a.save, lowrank=dict(rank=a.lowrank) if a.lowrank else None)
 
 
 if __name__ == "__main__":

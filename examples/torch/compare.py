@@ -25,6 +25,7 @@ CONFIGS = [
     ("clip max_norm=1", dict(clip=dict(max_norm=1.0))),
     ("threshold 0.6, max_skip 8", dict(threshold=dict(threshold=0.6, max_skip=8))),
     ("select 1 of 3 layers", dict(select=dict(k=1, max_wait=4))),
+    ("lowrank rank 4", dict(lowrank=dict(rank=4))),
     ("delay s=2 K=8 + fp16", dict(delay=dict(staleness=2, average_every=8),
                                   compression="fp16")),
 ]

@@ -4,6 +4,7 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --threshold 0.6 --max-skip 8
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --clip 1.0
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --select 1
+    horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --lowrank 4
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --delay 2 --average-every 8
 
 The only change from a Horovod script is the import line: ``import hvdsync.torch as hvd``.
@@ -30,7 +31,7 @@ import hvdsync.torch as hvd
 def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
           threshold: Optional[dict] = None, clip: Optional[dict] = None,
           select: Optional[dict] = None, delay: Optional[dict] = None,
-          compression: str = "none", horovod: bool = False,
+          compression: str = "none", lowrank: Optional[dict] = None, horovod: bool = False,
           verbose: bool = True) -> dict[str, Any]:
     """Train on this rank's shard; return final test accuracy, loss, the stats and the time
     per step. ``horovod=True`` uses Horovod's own optimizer instead (the baseline)."""
@@ -60,7 +61,7 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
     else:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=wire, threshold=threshold, clip=clip,
-                                       select=select, delay=delay)
+                                       select=select, delay=delay, lowrank=lowrank)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
@@ -118,6 +119,8 @@ def main() -> None:
                          "at most this many steps late")
     ap.add_argument("--average-every", type=int, default=8,
                     help="with --delay: average the parameters every this many steps")
+    ap.add_argument("--lowrank", type=int, default=None, metavar="RANK",
+                    help="send weight matrices as rank-RANK factors (PowerSGD-style)")
     ap.add_argument("--fp16", action="store_true", help="fp16 compression on the wire")
     args = ap.parse_args()
     threshold = (dict(threshold=args.threshold, max_skip=args.max_skip)
@@ -128,7 +131,8 @@ def main() -> None:
     delay = (dict(staleness=args.delay, average_every=args.average_every)
              if args.delay is not None else None)
     train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip, select, delay,
-          compression="fp16" if args.fp16 else "none")
+          compression="fp16" if args.fp16 else "none",
+          lowrank=dict(rank=args.lowrank) if args.lowrank is not None else None)
 
 
 if __name__ == "__main__":
