@@ -1,13 +1,13 @@
 """The technique interface: what every technique is asked, and when, in both adapters.
 
 A *technique* is one of hvdsync's options (``clip=``, ``threshold=``, ``select=``,
-``sparse=``, ``delay=``) or the plain exchange itself. Each has one *role*:
+``sparse=``, ``lowrank=``, ``delay=``) or the plain exchange itself. Each has one *role*:
 
 * a **transform** changes a layer's gradient in place of where it stands (``clip``);
 * a **decider** chooses which layers go this step and keeps what does not
   (``threshold``, ``select``);
 * a **transport** moves a layer's gradient between ranks (the plain grouped allreduce,
-  ``sparse``, ``delay``). Each parameter goes by exactly one transport: the first whose
+  ``sparse``, ``lowrank``, ``delay``). Each parameter goes by exactly one transport: the first whose
   :meth:`Transport.owns` claims it, else the last one (the dense transport).
 
 :class:`hvdsync.pipeline.StepPipeline` calls the moments below in this order every step

@@ -16,6 +16,7 @@ OPTIONS = {
     "clip": dict(clip=dict(ema=(0.9, 2.0), warmup=1)),
     "threshold": dict(threshold=dict(threshold=1e9, max_skip=5)),
     "select": dict(select=dict(k=1, max_wait=3)),
+    "lowrank": dict(lowrank=dict(rank=2, warmup_steps=1, min_compression=0)),
     "delay": dict(delay=dict(staleness=1, average_every=4)),
 }
 
@@ -79,6 +80,11 @@ def test_same_structure_in_torch_and_keras(technique):
         assert set(t["techniques"]["threshold"]["acc"]) == {str(i) for i in range(6)}
         assert set(k["techniques"]["threshold"]["acc"]) == {str(i) for i in range(6)}
         assert t["techniques"]["threshold"]["policy"] == k["techniques"]["threshold"]["policy"]
+    if technique == "lowrank":  # every weight matrix (positions 0, 2, 4), not the biases
+        for state in (t, k):
+            assert set(state["techniques"]["lowrank"]["q"]) == {"0", "2", "4"}
+            assert set(state["techniques"]["lowrank"]["err"]) == {"0", "2", "4"}
+            assert state["techniques"]["lowrank"]["step"] == 3
 
 
 def test_mismatches_fail_clearly():

@@ -200,6 +200,31 @@ def test_digits_at_a_fraction_of_the_bytes(framework):
     assert ours[0]["accuracy"] == ours[1]["accuracy"]  # identical replicas
 
 
+def test_conv_kernels_go_as_matrices():
+    """A conv kernel (out, in, kh, kw) is compressed as an out x (in kh kw) matrix: at full
+    rank the update equals plain averaging's (one rank: the math runs, the collectives are
+    the identity)."""
+    import copy
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
+    twin = copy.deepcopy(net)
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
+    opts = [hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                     named_parameters=m.named_parameters(), **kw)
+            for m, kw in ((net, {}), (twin, dict(lowrank=dict(rank=27, **EVERY_MATRIX))))]
+    for _ in range(3):
+        for m, opt in zip((net, twin), opts):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+    assert opts[1].techniques["lowrank"].status()["layers"] == ["0", "3"]
+    for a, b in zip(net.parameters(), twin.parameters()):
+        np.testing.assert_allclose(b.detach().numpy(), a.detach().numpy(), rtol=0, atol=1e-5)
+
+
 # -- construction ------------------------------------------------------------------------
 def test_bad_configs_fail_at_construction():
     assert_construction_fails(ValueError, "rank must be >= 1", lowrank=0)
