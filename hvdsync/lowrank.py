@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.config import coerce_config
-from hvdsync.stats import SyncStats
 from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, Transport
 
 
@@ -101,13 +100,12 @@ class LowRankCompression(Transport):
     per_rank = ("err",)
 
     def __init__(self, config: LowRankConfig, grads: Gradients, ops: TensorOps,
-                 comm: Communicator, layer_names: list[str], stats: SyncStats):
+                 comm: Communicator, layer_names: list[str]):
         self.config = config
         self.grads = grads
         self.ops = ops
         self.comm = comm
         self.layer_names = layer_names
-        self.stats = stats
         self.step = 0  # finished steps
         self.q: dict[str, Any] = {}
         self.err: dict[str, Any] = {}

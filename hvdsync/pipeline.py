@@ -43,7 +43,7 @@ def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOp
         "threshold": lambda c: AccumulationThreshold(c, grads, ops, comm, len(layer_names)),
         "select": lambda c: SelectedPushes(c, grads, ops, comm, layer_names, stats),
         "sparse": sparse_exchange,
-        "lowrank": lambda c: LowRankCompression(c, grads, ops, comm, layer_names, stats),
+        "lowrank": lambda c: LowRankCompression(c, grads, ops, comm, layer_names),
         "delay": lambda c: DelayedGradients(c, grads, ops, comm, layer_names, stats),
         "plain": lambda _: PlainAllreduce(grads, comm, layer_names),
     }
