@@ -1,24 +1,36 @@
 """``select=``: hypernet-selected layer pushes with error feedback (a decider).
 
-Each step only ``k`` layers are *pushed* (allreduced); the others add their gradient to a
-local residual (error feedback) and are not updated this step; when a layer is next pushed it
-sends its gradient plus the residual, so nothing a rank computed is lost. Which layers:
+Each step only some layers are *pushed* (allreduced) -- ``k`` of them, or as many as fit a
+byte ``budget`` -- the others add their gradient to a local residual (error feedback) and
+are not updated this step; when a layer is next pushed it sends its gradient plus the
+residual, so nothing a rank computed is lost. Which layers:
 
-* ``selector="hypernet"`` (default): a tiny MLP -- a learned input embedding, two tanh hidden
-  layers, one sigmoid output per model layer (scores ``alpha`` in (0, 1)) -- is trained
-  alongside the model on the model loss with each layer's weights scaled by ``alpha``. At
-  ``alpha = 1`` that loss's gradient is ``dL/dalpha_l = <g_l, theta_l>``, one dot product per
-  layer from the gradient backward already produced (no second backward), averaged over
-  ranks (the gradient of the global loss). The hypernet takes one Adam step per model step;
-  an EMA (``ema``) of ``|alpha_t - alpha_{t-1}|`` per layer is its score: layers whose
-  scaling the hypernet is still moving are the ones that matter now.
-* ``selector="norm"``: the layers with the largest accumulation ``||residual + g||``
-  (averaged over ranks; the classic top-k baseline), ``selector="random"``: ``k`` layers
-  uniformly at random (seeded identically on every rank) -- baselines to measure the
-  hypernet against.
+* ``selector="hypernet"`` (default): a tiny MLP -- a learned input embedding (next to it,
+  with ``inputs="statistics"``, each layer's residual norm against the layers' mean), two
+  tanh hidden layers, one sigmoid output per model layer (scores ``alpha`` in (0, 1)) -- is
+  trained alongside the model on the model loss with each layer's weights scaled by
+  ``alpha``. At ``alpha = 1`` that loss's gradient is ``d_l = <g_l, theta_l>``, one dot
+  product per layer from the gradient backward already produced (no second backward),
+  averaged over ranks. ``objective="second_order"`` (default) follows the loss to the
+  current alpha with a curvature estimate from the same dot products -- the rank average of
+  ``d_l^2`` (an empirical Fisher term along ``theta_l``) -- so the hypernet descends
+  ``d_l + h_l (alpha_l - 1)`` and settles where scaling the layer would stop paying instead
+  of drifting to 0 or 1; ``"first_order"`` is the seed design's ``d_l``. One Adam step per
+  model step; an EMA (``ema``) of ``|alpha_t - alpha_{t-1}|`` per layer is the score:
+  layers whose scaling the hypernet is still moving are the ones that matter now. Chosen
+  as default by the equal-bytes benchmark (docs/select.md).
+* ``selector="norm"``: the largest accumulation ``||residual + g||`` (rank-averaged; the
+  classic top-k baseline); ``"random"``: uniformly at random (seeded identically on every
+  rank); ``"round_robin"``: the layer that has waited longest first (ties: layer order).
+
+Byte budget (``budget``: a fraction of the dense bytes per step, or bytes): a credit grows
+by the budget each step; layers are taken in score order while the next one fits, and the
+first that does not ends the step's choice (its bytes are saved up for, so a large layer
+ranked first is not starved by small ones). Layers forced by ``max_wait`` are paid first and
+may overdraw the credit, which later steps repay: bytes per step average the budget.
 
 Agreement (the no-hang rule of docs/design.md): every rank's statistics -- the dot products
-and residual norms, ``2 * len(layers)`` floats -- are averaged in **one** control-plane
+(and their squares) and residual norms, 2-3 floats per layer -- are averaged in **one** control-plane
 allreduce per step (started with the step's data, waited on after it), and every rank
 computes the scores from those averages: the hypernet, its scores and the chosen top ``k``
 (ties by layer order) are the same on every rank. A layer not pushed for ``max_wait`` steps
@@ -45,7 +57,9 @@ from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Communicator, Decider, Gradients, Pending, TensorOps
 
-SELECTORS = ("hypernet", "norm", "random")
+SELECTORS = ("hypernet", "norm", "random", "round_robin")
+OBJECTIVES = ("first_order", "second_order")
+INPUTS = ("embedding", "statistics")
 
 
 @dataclass(frozen=True)
@@ -53,13 +67,17 @@ class SelectConfig:
     """Which layers to push each step; see the module docstring.
 
     ``k``: layers pushed per step, an int >= 1 or a fraction in (0, 1] of the layers (rounded
-    up). ``max_wait``: a layer is pushed at least every ``max_wait + 1`` steps (``None``: no
+    up; 0.25 when neither ``k`` nor ``budget`` is given). ``budget``: instead of ``k``, the
+    dense gradient bytes pushed per step on average, an int >= 1 or a fraction in (0, 1] of
+    the model's. ``objective``, ``inputs``: the hypernet's (see the module docstring).
+    ``max_wait``: a layer is pushed at least every ``max_wait + 1`` steps (``None``: no
     bound). ``ema``, ``embed_dim``, ``hidden``, ``lr``: the hypernet's score smoothing, input
     embedding size, hidden width and Adam learning rate. ``seed`` initialises the hypernet and
     the random selector.
     """
 
-    k: Union[int, float] = 0.25
+    k: Union[int, float, None] = None
+    budget: Union[int, float, None] = None
     selector: str = "hypernet"
     max_wait: Optional[int] = 4
     ema: float = 0.9
@@ -67,15 +85,29 @@ class SelectConfig:
     hidden: int = 16
     lr: float = 0.01
     seed: int = 0
+    objective: str = "second_order"
+    inputs: str = "statistics"
 
     def __post_init__(self) -> None:
-        k = self.k
-        if isinstance(k, bool) or not isinstance(k, (int, float)):
-            raise TypeError(f"select k must be an int or a fraction, got {type(k).__name__} {k!r}")
-        if isinstance(k, int) and k < 1:
-            raise ValueError(f"select k must be >= 1 layers, got {k}")
-        if isinstance(k, float) and not 0 < k <= 1:
-            raise ValueError(f"select k as a fraction must be in (0, 1], got {k}")
+        if self.k is not None and self.budget is not None:
+            raise ValueError(f"select takes k (layers per step) or budget (bytes per step), not "
+                             f"both: got k={self.k!r}, budget={self.budget!r}")
+        for name, unit in (("k", "layers"), ("budget", "bytes")):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"select {name} must be an int or a fraction, got "
+                                f"{type(v).__name__} {v!r}")
+            if isinstance(v, int) and v < 1:
+                raise ValueError(f"select {name} must be >= 1 {unit}, got {v}")
+            if isinstance(v, float) and not 0 < v <= 1:
+                raise ValueError(f"select {name} as a fraction must be in (0, 1], got {v}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"select objective must be one of {OBJECTIVES}, got "
+                             f"{self.objective!r}")
+        if self.inputs not in INPUTS:
+            raise ValueError(f"select inputs must be one of {INPUTS}, got {self.inputs!r}")
         if self.selector not in SELECTORS:
             raise ValueError(f"select selector must be one of {SELECTORS}, got {self.selector!r}")
         if self.max_wait is not None and (isinstance(self.max_wait, bool)
@@ -99,22 +131,37 @@ class SelectConfig:
         return coerce_config(cls, value, "select", "k")
 
     def layers_per_step(self, num_layers: int) -> int:
-        if isinstance(self.k, float):
-            return max(1, math.ceil(self.k * num_layers))
-        return min(self.k, num_layers)
+        """``k`` as a number of layers (0.25 of them when neither ``k`` nor ``budget`` is
+        given; with a ``budget`` the count is whatever fits, see :meth:`budget_bytes`)."""
+        k = 0.25 if self.k is None else self.k
+        if isinstance(k, float):
+            return max(1, math.ceil(k * num_layers))
+        return min(k, num_layers)
+
+    def budget_bytes(self, dense_bytes: int) -> Optional[float]:
+        """The byte budget per step given the selectable layers' ``dense_bytes`` (None: the
+        budget is a layer count)."""
+        if self.budget is None:
+            return None
+        return self.budget * dense_bytes if isinstance(self.budget, float) else float(self.budget)
 
 
 class Hypernet:
-    """The scorer: embedding -> tanh -> tanh -> sigmoid, trained with Adam on
-    ``dL/dalpha`` (float64 numpy: a few hundred parameters, not worth a device)."""
+    """The scorer: [embedding, features] -> tanh -> tanh -> sigmoid, trained with Adam on
+    ``dL/dalpha`` (float64 numpy: a few hundred parameters, not worth a device).
+    ``features``: the number of per-step input statistics next to the learned embedding
+    (0: the embedding alone, the seed's design)."""
 
-    def __init__(self, num_layers: int, embed_dim: int, hidden: int, lr: float, seed: int):
+    def __init__(self, num_layers: int, embed_dim: int, hidden: int, lr: float, seed: int,
+                 features: int = 0):
         rng = np.random.default_rng(seed)
 
         def layer(n_in: int, n_out: int) -> np.ndarray:
             return rng.standard_normal((n_in, n_out)) / math.sqrt(n_in)
+        self.embed_dim = embed_dim
+        self.features = np.zeros(features)  # the inputs of the last step
         self.params = {"embedding": rng.standard_normal(embed_dim),
-                       "w1": layer(embed_dim, hidden), "b1": np.zeros(hidden),
+                       "w1": layer(embed_dim + features, hidden), "b1": np.zeros(hidden),
                        "w2": layer(hidden, hidden), "b2": np.zeros(hidden),
                        "w3": layer(hidden, num_layers) * 0.1, "b3": np.zeros(num_layers)}
         self.lr = lr
@@ -124,25 +171,34 @@ class Hypernet:
 
     def forward(self) -> tuple[np.ndarray, tuple]:
         p = self.params
-        h1 = np.tanh(p["embedding"] @ p["w1"] + p["b1"])
+        x = np.concatenate([p["embedding"], self.features])
+        h1 = np.tanh(x @ p["w1"] + p["b1"])
         h2 = np.tanh(h1 @ p["w2"] + p["b2"])
         alpha = 1.0 / (1.0 + np.exp(-(h2 @ p["w3"] + p["b3"])))
-        return alpha, (h1, h2)
+        return alpha, (x, h1, h2)
 
     def alpha(self) -> np.ndarray:
         return self.forward()[0]
 
-    def step(self, d_alpha: np.ndarray) -> np.ndarray:
-        """One Adam step on the loss whose gradient w.r.t. alpha is ``d_alpha``; returns the
-        new alpha."""
+    def step(self, dots: np.ndarray, curvature: Optional[np.ndarray] = None,
+             features: Optional[np.ndarray] = None) -> np.ndarray:
+        """One Adam step on the loss of the alpha-scaled model, whose gradient w.r.t. alpha
+        is ``dots`` at alpha = 1 (``dL/dalpha_l = <g_l, theta_l>``); with ``curvature``
+        (``d2L/dalpha_l^2`` estimates) the gradient of its second-order expansion at the
+        current alpha, ``dots + curvature * (alpha - 1)``. ``features``: this step's inputs
+        (they take effect for this step's forward pass). Returns the new alpha."""
         p = self.params
-        alpha, (h1, h2) = self.forward()
+        if features is not None:
+            self.features = np.asarray(features, dtype=float)
+        alpha, (x, h1, h2) = self.forward()
+        d_alpha = dots if curvature is None else dots + curvature * (alpha - 1.0)
         d_z3 = d_alpha * alpha * (1 - alpha)
         grads = {"w3": np.outer(h2, d_z3), "b3": d_z3}
         d_z2 = (p["w3"] @ d_z3) * (1 - h2 ** 2)
         grads.update(w2=np.outer(h1, d_z2), b2=d_z2)
         d_z1 = (p["w2"] @ d_z2) * (1 - h1 ** 2)
-        grads.update(w1=np.outer(p["embedding"], d_z1), b1=d_z1, embedding=p["w1"] @ d_z1)
+        grads.update(w1=np.outer(x, d_z1), b1=d_z1,
+                     embedding=(p["w1"] @ d_z1)[:self.embed_dim])
         self.t += 1
         b1, b2, eps = 0.9, 0.999, 1e-8
         for k, g in grads.items():
@@ -156,7 +212,8 @@ class Hypernet:
     def state_dict(self) -> dict:
         return {"params": {k: v.copy() for k, v in self.params.items()},
                 "m": {k: v.copy() for k, v in self.m.items()},
-                "v": {k: v.copy() for k, v in self.v.items()}, "t": self.t}
+                "v": {k: v.copy() for k, v in self.v.items()}, "t": self.t,
+                "features": self.features.copy()}
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("params", "m", "v"):
@@ -168,55 +225,91 @@ class Hypernet:
         self.m = {k: np.array(v, dtype=float) for k, v in state["m"].items()}
         self.v = {k: np.array(v, dtype=float) for k, v in state["v"].items()}
         self.t = int(state["t"])
+        self.features = np.array(state.get("features", self.features), dtype=float)
 
 
 class SelectPolicy:
-    """Per-step scores (local), and the shared top-k choice with the wait bound."""
+    """Per-step scores (from shared statistics), and the shared choice -- top ``k`` layers,
+    or the best-scored layers that fit the byte budget -- with the wait bound.
+
+    Byte budget: ``credit`` grows by the budget every step and pays for the layers chosen;
+    layers are taken in score order while the next one fits, and the first that does not
+    ends the choice (its bytes are saved up for: a large layer ranked first is not starved
+    by small ones). Forced layers (wait bound) are paid first and may overdraw the credit,
+    which later steps then repay, so the bytes per step average the budget."""
 
     def __init__(self, config: SelectConfig, num_layers: int):
         self.config = config
         self.num_layers = num_layers
         self.k = config.layers_per_step(num_layers)
+        features = num_layers if config.inputs == "statistics" else 0
         self.hypernet = (Hypernet(num_layers, config.embed_dim, config.hidden, config.lr,
-                                  config.seed) if config.selector == "hypernet" else None)
+                                  config.seed, features)
+                         if config.selector == "hypernet" else None)
         self.prev_alpha = self.hypernet.alpha() if self.hypernet is not None else None
         self.ema = np.zeros(num_layers)
         self.waited = [0] * num_layers
         self.step = 0
+        self.credit = 0.0  # bytes the budget has granted and no layer has used yet
         #: the layers to push at the next step (step 1: all)
         self.selected = [True] * num_layers
 
-    def scores(self, dots: list[float], acc_norms: list[float]) -> list[float]:
-        """The score per layer from the rank-averaged ``<g_l, theta_l>`` and
-        ``||residual_l + g_l||`` (a hypernet step: call once per model step)."""
+    def scores(self, dots: list[float], acc_norms: list[float],
+               curvature: Optional[list[float]] = None) -> list[float]:
+        """The score per layer from the rank-averaged ``<g_l, theta_l>``, residual norms
+        and (hypernet, ``objective="second_order"``) rank-averaged ``<g_l, theta_l>^2`` (a
+        hypernet step: call once per model step)."""
         c = self.config
         if c.selector == "hypernet":
-            alpha = self.hypernet.step(np.asarray(dots, dtype=float))
+            features = None
+            if c.inputs == "statistics":  # scale-free: each norm against the layers' mean
+                norms = np.asarray(acc_norms, dtype=float)
+                features = np.log1p(norms / max(float(norms.mean()), 1e-30))
+            alpha = self.hypernet.step(
+                np.asarray(dots, dtype=float),
+                None if curvature is None else np.asarray(curvature, dtype=float), features)
             self.ema = c.ema * self.ema + (1 - c.ema) * np.abs(alpha - self.prev_alpha)
             self.prev_alpha = alpha
             return self.ema.tolist()
         if c.selector == "norm":
             return list(acc_norms)
+        if c.selector == "round_robin":  # the longest wait first (ties: layer order)
+            return [float(w) for w in self.waited]
         # random: the same draw on every rank (seeded by the step, not by the rank)
         rng = random.Random(c.seed * 1_000_003 + self.step)
         return [rng.random() for _ in range(self.num_layers)]
 
-    def choose(self, scores: list[float],
-               eligible: Optional[list[bool]] = None) -> list[bool]:
+    def choose(self, scores: list[float], eligible: Optional[list[bool]] = None,
+               layer_bytes: Optional[list[int]] = None) -> list[bool]:
         """The layers to push next step from rank-averaged ``scores`` (same on every rank).
         Layers not ``eligible`` (no dense gradient: they go by the sparse exchange every
-        step) are not ranked and count neither toward ``k`` nor the wait bound."""
+        step) are not ranked and count neither toward ``k``, the budget nor the wait bound.
+        ``layer_bytes`` (each layer's dense gradient bytes) is needed with a byte budget."""
         self.step += 1
         n, bound = self.num_layers, self.config.max_wait
         if eligible is None:
             eligible = [True] * n
         candidates = [i for i in range(n) if eligible[i]]
-        k = self.k if len(candidates) == n else self.config.layers_per_step(len(candidates))
         # a layer not chosen now would have waited waited+1 steps; force it at the bound
         forced = [i for i in candidates if bound is not None and self.waited[i] + 1 > bound]
         rest = sorted((i for i in candidates if i not in set(forced)),
                       key=lambda i: (-scores[i], i))
-        chosen = set(forced) | set(rest[:max(0, k - len(forced))])
+        if self.config.budget is None:
+            k = self.k if len(candidates) == n else self.config.layers_per_step(len(candidates))
+            chosen = set(forced) | set(rest[:max(0, k - len(forced))])
+        else:
+            if layer_bytes is None:
+                raise ValueError("a byte budget needs the layers' sizes")
+            budget = self.config.budget_bytes(sum(layer_bytes[i] for i in candidates))
+            largest = max((layer_bytes[i] for i in candidates), default=0)
+            self.credit = min(self.credit + budget, budget + largest)
+            chosen = set(forced)
+            self.credit -= sum(layer_bytes[i] for i in forced)
+            for i in rest:
+                if layer_bytes[i] > self.credit:
+                    break
+                chosen.add(i)
+                self.credit -= layer_bytes[i]
         self.selected = [i in chosen or not eligible[i] for i in range(n)]
         return list(self.selected)
 
@@ -228,7 +321,7 @@ class SelectPolicy:
         return {"hypernet": self.hypernet.state_dict() if self.hypernet is not None else None,
                 "prev_alpha": None if self.prev_alpha is None else self.prev_alpha.copy(),
                 "ema": self.ema.copy(), "waited": list(self.waited), "step": self.step,
-                "selected": list(self.selected)}
+                "selected": list(self.selected), "credit": self.credit}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["waited"]) != self.num_layers:
@@ -241,6 +334,7 @@ class SelectPolicy:
         self.waited = list(state["waited"])
         self.step = int(state["step"])
         self.selected = list(state["selected"])
+        self.credit = float(state.get("credit", 0.0))
 
 
 class SelectedPushes(Decider):
@@ -267,9 +361,12 @@ class SelectedPushes(Decider):
         self.layer_names = layer_names
         self.stats = stats
         self.residual: dict[str, Any] = {}
+        self._second_order = (self.policy.hypernet is not None
+                              and config.objective == "second_order")
         n = len(layer_names)
         self._dots: list[Any] = [None] * n
         self._eligible = [True] * n
+        self._bytes = [0] * n  # each layer's dense gradient bytes (for a byte budget)
         self._journal: dict[str, Any] = {}  # residuals as they were before this step
         self._local: list[float] = []  # this rank's statistics of the step (for the stats)
         self._control: Optional[Pending] = None
@@ -280,6 +377,8 @@ class SelectedPushes(Decider):
     def layer_ready(self, li: int, ks: list[int]) -> None:
         """Take the layer's statistics (no host sync: device values)."""
         self._eligible[li] = bool(ks)
+        if ks and not self._bytes[li]:
+            self._bytes[li] = self.grads.payload_bytes(li)
         for k in ks:
             if self.grads.is_row_sparse(li, k):
                 raise ValueError("select= needs dense gradients: pass sparse=True (row-sparse "
@@ -323,6 +422,8 @@ class SelectedPushes(Decider):
         host = self.ops.to_host(dots + norms + [local_bad])  # one device read
         m = len(dots) + len(norms)
         self._local = host[:m]
+        if self._second_order:  # the rank average of the squares: a curvature estimate
+            host = host[:len(dots)] + [d * d for d in host[:len(dots)]] + host[len(dots):]
         self._dots = [None] * n
         self._control = self.comm.control_async(host, "hvdsync.select.stats")
 
@@ -332,10 +433,14 @@ class SelectedPushes(Decider):
         shared, local = self._control.wait(), self._local
         self._control = None
         n = len(self.layer_names)
-        m = len(local)
         nd = n if self.policy.hypernet is not None else 0
+        curvature = None
+        if self._second_order:
+            curvature, shared = shared[n:2 * n], shared[:n] + shared[2 * n:]
+        m = len(local)
         journal, self._journal = self._journal, {}
-        if not (data_ok and shared[-1] == 0 and all(math.isfinite(x) for x in shared[:m])):
+        if not (data_ok and shared[-1] == 0 and all(math.isfinite(x) for x in shared[:m])
+                and all(math.isfinite(x) for x in curvature or [])):
             for key, r in journal.items():  # nothing of this step is kept
                 if r is None:
                     self.residual.pop(key, None)
@@ -343,9 +448,9 @@ class SelectedPushes(Decider):
                     self.residual[key] = r
             return False
         shared_dots, shared_norms = (shared[:n] if nd else [0.0] * n), shared[nd:m]
-        scores = self.policy.scores(shared_dots, shared_norms)
-        self.policy.pushed(list(self.policy.selected))
-        self.policy.choose(scores, list(self._eligible))
+        self.policy.pushed(list(self.policy.selected))  # round_robin scores by the waits
+        scores = self.policy.scores(shared_dots, shared_norms, curvature)
+        self.policy.choose(scores, list(self._eligible), self._bytes)
         self.stats.count("residual_norm", sum(x * x for x in local[nd:]) ** 0.5)
         self.last = {"scores": scores, "residual_norms": shared_norms}
         if self.policy.hypernet is not None:
@@ -373,6 +478,7 @@ class SelectedPushes(Decider):
     def status(self) -> dict:
         """The last step's per-layer ``scores``, rank-averaged ``residual_norms`` and
         (hypernet) ``dots`` and ``alpha``, and the layers chosen for the next step (``next``,
-        layer names)."""
+        layer names); with a byte budget, ``credit`` (bytes granted and not yet used)."""
         nxt = [name for name, s in zip(self.layer_names, self.policy.selected) if s]
-        return {**self.last, "next": nxt}
+        extra = {"credit": self.policy.credit} if self.policy.config.budget is not None else {}
+        return {**self.last, "next": nxt, **extra}

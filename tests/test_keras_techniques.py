@@ -35,6 +35,7 @@ CASES = {
     "select_hypernet": (dict(select=dict(k=1, max_wait=2)), "momentum", 0.05, 16, 16, F64),
     "select_norm": (dict(select=dict(k=2, selector="norm", max_wait=3)), "adam", 0.01, 12, 16,
                     F64),
+    "select_budget": (dict(select=dict(budget=0.4, max_wait=None)), "adam", 0.01, 12, 16, F64),
     # sparse= sparse grouped allgather (embedding gradients)
     "sparse_gather": (dict(sparse=True), "sgd", 0.5, 10, 8,
                       dict(model="emb", vocab=500, reference=True, record_weights=False)),
@@ -140,12 +141,21 @@ def test_threshold_zero_is_plain_training(runs):
 
 
 # -- select= ----------------------------------------------------------------------------
-@pytest.mark.parametrize("case,k,bound", [("select_hypernet", 1, 2), ("select_norm", 2, 3)])
+@pytest.mark.parametrize("case,k,bound", [("select_hypernet", 1, 2), ("select_norm", 2, 3),
+                                          ("select_budget", None, None)])
 def test_select_pushes_k_layers_chosen_alike_and_leaves_others_untouched(runs, case, k, bound):
     ranks = runs[case]
     _same_everywhere(ranks, "sent")
     sent = ranks[0]["sent"]
-    check_pushes(sent, list(ranks[0]["stats"]["layers"]), k, bound)
+    if k is not None:
+        check_pushes(sent, list(ranks[0]["stats"]["layers"]), k, bound)
+    else:  # 0.4 of the bytes per step after step 1 (all layers), within the credit's slack
+        total = ranks[0]["stats"]["total"]  # its bytes_sent includes the control round's
+        dense = total["bytes_dense"] / total["step"]
+        after_first = sum(v["bytes_sent"] for v in ranks[0]["stats"]["layers"].values()) - dense
+        granted = 0.4 * dense * (total["step"] - 1)
+        assert granted - 1.4 * dense <= after_first <= granted, (after_first, granted)
+        assert len({len(step) for step in sent[1:]}) > 1  # bytes decide, not a layer count
     for r in ranks:
         w = r["weights"]
         for t in range(1, len(w)):

@@ -79,7 +79,22 @@ CASES = {
     "norm": (dict(k=2, selector="norm", max_wait=3), "momentum", 40),
     "random": (dict(k=1, selector="random", max_wait=None), "momentum", 40),
     "forced": (dict(k=1, max_wait=1), "momentum", 20),  # bound forces more than k
+    "seed_hypernet": (dict(k=2, max_wait=3, objective="first_order", inputs="embedding"),
+                      "momentum", 40),
+    "round_robin": (dict(k=2, selector="round_robin", max_wait=None), "momentum", 40),
+    # a byte budget: 0.3 of the model's bytes per step, a bit more than one hidden layer
+    "budget": (dict(budget=0.3, max_wait=None), "adam", 40),
+    "budget_norm": (dict(budget=0.3, selector="norm", max_wait=6), "momentum", 40),
 }
+
+
+def layer_bytes() -> dict[str, int]:
+    """Each layer's dense gradient bytes in the test model (weight + bias, float32)."""
+    out: dict[str, int] = {}
+    for n, p in deep_mlp().named_parameters():
+        layer = n.rsplit(".", 1)[0]
+        out[layer] = out.get(layer, 0) + p.numel() * 4
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
@@ -115,6 +130,9 @@ def test_residuals_are_exact(runs, case):
 def test_k_layers_per_step_and_wait_bound(runs, case):
     cfg = CASES[case][0]
     r = runs[case][0]
+    if "budget" in cfg:
+        check_budget(r["pushed"], cfg["budget"], cfg.get("max_wait"))
+        return
     k = SelectConfig(**cfg).layers_per_step(DEPTH)
     check_pushes(r["pushed"], r["layer_names"], k, cfg.get("max_wait"))
     counts = [len(s) for s in r["pushed"][1:]]
@@ -124,11 +142,45 @@ def test_k_layers_per_step_and_wait_bound(runs, case):
     assert r["stats"]["total"]["layers_skipped"] > 0
 
 
+def check_budget(pushed: list[list[str]], budget: float, bound) -> None:
+    """The bytes pushed after step 1 stay within one budget plus the largest layer of
+    ``budget`` x steps (the credit rule), every step sends something or saves up for the
+    next layer, and no layer waits more than ``bound`` steps."""
+    sizes = layer_bytes()
+    per_step = budget * sum(sizes.values())
+    assert sorted(pushed[0]) == sorted(sizes), pushed[0]  # step 1: everything
+    sent = 0
+    waited = {n: 0 for n in sizes}
+    for t, names in enumerate(pushed[1:], start=1):
+        sent += sum(sizes[n] for n in names)
+        waited = {n: 0 if n in names else w + 1 for n, w in waited.items()}
+        assert bound is None or max(waited.values()) <= bound, (t, waited)
+        if bound is None:  # nothing forced: the credit never overdraws
+            assert sent <= per_step * t + 1e-6, (t, sent, per_step * t)
+        assert sent >= per_step * t - per_step - max(sizes.values()), (t, sent, per_step * t)
+    # more layers than k would have sent (at 0.3 of the bytes: 1 to 3 layers per step)
+    counts = {len(names) for names in pushed[1:]}
+    assert len(counts) > 1, counts
+
+
+def test_round_robin_takes_turns(runs):
+    """k = 2 of 6 layers: each layer goes every third step, in layer order."""
+    r = runs["round_robin"][0]
+    names = r["layer_names"]
+    for t, sent in enumerate(r["pushed"][1:]):
+        start = (2 * t) % DEPTH
+        assert sent == [names[start], names[start + 1]], (t, sent)
+
+
 def test_hypernet_scores_are_shared_and_move(runs):
     r = runs["hypernet"]
     for other in r[1:]:
         np.testing.assert_allclose(other["scores"], r[0]["scores"], rtol=0, atol=1e-12)
     assert np.ptp(np.array(r[0]["scores"][-1])) > 0  # layers are ranked apart
+    for case in ("seed_hypernet", "budget"):  # the seed's objective and inputs; a budget
+        for other in runs[case][1:]:
+            np.testing.assert_allclose(other["scores"], runs[case][0]["scores"], rtol=0,
+                                       atol=1e-12)
 
 
 # -- k = all layers is Horovod ------------------------------------------------------------
@@ -227,14 +279,48 @@ def test_choose_topk_with_forced_layers():
     assert sel.choose([0.1, 0.5, 0.3, 0.9, 0.0]) == [True, False, True, False, True]
 
 
-def test_hypernet_descends_its_objective():
+@pytest.mark.parametrize("objective", ["first_order", "second_order"])
+def test_hypernet_descends_its_objective(objective):
     """The hypernet's alpha moves against dL/dalpha."""
-    sel = SelectPolicy(SelectConfig(k=1, lr=0.05), 3)
+    sel = SelectPolicy(SelectConfig(k=1, lr=0.05, objective=objective), 3)
     a0 = sel.hypernet.alpha()
     for _ in range(50):
-        sel.scores([1.0, -1.0, 0.0], [0.0] * 3)
+        sel.scores([1.0, -1.0, 0.0], [1.0, 2.0, 3.0],
+                   [0.0] * 3 if objective == "second_order" else None)
     a1 = sel.hypernet.alpha()
     assert a1[0] < a0[0] and a1[1] > a0[1]
+
+
+def test_second_order_objective_settles_at_its_minimum():
+    """With curvature h the quadratic model's minimum is alpha = 1 - dots / h: a layer whose
+    loss falls when it is scaled down (dots > 0) settles below 1, at that point."""
+    sel = SelectPolicy(SelectConfig(k=1, lr=0.05, inputs="embedding"), 2)
+    for _ in range(3000):
+        sel.scores([0.5, -0.5], [0.0, 0.0], [2.0, 2.0])
+    np.testing.assert_allclose(sel.hypernet.alpha(), [0.75, 1.0], atol=0.02)
+
+
+def test_budget_choice_saves_up_for_the_best_layer():
+    """Layers of 100, 10, 10 bytes, budget 40 bytes a step: the 100-byte layer ranked first
+    is not starved by the small ones -- nothing goes until it fits, then it does."""
+    sel = SelectPolicy(SelectConfig(budget=40, selector="norm", max_wait=None), 3)
+    sizes = [100, 10, 10]
+    picks = []
+    for _ in range(6):
+        sel.pushed(sel.selected)
+        picks.append(sel.choose([3.0, 2.0, 1.0], None, sizes))
+    # 120 bytes of credit at step 3: the first-ranked layer, then the small ones in the rest
+    assert picks[:3] == [[False] * 3, [False] * 3, [True] * 3], picks
+    assert sel.credit == 0.0
+    sel2 = SelectPolicy(SelectConfig(budget=40, selector="norm", max_wait=None), 3)
+    sel2.pushed(sel2.selected)
+    assert sel2.choose([1.0, 3.0, 2.0], None, sizes) == [False, True, True]  # 20 of 40 used
+    frac = SelectPolicy(SelectConfig(budget=0.25, selector="norm", max_wait=1), 3)
+    frac.pushed([True] * 3)
+    frac.choose([3.0, 2.0, 1.0], None, sizes)  # 30 bytes of credit: layer 0 does not fit
+    frac.pushed(frac.selected)
+    assert frac.choose([3.0, 2.0, 1.0], None, sizes) == [True, True, True]  # all forced
+    assert frac.credit == 60.0 - 120.0  # overdrawn by the forced layers: repaid later
 
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [
@@ -244,6 +330,11 @@ def test_hypernet_descends_its_objective():
     (dict(select=dict(k=2, max_wait=-1)), ValueError, "max_wait"),
     (dict(select=dict(k=2, ema=1.0)), ValueError, "ema must be in"),
     (dict(select=dict(k=2, lr=0)), ValueError, "lr must be"),
+    (dict(select=dict(k=2, budget=0.5)), ValueError, "not both"),
+    (dict(select=dict(budget=0)), ValueError, "budget must be >= 1 bytes"),
+    (dict(select=dict(budget=2.0)), ValueError, r"budget as a fraction must be in \(0, 1\]"),
+    (dict(select=dict(k=2, objective="exact")), ValueError, "objective must be one of"),
+    (dict(select=dict(k=2, inputs="loss")), ValueError, "inputs must be one of"),
     (dict(select="top2"), TypeError, "select must be a SelectConfig"),
     (dict(select=2, threshold=1.0), ValueError, "pass one of them"),
 ])
