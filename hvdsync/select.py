@@ -30,10 +30,10 @@ ranked first is not starved by small ones). Layers forced by ``max_wait`` are pa
 may overdraw the credit, which later steps repay: bytes per step average the budget.
 
 Agreement (the no-hang rule of docs/design.md): every rank's statistics -- the dot products
-(and their squares) and residual norms, 2-3 floats per layer -- are averaged in **one** control-plane
-allreduce per step (started with the step's data, waited on after it), and every rank
-computes the scores from those averages: the hypernet, its scores and the chosen top ``k``
-(ties by layer order) are the same on every rank. A layer not pushed for ``max_wait`` steps
+(and their squares) and residual norms, 2-3 floats per layer -- are averaged in **one**
+control-plane allreduce per step (started with the step's data, waited on after it), and
+every rank computes the scores from those averages: the hypernet, its scores and the chosen
+layers (ties by layer order) are the same on every rank. A layer not pushed for ``max_wait`` steps
 is forced in (forced layers come first; if more than ``k`` are forced, all of them are
 pushed, so the bound always holds).
 
