@@ -423,7 +423,7 @@ class SelectedPushes(Decider):
         m = len(dots) + len(norms)
         self._local = host[:m]
         if self._second_order:  # the rank average of the squares: a curvature estimate
-            host = host[:len(dots)] + [d * d for d in host[:len(dots)]] + host[len(dots):]
+            host = host[:m] + [d * d for d in host[:len(dots)]] + host[m:]
         self._dots = [None] * n
         self._control = self.comm.control_async(host, "hvdsync.select.stats")
 
@@ -434,13 +434,10 @@ class SelectedPushes(Decider):
         self._control = None
         n = len(self.layer_names)
         nd = n if self.policy.hypernet is not None else 0
-        curvature = None
-        if self._second_order:
-            curvature, shared = shared[n:2 * n], shared[:n] + shared[2 * n:]
         m = len(local)
+        curvature = shared[m:m + n] if self._second_order else None
         journal, self._journal = self._journal, {}
-        if not (data_ok and shared[-1] == 0 and all(math.isfinite(x) for x in shared[:m])
-                and all(math.isfinite(x) for x in curvature or [])):
+        if not (data_ok and shared[-1] == 0 and all(math.isfinite(x) for x in shared[:-1])):
             for key, r in journal.items():  # nothing of this step is kept
                 if r is None:
                     self.residual.pop(key, None)
