@@ -9,9 +9,10 @@ Every method of a (network, ranks) cell trains in the same job, one after the ot
 same initial weights and data (planted-teacher classification, Adam). Each first runs a few
 warm-up steps (tracing the train function), then ``--steps`` timed steps; time/step is that
 wall time over the steps on the slowest rank, the fastest of ``--repeats`` rounds (the whole
-method list is run again in each round). "eager path, nothing skipped" is ``threshold=0``
-(every layer sent every step through the technique path): the cost of running the exchange as
-Python in ``tf.py_function`` instead of graph ops.
+method list is run again in each round). ``threshold=0`` sends every layer every step through
+the decider; the "eager pipeline" rows run the same decider through the step pipeline in
+``tf.py_function`` (``HVDSYNC_KERAS_PIPELINE=1``) instead of compiled into the train function.
+For small overheads trust ``benchmarks.bench_keras_overhead`` (interleaved rounds, intervals).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ METHODS = {
     "horovod (DistributedGradientTape)": None,
     "hvdsync (nothing on)": {},
     "clip max_norm=1": dict(clip=dict(max_norm=1.0)),
-    "eager path, nothing skipped": dict(threshold=0.0),
+    "threshold=0 (nothing skipped)": dict(threshold=0.0),
+    "threshold=0, eager pipeline": dict(threshold=0.0, pipeline=True),
     "threshold 0.5, max_skip 8": dict(threshold=dict(threshold=0.5, max_skip=8)),
     "select k=25%": dict(select=dict(k=0.25)),
+    "select k=25%, eager pipeline": dict(select=dict(k=0.25), pipeline=True),
     "delay s=2 K=16": dict(delay=dict(staleness=2, average_every=16)),
     "fp16": "fp16",
     "lowrank r=4": dict(lowrank=dict(rank=4)),
@@ -87,6 +90,8 @@ def _one_round(methods: list[str], steps: int, width: int, depth: int, batch: in
         else:
             options = dict(options)
             wire = hvd.Compression.fp16 if options.pop("fp16", False) else hvd.Compression.none
+            # the deciders compiled (default) or through the eager step pipeline, to compare
+            os.environ["HVDSYNC_KERAS_PIPELINE"] = "1" if options.pop("pipeline", False) else "0"
             opt = hvd.DistributedOptimizer(base, compression=wire, **options)
         model.compile(optimizer=opt, metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

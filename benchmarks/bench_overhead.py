@@ -104,8 +104,10 @@ def overhead_body(workload: str, methods: list[str], rounds: int, steps: int) ->
     return per_round
 
 
-def summarize(per_round: dict[str, list[float]]) -> dict[str, dict]:
-    base = per_round["horovod"]
+def summarize(per_round: dict[str, list[float]], base: str = "horovod") -> dict[str, dict]:
+    """Per method: the median time per step, and the mean over rounds of its ratio to the
+    ``base`` method's time in the same round with a 95 % interval."""
+    base = per_round[base]
     out = {}
     for name, times in per_round.items():
         ratios = [t / b for t, b in zip(times, base)]

@@ -160,6 +160,10 @@ def staleness_histogram(counters: dict[str, float]) -> dict[int, int]:
     return dict(sorted(hist.items()))
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class _InFlight:
     """One layer's part of one step's global gradient."""
@@ -183,7 +187,8 @@ class DelayedGradients(Transport):
     name = "delay"
 
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
-                 comm: Communicator, layer_names: list[str], stats: SyncStats):
+                 comm: Communicator, layer_names: list[str], stats: SyncStats,
+                 compressor: Optional[Any] = None):
         self.config = config
         self.policy = DelayPolicy(config, stats)
         self.grads = grads
@@ -191,6 +196,8 @@ class DelayedGradients(Transport):
         self.comm = comm
         self.layer_names = layer_names
         self.stats = stats
+        #: ``lowrank=``'s compression (:meth:`LowRankCompression.exchange`), or None: plain
+        self.compressor = compressor
         self._in_flight: dict[int, dict[int, _InFlight]] = {}  # step id -> layer -> part
         self._average_after_step = False
         self._bad: list = []  # this step's device flags: a layer's local gradient non-finite
@@ -221,8 +228,11 @@ class DelayedGradients(Transport):
         # In-flight ids span at most staleness + 1 consecutive steps, so this slot keeps
         # collective names unique while letting Horovod's response cache reuse them.
         slot = step % (self.config.staleness + 1)
-        pending = self.comm.allreduce(f"hvdsync.{self.layer_names[li]}.delay{slot}",
-                                      [self.ops.clone(g) for g in local])
+        name = f"hvdsync.{self.layer_names[li]}.delay{slot}"
+        copies = [self.ops.clone(g) for g in local]
+        pending = (self.compressor.exchange(li, list(ks), copies, step,
+                                            self.config.staleness + 1, name)
+                   if self.compressor is not None else self.comm.allreduce(name, copies))
         self._in_flight.setdefault(step, {})[li] = _InFlight(list(ks), local, pending)
         return Pending(nbytes=pending.nbytes, collectives=pending.collectives)
 
@@ -247,6 +257,9 @@ class DelayedGradients(Transport):
             waited = time.perf_counter() - start
         parts = [self._in_flight.pop(j) for j in fold]
         reduced = [{li: layer.pending.wait() for li, layer in part.items()} for part in parts]
+        for part in parts:  # lowrank=: the residuals of what is folded in join its memory
+            for layer in part.values():
+                getattr(layer.pending, "used", _nothing)()
         own = bool(fold) and fold[0] == t  # this step's global gradient is back: use it
         current = parts[0] if own else self._in_flight[t]
         corrections = list(zip(parts[1:], reduced[1:])) if own else list(zip(parts, reduced))
@@ -295,6 +308,7 @@ class DelayedGradients(Transport):
         for part in self._in_flight.values():
             for layer in part.values():
                 layer.pending.wait()
+                getattr(layer.pending, "discard", _nothing)()
         self._in_flight.clear()
         self._average_after_step = False
         if n:

@@ -28,6 +28,17 @@ Composition: ``clip=`` clips before (a transform); ``threshold=``/``select=`` de
 layers go, and a layer that goes is compressed (what it kept back joins its gradient first);
 ``fp16`` (``compression=``) carries the factors in half precision. A step that is non-finite
 on any rank commits neither ``E`` nor ``Q`` (the step is skipped everywhere).
+
+With ``delay=`` the compressed exchange runs in delay's background instead
+(:meth:`LowRankCompression.exchange`): step ``t`` starts its P rounds in backward, each Q round
+starts once its P has arrived (whenever this rank next looks, at the latest when the step's
+global gradient is due), and the global gradient ``P Q^T`` is folded in later like any delayed
+one. Two things change because rounds now overlap later steps: step ``t``'s ``Q`` warm start
+is the one produced by step ``t - 1 - staleness`` (the newest every rank is sure to have: delay
+has waited for it), and ``E`` collects each exchange's residual when that exchange completes
+on this rank and is added to the next exchange started after that (per rank, like ``E``
+itself). Every residual is still added exactly once; an exchange that is discarded (a flush
+before its global gradient was used) gives back the ``E`` it had taken.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from typing import Any, Optional
 
 from hvdsync.config import coerce_config
 from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, Transport
+from hvdsync.watchdog import guard
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,85 @@ class _Layer:
         self.result: Optional[Pending] = None  # the Q round, then the gradient delivered
 
 
+class _DelayedLowRank(Pending):
+    """One layer's exchange of one step inside ``delay=`` (see
+    :meth:`LowRankCompression.exchange`)."""
+
+    def __init__(self, owner: "LowRankCompression", step: int, ks: list[int], grads: list,
+                 plain: list[int], plain_p: Pending, compressed: list[int], keys: list[str],
+                 ms: list, taken: list, p_round: Pending, name: str, q_bytes: int):
+        super().__init__(self._finish, self._poll, plain_p.nbytes + p_round.nbytes + q_bytes,
+                         plain_p.collectives + p_round.collectives + 1,
+                         what=f"the low-rank exchange {name!r}")
+        self.owner, self.step, self.ks, self.grads = owner, step, ks, grads
+        self.plain, self.plain_p, self.compressed = plain, plain_p, compressed
+        self.keys, self.ms, self.taken, self.p_round, self.name = keys, ms, taken, p_round, name
+        self._q: Optional[Pending] = None
+        self._p: list = []
+        self._residuals: list = []
+        # Keras: eager Horovod ops block its background thread, so the Q round runs there
+        # right behind the step's flush (the same order on every rank); torch starts it when
+        # this rank first sees P arrived (Horovod matches async collectives by name)
+        chain = getattr(owner.comm, "after_flush", None)
+        self._chained = chain(self._q_round_blocking) if chain is not None else None
+
+    def _q_round_blocking(self) -> None:
+        ops, comm = self.owner.ops, self.owner.comm
+        self._p = [ops.orthonormal(p) for p in self.p_round.wait()]
+        qs = [ops.matmul(m, p, transpose_a=True) for m, p in zip(self.ms, self._p)]
+        with guard(f"the allreduce '{self.name}.Q'"):
+            self._q = Pending.resolved(comm.reduce(qs, name=f"{self.name}.Q"))
+
+    def _start_q(self) -> None:
+        if self._chained is not None:
+            self._chained.result()
+        elif self._q is None:
+            ops, comm = self.owner.ops, self.owner.comm
+            self._p = [ops.orthonormal(p) for p in self.p_round.wait()]
+            self._q = comm.allreduce(f"{self.name}.Q", [ops.matmul(m, p, transpose_a=True)
+                                                         for m, p in zip(self.ms, self._p)])
+
+    def _poll(self) -> bool:
+        if not (self.plain_p.ready() and self.p_round.ready()):
+            return False
+        if self._chained is not None:
+            return self._chained.done()
+        self._start_q()
+        return self._q.ready()
+
+    def _finish(self) -> list:
+        self._start_q()
+        ops = self.owner.ops
+        q_avg = self._q.wait()
+        full: list = [None] * len(self.ks)
+        for i, x in zip(self.plain, self.plain_p.wait()):
+            full[i] = x
+        for i, key, m, p, q in zip(self.compressed, self.keys, self.ms, self._p, q_avg):
+            approx = ops.matmul(p, q, transpose_b=True)
+            # Q is shared: recorded whenever it arrives (the warm start reads only the ones
+            # every rank has); the residual is this rank's, committed when used
+            self.owner._q_at.setdefault(key, {})[self.step] = q
+            self._residuals.append(ops.accumulate(ops.clone(m), approx, sign=-1))
+            full[i] = ops.from_matrix(approx, self.grads[i])
+        return full
+
+    def used(self) -> None:
+        """Folded in: each matrix's residual joins ``E``."""
+        self.wait()
+        err, ops = self.owner.err, self.owner.ops
+        for key, r in zip(self.keys, self._residuals):
+            err[key] = ops.add(err[key], r) if key in err else r
+
+    def discard(self) -> None:
+        """Dropped before use (a flush averages the replicas instead): the ``E`` it took
+        comes back."""
+        self.wait()
+        err, ops = self.owner.err, self.owner.ops
+        for key, e in zip(self.keys, self.taken):
+            if e is not None:
+                err[key] = ops.add(err[key], e) if key in err else e
+
+
 class LowRankCompression(Transport):
     """Owns the compressible matrices after warm-up; per layer: P round, then Q round.
 
@@ -110,6 +201,10 @@ class LowRankCompression(Transport):
         self.q: dict[str, Any] = {}
         self.err: dict[str, Any] = {}
         self._rank: dict[tuple[int, int], int] = {}  # (li, k) -> rank used, 0: goes plain
+        #: inside ``delay=``: delay runs the exchange (:meth:`exchange`) and this owns nothing;
+        #: Q per matrix by the step that produced it
+        self.delayed = False
+        self._q_at: dict[str, dict[int, Any]] = {}
         self._new_step()
 
     def _new_step(self) -> None:
@@ -134,7 +229,7 @@ class LowRankCompression(Transport):
         return r
 
     def owns(self, li: int, k: int) -> bool:
-        return (self.step >= self.config.warmup_steps and self.rank_for(li, k) > 0
+        return (not self.delayed and self.step >= self.config.warmup_steps and self.rank_for(li, k) > 0
                 and not self.grads.is_row_sparse(li, k))
 
     # -- the step ---------------------------------------------------------------------------
@@ -201,10 +296,65 @@ class LowRankCompression(Transport):
             self.step += 1
         self._new_step()
 
+    # -- inside delay= ----------------------------------------------------------------------
+    def exchange(self, li: int, ks: list[int], grads: list, step: int, lag: int,
+                 name: str) -> Pending:
+        """``delay=``'s exchange of one layer's gradients ``grads`` (copies; of parameters
+        ``ks``) for global step ``step``: compressible matrices (after warm-up) by P and Q
+        rounds, the rest plain, every round named from ``name``. ``wait()`` gives the
+        rank-averaged gradients (``P Q^T`` for matrices); ``ready()`` starts the Q round once
+        P has arrived; delay calls ``used()`` when it folds them in (the residuals join ``E``)
+        or ``discard()`` when it drops them (the ``E`` they took comes back). ``lag``:
+        staleness + 1 (which ``Q`` every rank has for the warm start)."""
+        g, ops = self.grads, self.ops
+        compressed = [i for i, k in enumerate(ks)
+                      if step > self.config.warmup_steps and self.rank_for(li, k) > 0]
+        plain = [i for i in range(len(ks)) if i not in compressed]
+        plain_p = (self.comm.allreduce(f"{name}.plain", [grads[i] for i in plain])
+                   if plain else Pending.resolved([]))
+        if not compressed:
+            return plain_p
+        ms, ps, taken, keys = [], [], [], []
+        for i in compressed:
+            key = g.key(li, ks[i])
+            m = ops.matrix(grads[i])
+            e = self.err.pop(key, None)  # every residual joins exactly one later exchange
+            taken.append(e)
+            ms.append(m if e is None else ops.add(m, e))
+            keys.append(key)
+            ps.append(ops.matmul(ms[-1], self._warm_q(key, li, ks[i], m, step - lag)))
+        p_round = self.comm.allreduce(f"{name}.P", ps)
+        rows = sum(ops.matrix_shape(p)[0] * ops.matrix_shape(p)[1] for p in ps)
+        cols = sum(ops.matrix_shape(m)[1] * ops.matrix_shape(p)[1] for m, p in zip(ms, ps))
+        return _DelayedLowRank(self, step, ks, grads, plain, plain_p, compressed, keys, ms,
+                               taken, p_round, name, p_round.nbytes * cols // max(rows, 1))
+
+    def _warm_q(self, key: str, li: int, k: int, m: Any, newest: int) -> Any:
+        """The Q to start from: the one produced by the newest step <= ``newest`` (every rank
+        has it), else the seeded initial one; older ones are dropped."""
+        versions = self._q_at.get(key, {})
+        usable = [j for j in versions if j <= newest]
+        if usable:
+            j = max(usable)
+            for old in [x for x in versions if x < j]:
+                del versions[old]
+            return versions[j]
+        q = self.q.get(key)
+        if q is None:
+            q = self.q[key] = self.ops.random_matrix(
+                self.ops.matrix_shape(m)[1], self.rank_for(li, k),
+                (self.config.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**31, m)
+        return q
+
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Shared: the step count and each matrix's Q. Per rank: the residuals (``err``)."""
+        """Shared: the step count and each matrix's Q. Per rank: the residuals (``err``).
+        Inside ``delay=`` (saved after a flush, so every rank has every Q): the newest Q."""
         g = self.grads
+        for key, versions in self._q_at.items():
+            if versions:
+                self.q[key] = versions[max(versions)]
+        self._q_at.clear()
         return {"step": self.step, "q": {k: g.to_saved(k, v) for k, v in self.q.items()},
                 "err": {k: g.to_saved(k, v) for k, v in self.err.items()}}
 
@@ -219,6 +369,7 @@ class LowRankCompression(Transport):
         """Start over: no residuals, fresh Q (every rank alike)."""
         self.q.clear()
         self.err.clear()
+        self._q_at.clear()
         self._new_step()
 
     def drop_per_rank(self) -> None:

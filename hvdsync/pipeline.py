@@ -47,7 +47,12 @@ def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOp
         "delay": lambda c: DelayedGradients(c, grads, ops, comm, layer_names, stats),
         "plain": lambda _: PlainAllreduce(grads, comm, layer_names),
     }
-    return [make[name](configs.get(name)) for name in rules.pipeline_order(configs)]
+    techniques = [make[name](configs.get(name)) for name in rules.pipeline_order(configs)]
+    by_name = {t.name: t for t in techniques}
+    if "lowrank" in by_name and "delay" in by_name:  # delay runs the compressed exchange
+        by_name["lowrank"].delayed = True
+        by_name["delay"].compressor = by_name["lowrank"]
+    return techniques
 
 
 class StepPipeline:
@@ -184,7 +189,7 @@ class StepPipeline:
         """Make every layer ready (parameters without a gradient get zeros, as in Horovod),
         send everything queued, start the decider's control exchange, wait for all of it, and
         close the step up to the wrapped optimizer's update."""
-        self._check_load()
+        self.check_load()
         n = len(self.layer_names)
         missing = [li for li in range(n) if not self._ready[li]]
         for t in self.transports:
@@ -263,7 +268,7 @@ class StepPipeline:
         that either every rank has its own memory back or none keeps any."""
         self._after_load = restored_own
 
-    def _check_load(self) -> None:
+    def check_load(self) -> None:
         if self._after_load is None:
             return
         restored, self._after_load = self._after_load, None

@@ -48,10 +48,6 @@ EXCLUSIONS = (
               "delay= folds dense global gradients into later steps and averages the "
               "parameters every K steps; row-sparse gradients have no such fold yet; pass "
               "one of them"),
-    Exclusion("delay", "lowrank",
-              "delay= sends each step's global gradient in the background and folds it in "
-              "later; its exchange has no compressed form yet (lowrank= needs two rounds per "
-              "layer, P then Q); pass one of them"),
     Exclusion("delay", "clip mode 'global'",
               "delay= folds the global gradient in later, so clipping the averaged gradient "
               "before the step does not apply; use clip mode 'local'"),

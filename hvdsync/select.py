@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -55,7 +56,8 @@ import numpy as np
 
 from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Communicator, Decider, Gradients, Pending, TensorOps
+from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps, refill,
+                               shared_ok)
 
 SELECTORS = ("hypernet", "norm", "random", "round_robin")
 OBJECTIVES = ("first_order", "second_order")
@@ -376,9 +378,7 @@ class SelectedPushes(Decider):
 
     def layer_ready(self, li: int, ks: list[int]) -> None:
         """Take the layer's statistics (no host sync: device values)."""
-        self._eligible[li] = bool(ks)
-        if ks and not self._bytes[li]:
-            self._bytes[li] = self.grads.payload_bytes(li)
+        self.layer_seen(li, bool(ks), lambda: self.grads.payload_bytes(li))
         for k in ks:
             if self.grads.is_row_sparse(li, k):
                 raise ValueError("select= needs dense gradients: pass sparse=True (row-sparse "
@@ -388,6 +388,13 @@ class SelectedPushes(Decider):
             # dL/dalpha_l at alpha = 1 for the loss with the layer's weights scaled by alpha
             self._dots[li] = self.ops.dot([(self.grads.get(li, k), self.grads.value(li, k))
                                            for k in ks])
+
+    def layer_seen(self, li: int, present: bool, nbytes: Callable[[], int]) -> None:
+        """Whether layer ``li`` has gradients this step (else it cannot be chosen next), and
+        its dense bytes (``nbytes()``, asked once) for a byte budget."""
+        self._eligible[li] = present
+        if present and not self._bytes[li]:
+            self._bytes[li] = nbytes()
 
     def decision(self, li: int) -> bool:
         return self.policy.selected[li]  # chosen at the end of the last step
@@ -432,18 +439,30 @@ class SelectedPushes(Decider):
         the residuals back and leaves the selector as it was."""
         shared, local = self._control.wait(), self._local
         self._control = None
-        n = len(self.layer_names)
-        nd = n if self.policy.hypernet is not None else 0
-        m = len(local)
-        curvature = shared[m:m + n] if self._second_order else None
         journal, self._journal = self._journal, {}
-        if not (data_ok and shared[-1] == 0 and all(math.isfinite(x) for x in shared[:-1])):
+        if not (data_ok and shared_ok(shared)):
             for key, r in journal.items():  # nothing of this step is kept
                 if r is None:
                     self.residual.pop(key, None)
                 else:
                     self.residual[key] = r
             return False
+        self.choose_next(shared, local)
+        return True
+
+    def control_layout(self) -> tuple[bool, bool]:
+        """What the control vector carries before the flag: (the dot products, their
+        squares) -- then always the residual norms between them (see :meth:`share`)."""
+        return self.policy.hypernet is not None, self._second_order
+
+    def choose_next(self, shared: list[float], local: list[float]) -> None:
+        """The next step's layers from a finite step's shared control vector (dot products
+        if the hypernet scores, residual norms, squares with the second-order objective,
+        then the flag) and this rank's own ``local`` dots and norms (for the stats)."""
+        n = len(self.layer_names)
+        nd = n if self.policy.hypernet is not None else 0
+        m = len(local)
+        curvature = shared[m:m + n] if self._second_order else None
         shared_dots, shared_norms = (shared[:n] if nd else [0.0] * n), shared[nd:m]
         self.policy.pushed(list(self.policy.selected))  # round_robin scores by the waits
         scores = self.policy.scores(shared_dots, shared_norms, curvature)
@@ -453,7 +472,6 @@ class SelectedPushes(Decider):
         if self.policy.hypernet is not None:
             self.last["dots"] = shared_dots
             self.last["alpha"] = self.policy.prev_alpha.tolist()
-        return True
 
     def state_dict(self) -> dict:
         """Shared: the selector (hypernet and its Adam state, score EMA, wait counters, the
@@ -464,8 +482,8 @@ class SelectedPushes(Decider):
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["policy"])
         self.forget()
-        self.residual = {k: self.grads.from_saved(k, v)
-                         for k, v in state.get("residual", {}).items()}
+        refill(self.residual, {k: self.grads.from_saved(k, v)
+                               for k, v in state.get("residual", {}).items()})
 
     def forget(self) -> None:
         self.residual.clear()

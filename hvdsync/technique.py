@@ -46,6 +46,7 @@ do arithmetic through its :class:`TensorOps`; they move bytes through its
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol
 
@@ -101,6 +102,19 @@ class Pending:
                     self.what)
         p._guarded = False  # this one's wait() is guarded already
         return p
+
+
+def shared_ok(shared: Sequence[float]) -> bool:
+    """Whether a decider's shared control vector says the step was finite everywhere: its
+    last entry (the ranks' non-finite flags, averaged) is 0 and every statistic is finite."""
+    return shared[-1] == 0 and all(math.isfinite(x) for x in shared[:-1])
+
+
+def refill(mapping: Any, items: dict) -> None:
+    """Replace a technique's per-parameter memory in place (it may be a dict, or the Keras
+    compiled path's variable-backed view of the same keys)."""
+    mapping.clear()
+    mapping.update(items)
 
 
 # -- what an adapter provides ----------------------------------------------------------------

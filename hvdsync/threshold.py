@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.config import coerce_config
-from hvdsync.technique import Communicator, Decider, Gradients, Pending, TensorOps
+from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps, refill,
+                               shared_ok)
 
 SCOPES = ("layer", "global")
 
@@ -225,8 +226,7 @@ class AccumulationThreshold(Decider):
         skipped ones keep their new accumulation, and the next step's plan is taken from the
         shared norms. If not: nothing of the step is kept and the plan stands."""
         shared = self._control.wait()
-        n = self.num_layers
-        ok = data_ok and shared[-1] == 0 and all(math.isfinite(x) for x in shared[:-1])
+        ok = data_ok and shared_ok(shared)
         if ok:
             g = self.grads
             for key in self._synced:
@@ -238,10 +238,17 @@ class AccumulationThreshold(Decider):
                 self.acc[key] = cand
                 if key not in self.anchor:  # the first local-only update is next
                     self.anchor[key] = g.snapshot(key)
-            relative = self.policy.config.relative
-            self.plan = self.policy.decide(shared[:n], shared[n:-1] if relative else None)
+            self.plan_next(shared)
         self._new_step()
         return ok
+
+    def plan_next(self, shared: list[float]) -> None:
+        """The next step's plan from a finite step's shared control vector: every layer's
+        expected accumulation norm, with ``relative`` the parameter norms, then the flag
+        (the layout :meth:`share` sends; the Keras compiled path sends the same)."""
+        n = self.num_layers
+        relative = self.policy.config.relative
+        self.plan = self.policy.decide(shared[:n], shared[n:-1] if relative else None)
 
     def state_dict(self) -> dict:
         """Shared: the skip counters and step. Per rank: the unsent accumulations, the sync
@@ -262,8 +269,8 @@ class AccumulationThreshold(Decider):
         # (a checkpoint without a plan: sync every layer next step, which is always safe)
         self.plan = [bool(x) for x in state.get("plan", [True] * self.num_layers)]
         self._new_step()
-        self.acc = {k: g.from_saved(k, v) for k, v in state.get("acc", {}).items()}
-        self.anchor = {k: g.from_saved(k, v) for k, v in state.get("anchor", {}).items()}
+        refill(self.acc, {k: g.from_saved(k, v) for k, v in state.get("acc", {}).items()})
+        refill(self.anchor, {k: g.from_saved(k, v) for k, v in state.get("anchor", {}).items()})
         for k, snap in state.get("local", {}).items():
             g.restore(k, g.from_saved(k, snap))
 

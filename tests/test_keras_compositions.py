@@ -44,6 +44,14 @@ CASES = {
     "lowrank_threshold": (dict(lowrank=dict(rank=2, warmup_steps=2),
                                threshold=dict(threshold=0.3, max_skip=3)), "sgd", 0.5, 12, 16,
                           {}),
+    # lowrank= inside delay=: synchronous equals lowrank= alone; stale, replicas meet at K
+    "lowrank_alone": (dict(lowrank=dict(rank=2, warmup_steps=2)), "momentum", 0.05, 12, 16,
+                      dict(F64, record_weights=False)),
+    "delay_sync_lowrank": (dict(lowrank=dict(rank=2, warmup_steps=2), delay=dict(staleness=0)),
+                           "momentum", 0.05, 12, 16, dict(F64, record_weights=False)),
+    "delay_lowrank_fp16": (dict(lowrank=dict(rank=2, warmup_steps=2), fp16=True,
+                                delay=dict(staleness=2, average_every=4)), "momentum", 0.05,
+                           12, 16, {}),
 }
 
 
@@ -171,3 +179,27 @@ def test_lowrank_with_threshold(runs):
                         np.testing.assert_array_equal(v, other["weights"][t][k])
     final = [h["loss"][-1] for h in (rank["history"] for rank in ranks)]
     assert all(np.isfinite(final))
+
+
+def test_lowrank_inside_delay(runs):
+    """Synchronous (staleness 0): the same training as lowrank= alone. Stale, fp16 factors:
+    the Q rounds run in the background behind each step's P rounds, every global gradient is
+    folded once within the bound, and the replicas are identical after each averaging."""
+    _, r = runs
+    for a, b in zip(r["lowrank_alone"], r["delay_sync_lowrank"]):
+        for k, v in a["final"].items():
+            np.testing.assert_allclose(b["final"][k], v, rtol=0, atol=1e-9, err_msg=k)
+    ranks = r["delay_lowrank_fp16"]
+    for rank in ranks:
+        c = rank["stats"]["total"]
+        lags = {int(k.split("_")[1]): v for k, v in c.items() if k.startswith("staleness_")}
+        assert max(lags) <= 2 and c["averaged"] == 3
+        assert sum(lags.values()) + len(rank["delay"]["outstanding"]) == 12
+        dense = c["bytes_dense"] // 12  # float32 bytes of one step
+        factors = 2 * ((12 + 16) + (16 + 16)) * 4  # P and Q of fc1 and fc2, float32
+        compressed = dense - (12 * 16 + 16 * 16) * 4 + factors
+        # fp16 on the wire (2 warm-up steps whole), plus 3 float32 parameter averagings
+        assert c["bytes_sent"] == (2 * dense + 10 * compressed) // 2 + 3 * dense
+    for t in (3, 7, 11):  # right after each averaging step
+        for other in ranks[1:]:
+            assert _weights_equal(ranks[0]["weights"][t], other["weights"][t]), t

@@ -85,6 +85,12 @@ CASES = {
                        threshold=dict(threshold=0.6, max_skip=3)), 150),
     "select": (dict(lowrank=dict(rank=2, warmup_steps=5), select=dict(k=1, max_wait=2)), 150),
     "select_alone": (dict(select=dict(k=1, max_wait=2)), 150),
+    # inside delay=: synchronous (staleness 0) equals lowrank= alone; stale, it folds P Q^T
+    "delay_sync": (dict(lowrank=dict(rank=1, **EVERY_MATRIX), delay=dict(staleness=0)), 30),
+    "delay": (dict(lowrank=dict(rank=2, warmup_steps=5),
+                   delay=dict(staleness=2, average_every=8)), 150),
+    "delay_fp16": (dict(lowrank=dict(rank=2, warmup_steps=5),
+                        delay=dict(staleness=2, average_every=8)), 150, True),
 }
 TRAINED = ["rank2", "rank2_fp16", "clip", "threshold", "select"]
 
@@ -151,7 +157,32 @@ def test_bytes_are_the_factors(runs):
     assert half == [factors // 2] * len(half)
 
 
-@pytest.mark.parametrize("case", TRAINED)
+def test_inside_delay_synchronous_equals_lowrank_alone(runs):
+    """staleness=0: every step waits for its own P and Q rounds, the warm start is the last
+    step's Q and the residual the last step's: the same training as lowrank= alone."""
+    for ours, alone in zip(runs["delay_sync"], runs["feedback"]):
+        for step, (a, b) in enumerate(zip(ours["params"], alone["params"])):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"step {step}")
+        assert ours["payload"] == alone["payload"]
+
+
+@pytest.mark.parametrize("case", ["delay", "delay_fp16"])
+def test_inside_delay_factors_travel_and_replicas_meet(runs, case):
+    """Stale (staleness 2, averaging every 8 steps): after warm-up each step sends the
+    factors (as lowrank= alone: P then Q, started in backward and finished in the
+    background), and after every averaging step the replicas are identical."""
+    first, *others = runs[case]
+    alone = runs["rank2_fp16" if case.endswith("fp16") else "rank2"][0]["payload"]
+    for t, (ours, theirs) in enumerate(zip(first["payload"], alone), start=1):
+        if t % 8:  # averaging steps add the parameter allreduce
+            assert ours == theirs, (t, ours, theirs)
+    for other in others:
+        for t in range(8, len(first["params"]) + 1, 8):
+            assert np.array_equal(first["params"][t - 1], other["params"][t - 1]), t
+    assert first["status"]["compressing"] and first["status"]["layers"] == ["fc1", "fc2"]
+
+
+@pytest.mark.parametrize("case", TRAINED + ["delay", "delay_fp16"])
 def test_training_converges(runs, case):
     """On the learnable teacher data every composition gets the loss well below where it
     started and near what it reaches without compression (plain averaging; select= with one
@@ -159,7 +190,9 @@ def test_training_converges(runs, case):
     reference = "select_alone" if case == "select" else "plain"
     # select= with k=1 of 3 layers sends a layer's 1-3 accumulated steps at once, and rank 2
     # keeps less of such a sum: measured 0.37-0.58 against select= alone's 0.24-0.38
-    margin = 0.3 if case == "select" else 0.1
+    # inside delay= (staleness 2) which stale P Q^T a step folds depends on timing: measured
+    # 0.29-0.44 against plain averaging's 0.25-0.27 (delay= alone: 0.25)
+    margin = {"select": 0.3, "delay": 0.3, "delay_fp16": 0.3}.get(case, 0.1)
     for r, ref in zip(runs[case], runs[reference]):
         final, start = np.mean(r["losses"][-20:]), np.mean(r["losses"][:5])
         without = np.mean(ref["losses"][-20:])
@@ -230,8 +263,6 @@ def test_bad_configs_fail_at_construction():
     assert_construction_fails(ValueError, "rank must be >= 1", lowrank=0)
     assert_construction_fails(TypeError, "lowrank must be", lowrank="4")
     assert_construction_fails(ValueError, "min_compression", lowrank=dict(min_compression=-1))
-    assert_construction_fails(ValueError, "lowrank= cannot be combined|cannot be combined with "
-                              "lowrank=", lowrank=2, delay=True)
     import horovod.torch as horovod
     assert_construction_fails(ValueError, "lowrank= reduces the factors", lowrank=2,
                               op=horovod.Min)

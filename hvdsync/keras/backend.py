@@ -181,6 +181,10 @@ class KerasGradients:
             self._positions[li] = positions
         self._pos_of = {v.path: pos for pos, v in enumerate(self.variables)}
 
+    def key_of(self, variable) -> str:
+        """The key of a model variable (:meth:`key` by variable)."""
+        return self._key[variable.path]
+
     def layer_positions(self, variables: list) -> list[tuple[int, list[int]]]:
         """Per layer present in ``variables`` (layer order), the positions of its variables."""
         out: dict[int, list[int]] = {}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -73,6 +73,13 @@ def gather_json(obj, name: str, process_set: ProcessSet) -> list:
             for b in gather_bytes(json.dumps(obj).encode(), name, process_set)]
 
 
+def _settle_into(fn: Callable[[], Any], future: Future) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # the waiter re-raises it
+        future.set_exception(e)
+
+
 class _Request:
     def __init__(self, name: str, tensors: list, pending: Pending):
         self.name, self.tensors, self.pending = name, tensors, pending
@@ -96,6 +103,7 @@ class KerasCommunicator:
         self.stats = stats
         self._queue: list[_Request] = []
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._after: list[tuple[Callable[[], Any], Future]] = []
 
     @property
     def size(self) -> int:
@@ -180,6 +188,9 @@ class KerasCommunicator:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdsync")
             future = self._pool.submit(run)
+            after, self._after = self._after, []
+            for fn, placeholder in after:  # right behind it, in the same order on every rank
+                self._pool.submit(_settle_into, fn, placeholder)
         else:
             future = Future()
             future.set_result(run())
@@ -187,6 +198,14 @@ class KerasCommunicator:
         for r in requests:
             r.future, r.index = future, i
             i += len(r.tensors)
+
+    def after_flush(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` in the background thread right after the next background flush (eager
+        Horovod ops block, so collectives that depend on that flush's result -- low-rank Q
+        rounds inside ``delay=`` -- are queued behind it, in the same order on every rank)."""
+        placeholder: Future = Future()
+        self._after.append((fn, placeholder))
+        return placeholder
 
     @staticmethod
     def _result(request: _Request) -> list:

@@ -14,6 +14,7 @@ that runs the step pipeline eagerly inside it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -21,6 +22,7 @@ import tensorflow as tf
 from hvdsync.clipping import LayerClip
 from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.comm import KerasCommunicator, payload_bytes
+from hvdsync.keras.compiled import COMPILED_DECIDERS, CompiledDecider
 from hvdsync.pipeline import StepPipeline
 from hvdsync.technique import Technique
 
@@ -29,20 +31,33 @@ _GRAPH_TECHNIQUES = (LayerClip,)
 
 
 def graph_runs(techniques: list[Technique]) -> bool:
-    """Whether the compiled graph path can run these techniques (else: the pipeline path)."""
-    return all(t.name == "plain" or isinstance(t, _GRAPH_TECHNIQUES) for t in techniques)
+    """Whether the compiled graph path can run these techniques (else: the pipeline path):
+    the plain exchange, ``clip=``, and one decider with a compiled form
+    (:mod:`hvdsync.keras.compiled`)."""
+    return all(t.name == "plain" or isinstance(t, _GRAPH_TECHNIQUES + COMPILED_DECIDERS)
+               for t in techniques)
 
 
 def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                layers: list[tuple[int, list[int]]], grads: list, variables: list,
-               apply: Callable[[list, list], None]) -> None:
+               apply: Callable[[list, list], None],
+               decider: Optional[CompiledDecider] = None, keys: Optional[list[str]] = None
+               ) -> None:
     """Build one step of the graph path: per layer (fixed order) clip (local), reduce, clip
-    (global); then ``apply(grads, variables)`` and record the step's statistics."""
+    (global); then ``apply(grads, variables)`` and record the step's statistics. With a
+    ``decider`` (``keys``: each variable's key), each layer's reduce runs only where the
+    step's plan sends it, and the decider's memory and control round are built around."""
     clip = next((t for t in pipeline.transforms if isinstance(t, LayerClip)), None)
     stats, layer_names = pipeline.stats, pipeline.layer_names
     grads = list(grads)
     records, clipped, sent, dense, collectives = [], [], [], [], []
     mode = clip.config.mode if clip is not None else None
+    plan = None
+    if decider is not None:
+        decider.trace([(li, sum(payload_bytes(_dense(grads[p], comm)) for p in positions))
+                       for li, positions in layers])
+        plan = decider.plan(pipeline.check_load)
+    held_norms, bads, steps, params_of = [], [], [], {}
     for li, positions in layers:
         layer = [grads[p] for p in positions]
         params = [variables[p].value for p in positions]
@@ -51,36 +66,83 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             layer, norm, was = clip_layer(layer, params, clip.config, _limit(clip, li))
             records.append(tf.stack([norm, tf.cast(was, tf.float32)]))
             clipped.append(li)
-        reduced = comm.reduce(layer)
-        if mode == "global":
+
+        def send(xs: list, li=li, params=params) -> tuple[list, list]:
+            reduced = comm.reduce(xs, name=None if decider is None
+                                  else f"hvdsync.{layer_names[li]}")
+            if mode != "global":
+                return reduced, []
             reduced, norm, was = clip_layer(reduced, params, clip.config, _limit(clip, li))
-            records.append(tf.stack([norm, tf.cast(was, tf.float32)]))
+            return reduced, [norm, tf.cast(was, tf.float32)]
+        if decider is None:
+            reduced, extras = send(layer)
+        else:
+            layer = [_dense(g, comm) for g in layer]
+            ks = [keys[p] for p in positions]
+            reduced, held, bad, extras = decider.exchange(li, ks, layer, plan[li], send,
+                                                          2 if mode == "global" else 0)
+            held_norms.append(held)
+            bads.append(bad)
+            steps.append((li, ks, layer))
+            params_of[li] = params
+        if mode == "global":
+            records.append(tf.stack(extras))
             clipped.append(li)
         for p, r in zip(positions, reduced):
             grads[p] = r
         sent.append(tf.add_n([_bytes(comm, g, wire=True) for g in layer]))
         collectives.append(comm.collectives(layer) if comm.size > 1 else 0)
-    # finite on every rank: the exchanged gradients carry any rank's NaN/Inf to every rank
-    ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(
-        g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads]))
-    _apply_if(ok, apply, grads, variables)
+    if decider is None:
+        # finite on every rank: the exchanged gradients carry any rank's NaN/Inf everywhere
+        ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(
+            g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads]))
+        shared = local = tf.zeros([0], tf.float64)
+        _apply_if(ok, apply, grads, variables)
+    else:
+        shared, local, ok = decider.control([(li, layer) for li, _, layer in steps],
+                                            held_norms, bads, params_of, grads)
+        put_back = decider.commit(steps, plan, ok)
+        _apply_if(ok, apply, grads, variables)
+        put_back()
     record = tf.stack(records) if records else tf.zeros([0, 2], tf.float32)
     names = [layer_names[li] for li, _ in layers]
+    sends = plan if plan is not None else tf.ones([len(layer_names)], tf.bool)
+    order = [li for li, _ in layers]
 
-    def finish(sent, dense, record, ok):
-        for name, nbytes, d, c in zip(names, sent.tolist(), dense.tolist(), collectives):
+    def finish(sent, dense, record, ok, sends, shared, local):
+        sends = sends.tolist()
+        for li, name, nbytes, d, c in zip(order, names, sent.tolist(), dense.tolist(),
+                                          collectives):
             stats.dense(int(d))
-            if comm.size > 1:
-                stats.sent(name, int(nbytes), c)
+            if not sends[li]:
+                stats.skipped(name)
+            elif comm.size > 1 or decider is not None:
+                stats.sent(name, int(nbytes) if comm.size > 1 else 0, c)
+        if decider is not None and comm.size > 1:
+            stats.control(shared.nbytes)
         if clip is not None and ok:
             clip.observe([(li, float(n), bool(w))
-                          for li, (n, w) in zip(clipped, np.asarray(record).reshape(-1, 2))])
+                          for li, (n, w) in zip(clipped, np.asarray(record).reshape(-1, 2))
+                          if mode == "local" or sends[li]])
+        if decider is not None:
+            decider.settle(bool(ok), shared, local)
         if not ok:
             pipeline.note_nonfinite()
         stats.end_step()
         return np.int32(0)
-    tf.numpy_function(finish, [tf.stack(sent), tf.stack(dense), record, ok], tf.int32,
-                      stateful=True)
+    tf.numpy_function(finish, [tf.stack(sent), tf.stack(dense), record, ok, sends, shared,
+                               local], tf.int32, stateful=True)
+
+
+def _dense(g, comm: KerasCommunicator):
+    """A decider's gradients are dense: ``IndexedSlices`` only with ``sparse_as_dense``."""
+    if not isinstance(g, tf.IndexedSlices):
+        return g
+    if not comm.sparse_as_dense:
+        raise ValueError("threshold=/select= need dense gradients: pass sparse=True (row-"
+                         "sparse layers then take the sparse exchange every step) or "
+                         "sparse_as_dense=True")
+    return tf.convert_to_tensor(g)
 
 
 def _limit(clip: LayerClip, li: int) -> tf.Tensor:

@@ -12,6 +12,7 @@ collectives in the same order (layers in a fixed order, decisions from shared va
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Optional
 
@@ -30,6 +31,7 @@ from hvdsync.keras.graph import eager_step, graph_runs, graph_step, in_xla_conte
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
 from hvdsync.keras.backend import KerasGradients, KerasOps, Slots
 from hvdsync.keras.clipping import clip_layer
+from hvdsync.keras.compiled import CompiledDecider
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
 from hvdsync.keras.sparse import SparseExchange
@@ -87,9 +89,14 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             sparse_exchange=lambda c: SparseExchange(c, hv.grads, hv.comm, hv.stats),
             layer_names=names, stats=hv.stats)
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)
-        hv.graph_path = graph_runs(hv.techniques)
+        # HVDSYNC_KERAS_PIPELINE=1: every step through the eager step pipeline (to compare)
+        hv.graph_path = (graph_runs(hv.techniques)
+                         and os.environ.get("HVDSYNC_KERAS_PIPELINE") != "1")
         hv.signatures = [checkpoint.signature(v.shape, v.dtype) for vs in layer_vars for v in vs]
         with tf.init_scope():  # build may run while the train function is traced: go eager
+            decider = hv.pipeline.decider
+            hv.compiled = (CompiledDecider(decider, hv.grads, hv.comm, names)
+                           if hv.graph_path and decider is not None else None)
             if hv.process_set.included():
                 agreement.require(hv.comm, [(name, [checkpoint.signature(v.shape, v.dtype)
                                                     for v in vs])
@@ -142,7 +149,8 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             return
         if hv.graph_path:
             graph_step(hv.comm, hv.pipeline, hv.grads.layer_positions(variables), grads,
-                       variables, self._apply_update)
+                       variables, self._apply_update, hv.compiled,
+                       [hv.grads.key_of(v) for v in variables])
             return
         if hv.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g

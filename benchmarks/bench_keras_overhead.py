@@ -1,0 +1,144 @@
+"""Step overhead of hvdsync.keras when nothing is skipped: the deciders in the compiled train
+function against the plain graph path, and both against Horovod's ``DistributedGradientTape``.
+
+    python -m benchmarks.bench_keras_overhead                  # loopback, 2 ranks
+    python -m benchmarks.bench_keras_overhead --net 100 --rounds 12
+
+Each rank pins itself to one core (2 ranks on 2 cores, one TensorFlow thread each) and builds
+every method on its own copy of the same model (bench_keras' MLP, Adam) through ``model.fit``:
+Horovod's tape; hvdsync with nothing enabled (the plain graph path); ``clip`` with a limit
+never reached; ``threshold=0`` and ``select`` with every layer (the deciders, compiled: every
+layer sent every step); ``delay`` with staleness 0 (sends everything through the eager step
+pipeline, for scale). Rounds interleave the methods (the order rotates every round); each
+method trains ``--steps`` steps per round after a warm-up ``fit`` (tracing), timed from the
+end of its first step to the end of its last. A round's time per step is the slowest rank's; the figure is the ratio to the plain path's (and to Horovod's)
+time per step *in the same round*, averaged over rounds, with a 95 % interval (Student t).
+Results: ``benchmarks/results/keras_overhead_np<N>[_<rate>mbit].{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from benchmarks.bench_overhead import summarize
+from benchmarks.common import markdown_table, report
+from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
+
+METHODS: dict[str, Any] = {
+    "horovod (tape)": None,
+    "hvdsync (plain path)": {},
+    "clip (never clips)": dict(clip=dict(max_norm=1e9)),
+    "threshold=0": dict(threshold=0.0),
+    "select (every layer)": dict(select=dict(k=1.0)),
+    "delay staleness=0 (eager path)": dict(delay=dict(staleness=0)),
+}
+BASE = "hvdsync (plain path)"
+
+
+def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth: int,
+                  batch: int) -> dict:
+    """One rank: every method on its own model copy, rounds interleaved; per round and
+    method the slowest rank's seconds per step."""
+    import os
+    import time
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import hvdsync.keras as hvd
+    from benchmarks.keras_peers import horovod_tape_model
+    import horovod.tensorflow as htf
+    hvd.init()
+    os.sched_setaffinity(0, {hvd.rank() % os.cpu_count()})
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    features, classes = 32, 10
+    teacher = np.random.default_rng(0).standard_normal((features, classes))
+    rng = np.random.default_rng(100 + hvd.rank())
+    x = rng.standard_normal((steps * batch, features)).astype("float32")
+    y = np.argmax(x @ teacher, axis=1)
+    models = {}
+    for name in methods:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((features,))]
+                                 + [keras.layers.Dense(width, activation="relu")
+                                    for _ in range(depth - 1)]
+                                 + [keras.layers.Dense(classes)])
+        opt = keras.optimizers.Adam(1e-3)
+        if METHODS[name] is None:
+            model = horovod_tape_model(model)
+        else:
+            opt = hvd.DistributedOptimizer(opt, **METHODS[name])
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        model.fit(x[:2 * batch], y[:2 * batch], batch_size=batch, verbose=0)  # trace
+        models[name] = model
+    per_round: dict[str, list[float]] = {name: [] for name in methods}
+    for r in range(rounds):
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for name in order:
+            htf.allreduce(tf.zeros([1]), name=f"go.{r}.{name}")  # start together
+            marks: list[float] = []
+            clock = keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda *_, **__: marks.append(time.perf_counter()))
+            models[name].fit(x, y, batch_size=batch, verbose=0, shuffle=False,
+                             callbacks=[clock])
+            local = (marks[-1] - marks[0]) / (len(marks) - 1)  # fit's start-up excluded
+            slowest = htf.allreduce(tf.constant([local], tf.float64), op=htf.Max,
+                                        name=f"t.{r}.{name}")
+            per_round[name].append(float(slowest.numpy()[0]))
+    return per_round
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per method per round")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=128, help="per rank")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--net", default="loopback",
+                    help="'loopback' or a link rate in Mbit/s for the emulated network")
+    args = ap.parse_args(argv)
+    if args.rounds < 2:
+        ap.error("--rounds must be >= 2 (the interval needs a spread)")
+    methods = [BASE] + [m for m in args.methods if m != BASE]
+    call = (methods, args.rounds, args.steps, args.width, args.depth, args.batch)
+    if args.net == "loopback":
+        per_rank = run_ranks_on(None, overhead_body, args.np, args=call, timeout=3600)
+    else:
+        reason = namespaces_unavailable()
+        if reason:
+            ap.error(f"--net {args.net}: {reason}")
+        with EmulatedNetwork(args.np, rate_mbit=float(args.net)) as net:
+            per_rank = run_ranks_on(net, overhead_body, args.np, args=call, timeout=3600)
+    per_round = per_rank[0]  # every rank holds the same maxima
+    vs_plain = summarize(per_round, base=BASE)
+    horovod = "horovod (tape)"
+    vs_horovod = summarize(per_round, base=horovod) if horovod in per_round else None
+    rows = []
+    for name in methods:
+        s = vs_plain[name]
+        h = vs_horovod[name] if vs_horovod else None
+        rows.append([name, f"{s['step_ms']:.1f}", f"{s['ratio']:.3f}",
+                     f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]",
+                     f"{h['ratio']:.3f}" if h else "-"])
+    table = markdown_table(["method", "ms/step (median)", "time/step vs plain path", "95 % CI",
+                            "vs horovod (tape)"], rows)
+    link = "loopback" if args.net == "loopback" else f"{args.net} Mbit/s emulated links"
+    suffix = "" if args.net == "loopback" else f"_{args.net}mbit"
+    model = f"{args.depth}-layer MLP width {args.width}, batch {args.batch}/rank, Adam"
+    report(f"keras_overhead_np{args.np}{suffix}",
+           f"hvdsync.keras step overhead with nothing skipped, {model}, {args.np} ranks x 1 "
+           f"core, {link}, {args.rounds} interleaved rounds x {args.steps} steps", table,
+           dict(rounds=args.rounds, steps=args.steps, np=args.np, model=model,
+                vs_plain=vs_plain, vs_horovod=vs_horovod),
+           "benchmarks.bench_keras_overhead", argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""``threshold=`` and ``select=`` inside Keras' compiled train function.
+
+Both deciders plan each step one step ahead (:mod:`hvdsync.threshold`, :mod:`hvdsync.select`),
+so a step's plan exists before its backward. The compiled function reads it as a boolean
+tensor (one ``tf.py_function`` per step) and wraps each layer's exchange in
+``tf.cond(plan[li], send, keep)``: the send branch is a Horovod graph op named after the layer,
+which the graph executor starts as soon as backward has produced that layer's gradient, and
+every rank takes the same branch (the plan comes from shared values only). No Python runs
+between the gradients and the update.
+
+What a decider keeps between steps lives in ``tf.Variable``s (:class:`VariableMemory`):
+
+* ``held``: threshold's accumulation / select's residual per parameter, zero while its layer
+  holds nothing (a flag per layer says whether it does);
+* ``copies``: threshold's sync points (a skipping layer's parameters and optimizer slots as at
+  its last sync, put back right before its next sync); select's withheld layers (parameters and
+  slots copied before the update and put back after it, so they do not move).
+
+The core technique objects keep their policy (plan, scores, hypernet, counters) in Python and
+see this memory through :class:`VariableMemory`, which has the dict interface they use in the
+eager pipeline: ``state_dict``/``load_state_dict``/``forget``/``status`` and the checkpoint
+format are unchanged. After the data, the step's statistics -- the control vector of the eager
+pipeline, same layout and name -- are averaged in one graph allreduce; the step counts only if
+they are finite on every rank (else nothing is committed and the optimizer does not step), and
+the next plan is taken from them on the host by the core's own ``plan_next``/``choose_next``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, MutableMapping
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from horovod.tensorflow import mpi_ops
+from horovod.tensorflow.mpi_ops import Average
+
+from hvdsync.keras.backend import KerasGradients, norm_of
+from hvdsync.keras.comm import KerasCommunicator
+from hvdsync.select import SelectedPushes
+from hvdsync.technique import Decider
+from hvdsync.threshold import AccumulationThreshold
+
+#: the deciders that have a compiled form
+COMPILED_DECIDERS = (AccumulationThreshold, SelectedPushes)
+
+
+class VariableMemory(MutableMapping):
+    """Per-parameter tensors in ``tf.Variable``s, by key (:meth:`KerasGradients.key`); a key
+    is present while its layer's flag (``flags[li]``, a boolean variable) is set.
+
+    ``with_slots=False``: one tensor per key (an accumulation); ``True``: the parameter and
+    its optimizer slots, as :meth:`KerasGradients.snapshot` gives them (``{"value", "state"}``).
+    The mapping methods read the flags on the host: they are for use outside the step
+    (checkpoints, status); the compiled step uses ``flags`` and ``store`` directly."""
+
+    def __init__(self, grads: KerasGradients, with_slots: bool, name: str):
+        self.with_slots = with_slots
+        self.layer_keys = [[grads.key_of(v) for v in vs] for vs in grads.layer_vars]
+        self._layer = {k: li for li, ks in enumerate(self.layer_keys) for k in ks}
+        self.flags = [tf.Variable(False, trainable=False, name=f"hvdsync_{name}_flag{li}")
+                      for li in range(len(self.layer_keys))]
+        self.store: dict[str, list[tf.Variable]] = {}
+        for vs in grads.layer_vars:
+            for v in vs:
+                like = [v] + (grads.slots.of[v.path] if with_slots else [])
+                self.store[grads.key_of(v)] = [
+                    tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False,
+                                name=f"hvdsync_{name}") for x in like]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._layer or not bool(self.flags[self._layer[key]].numpy()):
+            raise KeyError(key)
+        values = [tf.identity(x) for x in self.store[key]]
+        return {"value": values[0], "state": values[1:]} if self.with_slots else values[0]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        values = [value["value"], *value["state"]] if self.with_slots else [value]
+        for x, v in zip(self.store[key], values):
+            x.assign(v)
+        self.flags[self._layer[key]].assign(True)
+
+    def __delitem__(self, key: str) -> None:
+        if key not in self:
+            raise KeyError(key)
+        self._empty(self._layer[key])
+
+    def _empty(self, li: int) -> None:
+        self.flags[li].assign(False)
+        if not self.with_slots:  # the compiled step adds a held tensor without looking
+            for key in self.layer_keys[li]:
+                self.store[key][0].assign(tf.zeros_like(self.store[key][0]))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([k for li, ks in enumerate(self.layer_keys)
+                     if bool(self.flags[li].numpy()) for k in ks])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def clear(self) -> None:
+        for li in range(len(self.layer_keys)):
+            self._empty(li)
+
+
+class CompiledDecider:
+    """One wrapped optimizer's decider in compiled form: its memory in variables (installed
+    into the core technique in place of its dicts) and the graph pieces of one step, which
+    :func:`hvdsync.keras.graph.graph_step` puts together."""
+
+    def __init__(self, decider: Decider, grads: KerasGradients, comm: KerasCommunicator,
+                 layer_names: list[str]):
+        self.decider = decider
+        self.threshold = isinstance(decider, AccumulationThreshold)
+        self.comm = comm
+        self.layer_names = layer_names
+        self.held = VariableMemory(grads, with_slots=False, name="held")
+        self.copies = VariableMemory(grads, with_slots=True, name="copy")
+        #: per key, the model variable and its optimizer slots (what ``copies`` mirror)
+        self.targets = {grads.key_of(v): [v, *grads.slots.of[v.path]]
+                        for vs in grads.layer_vars for v in vs}
+        if self.threshold:
+            decider.acc, decider.anchor = self.held, self.copies
+            self.control_name = "hvdsync.control.threshold"
+        else:
+            decider.residual = self.held
+            self.control_name = "hvdsync.select.stats"
+
+    # -- before backward ---------------------------------------------------------------------
+    def trace(self, layers: list[tuple[int, int]]) -> None:
+        """At trace time: the layers in the step and their dense bytes (select's eligibility
+        and byte budget; every traced step has the same layers)."""
+        if not self.threshold:
+            present = dict(layers)
+            for li in range(len(self.layer_names)):
+                self.decider.layer_seen(li, li in present, lambda li=li: present[li])
+
+    def plan(self, before: Callable[[], None]) -> tf.Tensor:
+        """This step's plan, a boolean per layer (``before()`` runs first, on the host)."""
+        n = len(self.layer_names)
+
+        def read():
+            before()
+            return tf.constant([bool(self.decider.decision(li)) for li in range(n)])
+        plan = tf.py_function(read, [], tf.bool)
+        plan.set_shape([n])
+        return plan
+
+    # -- per layer, as backward produces it ---------------------------------------------------
+    def exchange(self, li: int, keys: list[str], layer: list, send_plan: tf.Tensor,
+                 send: Callable[[list], tuple[list, list]], n_extra: int
+                 ) -> tuple[list, tf.Tensor, tf.Tensor, list]:
+        """``tf.cond(send_plan, send, keep)`` for layer ``li``'s (dense) gradients ``layer``
+        (of the parameters ``keys``).
+
+        Send: the held tensor joins the gradient and ``send(xs) -> (reduced, extras)`` runs
+        (``extras``: ``n_extra`` float32 scalars, zeros when kept). Keep: threshold updates the
+        layer locally with its own gradient, select withholds it (zeros; put back after the
+        update). Returns the gradients to apply, the extras, and -- apart from the data, so the
+        control round can start while the data is still in flight -- the norm of what the
+        layer holds after the step (its candidate, committed by :meth:`commit`; 0 when sent)
+        and whether its local gradient is non-finite where it is kept (sent data is checked
+        once reduced: identical everywhere)."""
+        held = [self.held.store[k][0] for k in keys]
+        flag = self.held.flags[li]
+
+        def go():
+            xs = tf.cond(flag, lambda: [g + tf.cast(h, g.dtype) for g, h in zip(layer, held)],
+                         lambda: [tf.identity(g) for g in layer])
+            out, extras = send(list(xs))
+            return [*out, *extras]
+
+        def keep():
+            out = (list(layer) if self.threshold  # the local update with its own gradient
+                   else [tf.zeros_like(g) for g in layer])  # withheld (put back anyway)
+            return [*out, *[tf.zeros([], tf.float32)] * n_extra]
+        res = tf.cond(send_plan, go, keep)
+        m = len(layer)
+        for r, g in zip(res[:m], layer):
+            r.set_shape(g.shape)
+        zero = tf.zeros([], tf.float32)
+        held_norm, bad = tf.cond(
+            send_plan, lambda: (zero, zero),
+            lambda: (norm_of([g + tf.cast(h, g.dtype) for g, h in zip(layer, held)]),
+                     _bad(layer)))
+        return list(res[:m]), held_norm, bad, list(res[m:])
+
+    # -- after backward --------------------------------------------------------------------------
+    def control(self, layers: list[tuple[int, list]], held_norms: list, bads: list,
+                params: dict[int, list], applied: list) -> tuple[tf.Tensor, tf.Tensor,
+                                                                  tf.Tensor]:
+        """The step's control vector (the eager pipeline's layout), averaged over ranks in one
+        graph allreduce. Returns (shared, this rank's dots and norms, whether the step was
+        finite on every rank: the shared flags and statistics, and the gradients to apply --
+        a local gradient's NaN is in the flags too, so every rank concludes alike)."""
+        n = len(self.layer_names)
+        zero = tf.zeros([], tf.float32)
+        at = {li: i for i, (li, _) in enumerate(layers)}
+        held = [held_norms[at[li]] if li in at else zero for li in range(n)]
+        if self.threshold:
+            grad = [norm_of(layers[at[li]][1]) if li in at else zero for li in range(n)]
+            values = [h + g for h, g in zip(held, grad)]
+            if self.decider.policy.config.relative:
+                values += [self._sync_norm(li, params[li]) if li in at else zero
+                           for li in range(n)]
+            local = tf.zeros([0], tf.float64)
+        else:
+            with_dots, squares = self.decider.control_layout()
+            dots = ([_dot(layers[at[li]][1], params[li]) if li in at else zero
+                     for li in range(n)] if with_dots else [])
+            values = dots + held
+            local = tf.cast(tf.stack(values), tf.float64) if values else tf.zeros([0], tf.float64)
+        bad = tf.reduce_max(tf.stack(bads)) if bads else zero
+        vector = tf.cast(tf.stack(values + [bad]), tf.float64)
+        if not self.threshold and squares:
+            d = vector[:n]
+            vector = tf.concat([vector[:-1], d * d, vector[-1:]], 0)
+        shared = (mpi_ops._allreduce(vector, name=self.control_name, op=Average,
+                                     process_set=self.comm.process_set)
+                  if self.comm.size > 1 else vector)
+        ok = tf.logical_and(tf.equal(shared[-1], 0.0),
+                            tf.reduce_all(tf.math.is_finite(shared[:-1])))
+        return shared, local, tf.logical_and(ok, _all_finite(applied))
+
+    def _sync_norm(self, li: int, params: list) -> tf.Tensor:
+        """Threshold ``relative``: the layer's parameter norm as of its last sync."""
+        anchored = [self.copies.store[k][0] for k in self.copies.layer_keys[li]]
+        return tf.cond(self.copies.flags[li], lambda: norm_of([tf.identity(a) for a in anchored]),
+                       lambda: norm_of(params))
+
+    def commit(self, layers: list[tuple[int, list[str], list]], plan: tf.Tensor,
+               ok: tf.Tensor) -> Callable[[], None]:
+        """Before the update, on a step finite everywhere: sent layers drop what they held
+        (threshold: and return to their sync point), kept ones add their gradient to it
+        (threshold: taking a sync point before their first local update; select: copying the
+        layer aside). ``layers``: (li, the layer's keys in the step, its local gradients).
+        Returns what to build after the update (select: put withheld layers back). One
+        ``tf.cond`` around it all: a step that sends everything with nothing held does no
+        per-layer work here."""
+        kept_any = tf.logical_and(ok, tf.reduce_any(tf.logical_not(plan)))
+        flags = [f.read_value() for f in self.held.flags + self.copies.flags]
+        busy = tf.logical_or(kept_any, tf.logical_and(ok, tf.reduce_any(tf.stack(flags))))
+        _when(busy, lambda: self._commit(layers, plan, ok))
+        if self.threshold:
+            return lambda: None
+        return lambda: _when(kept_any, lambda: self._put_back_withheld(layers, plan, ok))
+
+    def _put_back_withheld(self, layers: list[tuple[int, list[str], list]], plan: tf.Tensor,
+                           ok: tf.Tensor) -> None:
+        for li, keys, _ in layers:
+            kept = tf.logical_and(ok, tf.logical_not(plan[li]))
+            copies = [self.copies.store[k] for k in keys]
+            variables = [self.targets[k] for k in keys]
+            _when(kept, lambda c=copies, v=variables: _put_back(c, v))
+
+    def _commit(self, layers: list[tuple[int, list[str], list]], plan: tf.Tensor,
+                ok: tf.Tensor) -> None:
+        for li, keys, local in layers:
+            variables = [self.targets[k] for k in keys]
+            sent = tf.logical_and(ok, plan[li])
+            kept = tf.logical_and(ok, tf.logical_not(plan[li]))
+            copies = [self.copies.store[k] for k in keys]
+            if self.threshold:
+                anchored = self.copies.flags[li].read_value()
+                _when(tf.logical_and(sent, anchored), lambda c=copies, v=variables, li=li: (
+                    _put_back(c, v), self.copies.flags[li].assign(False)))
+                _when(tf.logical_and(kept, tf.logical_not(anchored)),
+                      lambda c=copies, v=variables, li=li: (
+                          _copy(v, c), self.copies.flags[li].assign(True)))
+            else:
+                _when(kept, lambda c=copies, v=variables: _copy(v, c))
+            held = [self.held.store[k][0] for k in keys]
+            flag = self.held.flags[li]
+            holding = flag.read_value()
+            _when(tf.logical_and(sent, holding), lambda h=held, f=flag: (
+                [x.assign(tf.zeros_like(x)) for x in h], f.assign(False)))
+            _when(kept, lambda h=held, g=local, f=flag: (
+                [x.assign_add(tf.cast(d, x.dtype)) for x, d in zip(h, g)], f.assign(True)))
+
+    # -- on the host, after the step ----------------------------------------------------------
+    def settle(self, ok: bool, shared: np.ndarray, local: np.ndarray) -> None:
+        """The next plan, from a step finite everywhere (else the plan stands)."""
+        if not ok:
+            return
+        shared_l, local_l = shared.tolist(), local.tolist()
+        if self.threshold:
+            self.decider.plan_next(shared_l)
+        else:
+            self.decider.choose_next(shared_l, local_l)
+
+
+def _when(cond: tf.Tensor, fn: Callable[[], Any]) -> None:
+    """Run ``fn``'s variable updates only where ``cond`` holds (a graph ``tf.cond``)."""
+    def yes():
+        fn()
+        return tf.constant(True)
+    tf.cond(cond, yes, lambda: tf.constant(False))
+
+
+def _copy(variables: list, copies: list[list[tf.Variable]]) -> None:
+    """Copy each variable (``variables[i]``: the model variable and its slots) aside."""
+    for vs, cs in zip(variables, copies):
+        for v, c in zip(vs, cs):
+            c.assign(v)
+
+
+def _put_back(copies: list[list[tf.Variable]], variables: list) -> None:
+    for vs, cs in zip(variables, copies):
+        for v, c in zip(vs, cs):
+            v.assign(c)
+
+
+def _all_finite(tensors: list) -> tf.Tensor:
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
+
+
+def _bad(tensors: list) -> tf.Tensor:
+    """1.0 if any of ``tensors`` holds NaN/Inf, else 0.0."""
+    return 1.0 - tf.cast(_all_finite(tensors), tf.float32)
+
+
+def _dot(grads: list, params: list) -> tf.Tensor:
+    return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32) * tf.cast(p, tf.float32))
+                     for g, p in zip(grads, params)])
