@@ -242,11 +242,7 @@ class LowRankCompression(Transport):
             m = ops.matrix(g.get(li, k))
             if key in self.err:
                 m = ops.add(m, self.err[key])
-            q = self.q.get(key)
-            if q is None:
-                q = self.q[key] = ops.random_matrix(
-                    ops.matrix_shape(m)[1], self.rank_for(li, k),
-                    (self.config.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**31, m)
+            q = self._initial_q(key, li, k, m)
             ms.append(m)
             ps.append(ops.matmul(m, q))
         layer = _Layer(li, ks, ms,
@@ -339,6 +335,10 @@ class LowRankCompression(Transport):
             for old in [x for x in versions if x < j]:
                 del versions[old]
             return versions[j]
+        return self._initial_q(key, li, k, m)
+
+    def _initial_q(self, key: str, li: int, k: int, m: Any) -> Any:
+        """The matrix's last Q, or the seeded first one (the same on every rank)."""
         q = self.q.get(key)
         if q is None:
             q = self.q[key] = self.ops.random_matrix(

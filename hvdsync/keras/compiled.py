@@ -35,7 +35,7 @@ import tensorflow as tf
 from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.mpi_ops import Average
 
-from hvdsync.keras.backend import KerasGradients, norm_of
+from hvdsync.keras.backend import KerasGradients, KerasOps, norm_of
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.select import SelectedPushes
 from hvdsync.technique import Decider
@@ -182,7 +182,7 @@ class CompiledDecider:
         held_norm, bad = tf.cond(
             send_plan, lambda: (zero, zero),
             lambda: (norm_of([g + tf.cast(h, g.dtype) for g, h in zip(layer, held)]),
-                     _bad(layer)))
+                     KerasOps.bad(layer)))
         return list(res[:m]), held_norm, bad, list(res[m:])
 
     # -- after backward --------------------------------------------------------------------------
@@ -206,7 +206,7 @@ class CompiledDecider:
             local = tf.zeros([0], tf.float64)
         else:
             with_dots, squares = self.decider.control_layout()
-            dots = ([_dot(layers[at[li]][1], params[li]) if li in at else zero
+            dots = ([KerasOps.dot(list(zip(layers[at[li]][1], params[li]))) if li in at else zero
                      for li in range(n)] if with_dots else [])
             values = dots + held
             local = tf.cast(tf.stack(values), tf.float64) if values else tf.zeros([0], tf.float64)
@@ -220,7 +220,7 @@ class CompiledDecider:
                   if self.comm.size > 1 else vector)
         ok = tf.logical_and(tf.equal(shared[-1], 0.0),
                             tf.reduce_all(tf.math.is_finite(shared[:-1])))
-        return shared, local, tf.logical_and(ok, _all_finite(applied))
+        return shared, local, tf.logical_and(ok, tf.equal(KerasOps.bad(applied), 0.0))
 
     def _sync_norm(self, li: int, params: list) -> tf.Tensor:
         """Threshold ``relative``: the layer's parameter norm as of its last sync."""
@@ -310,15 +310,3 @@ def _put_back(copies: list[list[tf.Variable]], variables: list) -> None:
             v.assign(c)
 
 
-def _all_finite(tensors: list) -> tf.Tensor:
-    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
-
-
-def _bad(tensors: list) -> tf.Tensor:
-    """1.0 if any of ``tensors`` holds NaN/Inf, else 0.0."""
-    return 1.0 - tf.cast(_all_finite(tensors), tf.float32)
-
-
-def _dot(grads: list, params: list) -> tf.Tensor:
-    return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32) * tf.cast(p, tf.float32))
-                     for g, p in zip(grads, params)])
