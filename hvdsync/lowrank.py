@@ -18,11 +18,13 @@ the projection of the rank-averaged ``M`` on the span of ``P``: with ``r >= min(
 the plain average (up to rounding), and error feedback makes the sum of what is delivered
 plus the ranks' averaged residual equal the sum of the averaged gradients, step after step.
 
-What goes plain (the next transport): vectors (biases, norms), row-sparse gradients, matrices
-the factors would not shrink by ``min_compression`` (``r (n + m) * min_compression > n m``),
-and every layer during the first ``warmup_steps`` steps (the first steps move the model
-most; PowerSGD's ``start_powerSGD_iter``). How it differs from DDP's PowerSGD hook, and why:
-docs/lowrank.md.
+What is not compressed: vectors (biases, norms), row-sparse gradients, matrices the factors
+would not shrink by ``min_compression`` (``r (n + m) * min_compression > n m``), and every
+layer during the first ``warmup_steps`` steps (the first steps move the model most;
+PowerSGD's ``start_powerSGD_iter``). Those of a layer with a compressed matrix ride plain in
+its P round (one collective fewer per layer); the rest take the next transport.
+``bucket_bytes`` lets consecutive layers share their rounds. How it differs from DDP's
+PowerSGD hook, and why: docs/lowrank.md.
 
 Composition: ``clip=`` clips before (a transform); ``threshold=``/``select=`` decide which
 layers go, and a layer that goes is compressed (what it kept back joins its gradient first);
@@ -61,16 +63,19 @@ class LowRankConfig:
     ``warmup_steps``: steps sent plain before compression starts. ``min_compression``: a
     matrix is compressed only when its factors are at least this many times smaller than it
     (``0``: every matrix, whatever the rank). ``seed``: of the first ``Q`` (the same on every
-    rank).
+    rank). ``bucket_bytes``: consecutive layers (in backward order) share their P and Q
+    rounds until their factors reach this many bytes -- fewer collectives, each a little
+    later; ``0``: every layer has its own rounds.
     """
 
     rank: int = 4
     warmup_steps: int = 10
     min_compression: float = 2.0
     seed: int = 0
+    bucket_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("rank", "warmup_steps", "seed"):
+        for name in ("rank", "warmup_steps", "seed", "bucket_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"lowrank {name} must be an int, got {type(v).__name__} {v!r}")
@@ -78,6 +83,8 @@ class LowRankConfig:
             raise ValueError(f"lowrank rank must be >= 1, got {self.rank}")
         if self.warmup_steps < 0:
             raise ValueError(f"lowrank warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.bucket_bytes < 0:
+            raise ValueError(f"lowrank bucket_bytes must be >= 0, got {self.bucket_bytes}")
         c = self.min_compression
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) \
                 or c < 0:
@@ -91,13 +98,16 @@ class LowRankConfig:
         return coerce_config(cls, value, "lowrank", "rank")
 
 
-class _Layer:
-    """One layer's compression in flight this step."""
+class _Round:
+    """One bucket's compression in flight this step: the P round of its layers that go, then
+    (once P has arrived) their Q round."""
 
-    def __init__(self, li: int, ks: list[int], ms: list, p: Pending):
-        self.li, self.ks, self.ms, self.p = li, ks, ms, p
+    def __init__(self, name: str, layers: list[tuple[int, list[int], list, list[int]]],
+                 p: Pending):
+        # layers: (li, compressed ks, their matrices, ks that ride plain in the P round)
+        self.name, self.layers, self.p = name, layers, p
         self.q: Optional[Pending] = None  # the Q round
-        self.result: Optional[Pending] = None  # the Q round, then the gradient delivered
+        self.result: Optional[Pending] = None  # the Q round, then the gradients delivered
 
 
 class _DelayedLowRank(Pending):
@@ -147,6 +157,8 @@ class _DelayedLowRank(Pending):
         return self._q.ready()
 
     def _finish(self) -> list:
+        if self._chained is None:  # due: every due exchange's Q round in flight at once
+            self.owner._start_arrived(due=self.step)
         self._start_q()
         ops = self.owner.ops
         q_avg = self._q.wait()
@@ -205,11 +217,16 @@ class LowRankCompression(Transport):
         #: Q per matrix by the step that produced it
         self.delayed = False
         self._q_at: dict[str, dict[int, Any]] = {}
+        self._no_q: list[_DelayedLowRank] = []  # torch: exchanges whose Q round waits for P
+        self._bucket_of: Optional[dict[int, int]] = None  # see _buckets
+        self._members: list[list[int]] = []
         self._new_step()
 
     def _new_step(self) -> None:
-        self._waiting: list[_Layer] = []  # P in flight, Q not started yet (in layer order)
-        self._started: list[_Layer] = []
+        self._ready: set[int] = set()  # layers ready this step
+        self._filling: dict[int, list] = {}  # bucket -> (li, ks, matrices, P) not sent yet
+        self._waiting: list[_Round] = []  # P in flight, Q not started yet (in sending order)
+        self._started: list[_Round] = []
         self._new_q: dict[str, Any] = {}
         self._new_err: dict[str, Any] = {}
 
@@ -229,60 +246,133 @@ class LowRankCompression(Transport):
         return r
 
     def owns(self, li: int, k: int) -> bool:
-        return (not self.delayed and self.step >= self.config.warmup_steps and self.rank_for(li, k) > 0
-                and not self.grads.is_row_sparse(li, k))
+        """After warm-up: the compressible matrices, and the other dense parameters of their
+        layers (biases, small matrices), which ride plain in the P round instead of a
+        collective of their own."""
+        return (not self.delayed and self.step >= self.config.warmup_steps
+                and li in self._buckets() and not self.grads.is_row_sparse(li, k))
+
+    # -- buckets ----------------------------------------------------------------------------
+    def _buckets(self) -> dict[int, int]:
+        """Layer -> bucket: layers with a compressible matrix (by shape), in backward (reverse)
+        order, cut when their factors reach ``bucket_bytes``. Fixed from shapes alone, so every
+        rank has the same buckets (and the same rounds) whatever order its layers get ready
+        in."""
+        if self._bucket_of is None:
+            self._bucket_of, self._members = {}, [[]]
+            filled = 0
+            for li in reversed(range(len(self.layer_names))):
+                factors = 0
+                for k in range(self.grads.size(li)):
+                    r = self.rank_for(li, k)
+                    if r:  # a row-sparse one never goes here: its bucket goes without it
+                        n, m = self.ops.matrix_shape(self.grads.value(li, k))
+                        factors += r * (n + m) * 4
+                if not factors:
+                    continue
+                if self._members[-1] and filled >= self.config.bucket_bytes:
+                    self._members.append([])
+                    filled = 0
+                self._members[-1].append(li)
+                self._bucket_of[li] = len(self._members) - 1
+                filled += factors
+        return self._bucket_of
+
+    def layer_ready(self, li: int, ks: list[int]) -> None:
+        # the layers before this one are dispatched: a bucket whose last member went
+        # nowhere (kept back by a decider) is complete now
+        self._send_complete()
+        self._ready.add(li)
+
+    def _send_complete(self) -> None:
+        for b in [b for b in self._filling if all(li in self._ready for li in self._members[b])]:
+            self._send(b)
+
+    def _send(self, b: int) -> None:
+        entries = self._filling.pop(b)
+        names = [self.layer_names[li] for li, *_ in entries]
+        label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        p = self.comm.allreduce(f"hvdsync.lowrank.P.{label}",
+                                [t for _, _, _, sent, _ in entries for t in sent])
+        self._waiting.append(_Round(label, [(li, ks, ms, plain)
+                                            for li, ks, ms, _, plain in entries], p))
 
     # -- the step ---------------------------------------------------------------------------
     def start(self, li: int, ks: list[int]) -> Optional[Pending]:
-        """Start the layer's P round (its Q round starts once P has arrived)."""
+        """Compute the layer's P; its bucket's P round starts once every layer of the bucket
+        is ready (its Q round once P has arrived)."""
         g, ops = self.grads, self.ops
-        ms, ps = [], []
+        compressed, ms, ps, plain = [], [], [], []
         for k in ks:
+            if not self.rank_for(li, k):
+                plain.append(k)
+                continue
             key = g.key(li, k)
             m = ops.matrix(g.get(li, k))
             if key in self.err:
                 m = ops.add(m, self.err[key])
             q = self._initial_q(key, li, k, m)
+            compressed.append(k)
             ms.append(m)
             ps.append(ops.matmul(m, q))
-        layer = _Layer(li, ks, ms,
-                       self.comm.allreduce(f"hvdsync.lowrank.P.{self.layer_names[li]}", ps))
-        self._waiting.append(layer)
+        self._filling.setdefault(self._buckets()[li], []).append(
+            (li, compressed, ms, ps + [g.get(li, k) for k in plain], plain))
+        self._ready.add(li)
+        self._send_complete()
         self._advance()
         return None
 
     def _advance(self) -> None:
-        """Start the Q round of every waiting layer whose P has arrived, in layer order."""
+        """Start the Q round of every waiting bucket whose P has arrived, in sending order."""
         while self._waiting and self._waiting[0].p.ready():
             self._start_q(self._waiting.pop(0))
 
-    def _start_q(self, layer: _Layer) -> None:
+    def _start_q(self, rnd: _Round) -> None:
         g, ops = self.grads, self.ops
-        ps = [ops.orthonormal(p) for p in layer.p.wait()]
-        qs = [ops.matmul(m, p, transpose_a=True) for m, p in zip(layer.ms, ps)]
-        pending = self.comm.allreduce(f"hvdsync.lowrank.Q.{self.layer_names[layer.li]}", qs)
+        arrived, ps = iter(rnd.p.wait()), []
+        for li, _, layer_ms, plain in rnd.layers:
+            ps += [ops.orthonormal(next(arrived)) for _ in layer_ms]
+            for k in plain:  # averaged already: delivered now
+                g.set(li, k, next(arrived))
+        ms = [m for _, _, layer_ms, _ in rnd.layers for m in layer_ms]
+        qs = [ops.matmul(m, p, transpose_a=True) for m, p in zip(ms, ps)]
+        # (no matrix: its layers' only matrix was row-sparse this step)
+        pending = (self.comm.allreduce(f"hvdsync.lowrank.Q.{rnd.name}", qs) if qs
+                   else Pending.resolved([]))
 
         def deliver(qs_avg: list) -> None:
-            for k, m, p, q in zip(layer.ks, layer.ms, ps, qs_avg):
-                key = g.key(layer.li, k)
-                approx = ops.matmul(p, q, transpose_b=True)
-                self._new_q[key] = q
-                self._new_err[key] = ops.accumulate(ops.clone(m), approx, sign=-1)
-                g.set(layer.li, k, ops.from_matrix(approx, g.get(layer.li, k)))
-        layer.q, layer.result = pending, pending.then(deliver)
-        self._started.append(layer)
+            at = iter(zip(ms, ps, qs_avg))
+            for li, ks, _, _ in rnd.layers:
+                for k, (m, p, q) in zip(ks, at):
+                    key = g.key(li, k)
+                    approx = ops.matmul(p, q, transpose_b=True)
+                    self._new_q[key] = q
+                    self._new_err[key] = ops.accumulate(ops.clone(m), approx, sign=-1)
+                    g.set(li, k, ops.from_matrix(approx, g.get(li, k)))
+        rnd.q, rnd.result = pending, pending.then(deliver)
+        self._started.append(rnd)
 
     def flush(self) -> dict[int, Pending]:
-        """Every P is in flight: start the Q rounds still to start (each waits for its P)."""
+        """Every P is computed: send the buckets still filling, then start the Q rounds still
+        to start (each waits for its P). A bucket's rounds are counted on its first layer;
+        its other layers wait for the same rounds."""
+        for b in sorted(self._filling):
+            self._send(b)
         if self._waiting:
             self.comm.flush()  # queued P rounds go now (Keras)
             while self._waiting:
                 self._start_q(self._waiting.pop(0))
             self.comm.flush()  # and the Q rounds
-        for layer in self._started:  # both rounds count (Keras knows them after flush)
-            layer.result.nbytes = layer.p.nbytes + layer.q.nbytes
-            layer.result.collectives = layer.p.collectives + layer.q.collectives
-        return {layer.li: layer.result for layer in self._started}
+        out: dict[int, Pending] = {}
+        for rnd in self._started:  # both rounds count (Keras knows them after flush)
+            rnd.result.nbytes = rnd.p.nbytes + rnd.q.nbytes
+            rnd.result.collectives = rnd.p.collectives + rnd.q.collectives
+            first, *rest = [li for li, *_ in rnd.layers]
+            out[first] = rnd.result
+            for li in rest:
+                out[li] = same = rnd.result.then(lambda result: result)
+                same.nbytes = same.collectives = 0
+        return out
 
     def end_step(self, ok: bool) -> None:
         """Commit the step's Q and residuals when it was finite on every rank."""
@@ -322,8 +412,20 @@ class LowRankCompression(Transport):
         p_round = self.comm.allreduce(f"{name}.P", ps)
         rows = sum(ops.matrix_shape(p)[0] * ops.matrix_shape(p)[1] for p in ps)
         cols = sum(ops.matrix_shape(m)[1] * ops.matrix_shape(p)[1] for m, p in zip(ms, ps))
-        return _DelayedLowRank(self, step, ks, grads, plain, plain_p, compressed, keys, ms,
-                               taken, p_round, name, p_round.nbytes * cols // max(rows, 1))
+        exchange = _DelayedLowRank(self, step, ks, grads, plain, plain_p, compressed, keys, ms,
+                                   taken, p_round, name, p_round.nbytes * cols // max(rows, 1))
+        if exchange._chained is None:
+            self._no_q.append(exchange)
+            self._start_arrived()  # a layer is ready: earlier exchanges' Q rounds can go
+        return exchange
+
+    def _start_arrived(self, due: Optional[int] = None) -> None:
+        """torch, inside ``delay=``: start the Q round of the exchanges (oldest first) whose P
+        has arrived -- and, with ``due``, of every exchange of steps <= ``due``, waiting for
+        its P: one P and one Q round of latency for a step's layers, not one per layer."""
+        while self._no_q and (self._no_q[0]._q is not None or self._no_q[0].p_round.ready()
+                              or (due is not None and self._no_q[0].step <= due)):
+            self._no_q.pop(0)._start_q()
 
     def _warm_q(self, key: str, li: int, k: int, m: Any, newest: int) -> Any:
         """The Q to start from: the one produced by the newest step <= ``newest`` (every rank
@@ -364,12 +466,14 @@ class LowRankCompression(Transport):
         self.step = int(state["step"])
         self.q = {k: g.from_saved(k, v) for k, v in state["q"].items()}
         self.err = {k: g.from_saved(k, v) for k, v in state.get("err", {}).items()}
+        self._no_q.clear()
 
     def forget(self) -> None:
         """Start over: no residuals, fresh Q (every rank alike)."""
         self.q.clear()
         self.err.clear()
         self._q_at.clear()
+        self._no_q.clear()
         self._new_step()
 
     def drop_per_rank(self) -> None:

@@ -78,6 +78,13 @@ CASES = {
     "full_rank": (dict(lowrank=dict(rank=HIDDEN, **EVERY_MATRIX)), 20),
     "plain_short": ({}, 20),
     "feedback": (dict(lowrank=dict(rank=1, **EVERY_MATRIX)), 30, False, True),
+    # every layer in one bucket: one P and one Q round per step instead of one per layer
+    "bucketed": (dict(lowrank=dict(rank=1, bucket_bytes=1 << 20, **EVERY_MATRIX)), 30),
+    # a decider keeps layers back: a bucket goes with the members that go
+    "select_every": (dict(lowrank=dict(rank=1, **EVERY_MATRIX), select=dict(k=1, max_wait=2)),
+                     30),
+    "select_bucketed": (dict(lowrank=dict(rank=1, bucket_bytes=1 << 20, **EVERY_MATRIX),
+                             select=dict(k=1, max_wait=2)), 30),
     "rank2": (dict(lowrank=dict(rank=2, warmup_steps=5)), 150),
     "rank2_fp16": (dict(lowrank=dict(rank=2, warmup_steps=5)), 150, True),
     "clip": (dict(lowrank=dict(rank=2, warmup_steps=5), clip=dict(max_norm=0.5)), 150),
@@ -101,7 +108,7 @@ def runs(request):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith(("full", "feedback"))]
-                         + TRAINED)
+                         + TRAINED + ["bucketed", "select_bucketed"])
 def test_replicas_identical_after_every_step(runs, case):
     """P is orthonormalized from the same reduced P, Q is reduced: every rank applies the
     same P Q^T, so every layer that was exchanged is identical on every rank after the step,
@@ -137,6 +144,26 @@ def test_error_feedback_loses_nothing(runs):
         # rank 1 drops information: the residual is not zero, and ranks hold their own
         assert np.abs(residual).max() > 1e-3
         assert not np.array_equal(rs[0]["err"][name], rs[1]["err"][name])
+
+
+@pytest.mark.parametrize("bucketed, alone", [("bucketed", "feedback"),
+                                             ("select_bucketed", "select_every")])
+def test_buckets_change_the_rounds_not_the_result(runs, bucketed, alone):
+    """The three matrices' P (and Q) rounds in one bucket: the same training as one round per
+    layer (the same numbers are summed), the same bytes, two collectives per step instead of
+    two per compressed layer -- also when a decider keeps members of the bucket back."""
+    for ours, per_layer in zip(runs[bucketed], runs[alone]):
+        assert ours["sent"] == per_layer["sent"]
+        for step, (a, b) in enumerate(zip(ours["params"], per_layer["params"])):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"step {step}")
+        assert ours["payload"] == per_layer["payload"]
+    if bucketed == "bucketed":  # every layer goes: 3 x (P, Q) become one P and one Q round
+        steps = len(runs[bucketed][0]["params"])
+        assert runs[alone][0]["stats"]["collectives"] - runs[bucketed][0]["stats"][
+            "collectives"] == 4 * steps
+    else:
+        assert runs[bucketed][0]["stats"]["collectives"] < runs[alone][0]["stats"][
+            "collectives"]
 
 
 def test_bytes_are_the_factors(runs):
@@ -263,6 +290,7 @@ def test_bad_configs_fail_at_construction():
     assert_construction_fails(ValueError, "rank must be >= 1", lowrank=0)
     assert_construction_fails(TypeError, "lowrank must be", lowrank="4")
     assert_construction_fails(ValueError, "min_compression", lowrank=dict(min_compression=-1))
+    assert_construction_fails(ValueError, "bucket_bytes", lowrank=dict(bucket_bytes=-1))
     import horovod.torch as horovod
     assert_construction_fails(ValueError, "lowrank= reduces the factors", lowrank=2,
                               op=horovod.Min)
