@@ -56,6 +56,8 @@ def lowrank_body(opts: dict, steps: int, fp16: bool = False, record_local: bool 
                              for n in sent[-1]})
         losses.append(loss.item())
         payload.append(opt.stats.last.bytes_sent)
+    if "delay" in opts:  # as documented: global gradients still in flight are drained
+        opt.flush()      # (a Q round one rank started must finish before the next case)
     out = dict(params=params, losses=losses, payload=payload, sent=sent,
                layer_params=layer_params, stats=opt.stats.as_dict()["total"])
     if "lowrank" in opts:
