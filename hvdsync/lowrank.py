@@ -317,8 +317,7 @@ class LowRankCompression(Transport):
             ps.append(ops.matmul(m, q))
         self._filling.setdefault(self._buckets()[li], []).append(
             (li, compressed, ms, ps + [g.get(li, k) for k in plain], plain))
-        self._ready.add(li)
-        self._send_complete()
+        self._send_complete()  # (layer_ready, called first, marked this layer ready)
         self._advance()
         return None
 
