@@ -40,10 +40,12 @@ from typing import Any
 from benchmarks.common import RESULTS, markdown_table, report
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
 from benchmarks.workloads import METRIC_LABEL, WORKLOADS, as_shown
+from hvdsync.delay import STREAMING
 from hvdsync.stats import human_bytes
 from hvdsync.testing import RanksFailed
 
 THRESHOLD = dict(threshold=0.05, relative=True, max_skip=8)
+STREAMING_CFG = dict(exchange_gradients=False, outer_lr=0.7, outer_momentum=0.9, **STREAMING)
 LOWRANK = dict(rank=2, warmup_steps=10)
 METHODS: dict[str, dict[str, Any]] = {
     "horovod": dict(kind="horovod"),
@@ -83,6 +85,21 @@ METHODS: dict[str, dict[str, Any]] = {
                                            kwargs=dict(lowrank=LOWRANK,
                                                        delay=dict(staleness=1,
                                                                   average_every=32))),
+    # local steps, nothing exchanged: each rank trains alone (the compute floor per step)
+    "no exchange": dict(kind="local", dense_model=True),
+    # torchft's (Streaming) DiLoCo, the real package (benchmarks/torchft_peer.py), with the
+    # schedule of hvdsync's streaming preset; "torchft diloco k32" is plain DiLoCo
+    "torchft streaming diloco": dict(kind="torchft", dense_model=True,
+                                     diloco=dict(average_every=16, fragments=4, overlap=1,
+                                                 mix=0.5, outer_lr=0.7, outer_momentum=0.9)),
+    "torchft diloco k32": dict(kind="torchft", dense_model=True, extra=True,
+                               diloco=dict(average_every=32, fragments=1, overlap=0, mix=0.0,
+                                           outer_lr=0.7, outer_momentum=0.9)),
+    "hvdsync diloco k32": dict(kind="hvdsync", dense_model=True, extra=True,
+                               kwargs=dict(delay="diloco")),
+    "hvdsync streaming": dict(kind="hvdsync", dense_model=True, kwargs=dict(delay="streaming")),
+    "hvdsync streaming fp32": dict(kind="hvdsync", dense_model=True, extra=True,
+                                   kwargs=dict(delay=dict(STREAMING_CFG, compress="none"))),
     "hvdsync recommended": dict(kind="hvdsync", fp16=True,
                                 kwargs=dict(delay=dict(staleness=4, average_every=32)),
                                 sparse_kwargs=dict(sparse=True)),
@@ -99,6 +116,7 @@ SELECTORS = {"select hypernet": dict(selector="hypernet"),
 for _label, _sel in SELECTORS.items():
     METHODS[f"hvdsync {_label} @25%"] = dict(kind="hvdsync", dense_model=True, extra=True,
                                               kwargs=dict(select={**SELECT_BUDGET, **_sel}))
+RUNS = [0]  # torchft runs so far on this rank (each gets its own ports)
 EXTEND = 3  # a method faster per step trains up to this many times the workload's steps
 RECOMMENDED = ("delay= (staleness 4, average every 32) + fp16; with sparse gradients: "
                "sparse= + fp16")
@@ -118,7 +136,7 @@ def _powersgd_bytes(model, rank: int = 2, min_rate: float = 2.0) -> int:
 
 
 def run_method(name: str, workload_name: str, seed: int, steps: int | None = None,
-               budget_s: float | None = None) -> dict:
+               budget_s: float | None = None, peer: str = "127.0.0.1") -> dict:
     """Train one method on this rank; returns the (train seconds, accuracy) curve and stats.
 
     Every method trains ``steps`` steps (the workload's count by default; its accuracy then is
@@ -149,7 +167,15 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(
                 lambda p: handed.__setitem__(0, handed[0] + payload_bytes(p.grad)))
-    if spec["kind"] == "horovod":
+    stop_peer = None
+    if spec["kind"] in ("local", "torchft"):
+        opt, net = base, model  # every rank starts from the same weights (same seed)
+        if spec["kind"] == "torchft":
+            from benchmarks.torchft_peer import start_diloco
+            RUNS[0] += 1
+            stop_peer = start_diloco(model, base, hvd.rank(), hvd.size(), peer, RUNS[0],
+                                     spec["diloco"])
+    elif spec["kind"] == "horovod":
         opt = horovod.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                            compression=compression)
         horovod.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -238,6 +264,8 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         if done:
             break
     steps = step
+    if stop_peer is not None:
+        stop_peer()
     if spec["kind"] == "hvdsync":
         total = opt.stats.total
         nbytes, collectives = total.bytes_sent / steps, total.collectives / steps
@@ -247,6 +275,12 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         # tensors handed to Horovod (it fuses them); a sparse one is two allgathers
         collectives = sum(2 if p.grad is not None and p.grad.is_sparse else 1
                           for p in model.parameters())
+    elif spec["kind"] == "local":
+        nbytes, collectives = 0, 0
+    elif spec["kind"] == "torchft":  # each fragment's float32 pseudo-gradient, once per K steps
+        c = spec["diloco"]
+        dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        nbytes, collectives = dense_bytes / c["average_every"], c["fragments"] / c["average_every"]
     elif spec["hook"] == "powersgd":
         nbytes = _powersgd_bytes(model)
         collectives = 3  # per DDP bucket (one bucket here): rank-1 tensors, P, Q
@@ -279,13 +313,15 @@ def suite_body(workload: str, methods: list[str], seeds: list[int], ddp_addr: st
     import torch
     out: dict[str, list] = {m: [] for m in methods}
     run_method("horovod", workload, 99, steps=20)  # warm-up: first-use costs land here
+    if any(METHODS[m]["kind"] == "torchft" for m in methods):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ddp_iface)
     others = [m for m in methods if m != "horovod"]
     for seed in seeds:
         out["horovod"].append(run_method("horovod", workload, seed))
         budget = horovod.allreduce(torch.tensor([out["horovod"][-1]["train_s"]]),
                                    op=horovod.Max, name=f"budget.{seed}").item()
         for m in others:
-            out[m].append(run_method(m, workload, seed, budget_s=budget))
+            out[m].append(run_method(m, workload, seed, budget_s=budget, peer=ddp_addr))
     if dist.is_initialized():
         dist.destroy_process_group()
     return out

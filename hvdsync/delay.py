@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.config import coerce_config
+from hvdsync.outer import CODECS, OuterSync, start_offsets
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, Transport
 
@@ -55,42 +56,131 @@ def _int_at_least(name: str, value: Any, low: int) -> None:
 
 @dataclass(frozen=True)
 class DelayConfig:
-    """Local updates with stale global gradients; see the module docstring.
+    """Local updates with stale global gradients and/or an outer synchronization every K
+    steps; see the module docstring and :mod:`hvdsync.outer`.
 
     Args:
         staleness: the most steps a global gradient may lag the step that folds it in
-            (``0``: synchronous).
-        average_every: average the parameters across ranks every this many steps (K), after
-            waiting for every outstanding global gradient (``1``: synchronous).
+            (``0``: synchronous). Only with ``exchange_gradients``.
+        average_every: K -- synchronize the parameters across ranks every this many steps
+            (per fragment; ``1`` with ``exchange_gradients``: synchronous). DiLoCo's H.
         optimizer_state: ``"local"`` (each rank keeps its own momentum / moments) or
-            ``"average"`` (averaged with the parameters).
+            ``"average"`` (averaged with the parameters; plain K-step averaging only).
+        exchange_gradients: send every step's gradient and fold the stale global gradient in
+            (the seed's scheme). ``False``: a step sends nothing but the outer
+            synchronization (local SGD, DiLoCo).
+        outer_lr, outer_momentum, nesterov: the outer optimizer on the pseudo-gradient
+            (``1, 0``: plain model averaging; DiLoCo: ``0.7, 0.9, True``).
+        fragments: the model in this many runs of layers (balanced by bytes), synchronized at
+            staggered steps (Streaming DiLoCo).
+        overlap: tau -- a fragment's exchange is merged this many steps after it starts; the
+            inner steps go on meanwhile (``0``: the step waits for it).
+        mix: Streaming DiLoCo's alpha: after the outer update a fragment's parameters become
+            ``(1 - mix) * synchronized + mix * local`` (``0``: the synchronized ones).
+        compress: the outer exchange's encoding: ``"none"``, ``"fp16"``, ``"bf16"`` or
+            ``"int8"`` (a scale per 1024 values).
+        error_feedback: what compression lost joins the rank's next pseudo-gradient.
     """
 
     staleness: int = 2
     average_every: int = 8
     optimizer_state: str = "local"
+    exchange_gradients: bool = True
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    nesterov: bool = True
+    fragments: int = 1
+    overlap: int = 0
+    mix: float = 0.0
+    compress: str = "none"
+    error_feedback: bool = True
 
     def __post_init__(self) -> None:
         _int_at_least("staleness", self.staleness, 0)
         _int_at_least("average_every", self.average_every, 1)
+        _int_at_least("fragments", self.fragments, 1)
+        _int_at_least("overlap", self.overlap, 0)
         if self.optimizer_state not in STATE_MODES:
             raise ValueError(f"delay optimizer_state must be one of {STATE_MODES}, got "
                              f"{self.optimizer_state!r}")
+        for name in ("exchange_gradients", "nesterov", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"delay {name} must be True or False, got "
+                                f"{getattr(self, name)!r}")
+        _number_in("outer_lr", self.outer_lr, 0.0, None, low_open=True)
+        _number_in("outer_momentum", self.outer_momentum, 0.0, 1.0, high_open=True)
+        _number_in("mix", self.mix, 0.0, 1.0)
+        if self.compress not in CODECS:
+            raise ValueError(f"delay compress must be one of {CODECS}, got {self.compress!r}")
+        if self.fragments > self.average_every:
+            raise ValueError(f"delay fragments={self.fragments} needs average_every >= "
+                             f"fragments (each fragment synchronizes at its own step of the "
+                             f"K={self.average_every} cycle)")
+        if self.overlap >= self.average_every:
+            raise ValueError(f"delay overlap={self.overlap} must be < average_every="
+                             f"{self.average_every} (a fragment's exchange is merged before "
+                             "its next one starts)")
+        if self.outer and self.optimizer_state == "average":
+            raise ValueError("delay optimizer_state='average' is for plain K-step averaging; "
+                             "the outer synchronization keeps each rank's optimizer state "
+                             "(as DiLoCo does)")
+
+    @property
+    def outer(self) -> bool:
+        """Whether the K-step synchronization runs the outer synchronization
+        (:mod:`hvdsync.outer`) rather than plain parameter averaging."""
+        return (not self.exchange_gradients or self.outer_lr != 1.0 or self.outer_momentum != 0
+                or self.fragments > 1 or self.overlap > 0 or self.compress != "none")
 
     @property
     def synchronous(self) -> bool:
         """Every step uses its own global gradient: the replicas never diverge."""
-        return self.staleness == 0 or self.average_every == 1
+        return self.exchange_gradients and (self.staleness == 0 or self.average_every == 1)
+
+    @classmethod
+    def diloco(cls, **overrides: Any) -> "DelayConfig":
+        """DiLoCo's recipe: local steps only, Nesterov outer SGD (lr 0.7, momentum 0.9)."""
+        base = dict(exchange_gradients=False, average_every=32, outer_lr=0.7,
+                    outer_momentum=0.9, nesterov=True)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def streaming(cls, **overrides: Any) -> "DelayConfig":
+        """hvdsync's recommended local-step preset (docs/delay.md, measured in
+        docs/benchmarks.md): DiLoCo streamed in fragments, each exchange overlapping the next
+        inner steps, int8 with error feedback."""
+        return cls.diloco(**{**STREAMING, **overrides})
 
     @classmethod
     def coerce(cls, value: Any) -> Optional["DelayConfig"]:
-        """``None``, a :class:`DelayConfig`, a dict of its fields, ``True`` (defaults), or a
-        number meaning ``staleness``."""
+        """``None``, a :class:`DelayConfig`, a dict of its fields, ``True`` (defaults), a
+        number meaning ``staleness``, or a preset name: ``"diloco"``, ``"streaming"``."""
         if value is True:
             return cls()
         if value is False:
             return None
+        if isinstance(value, str):
+            presets = {"diloco": cls.diloco, "streaming": cls.streaming}
+            if value not in presets:
+                raise ValueError(f"delay preset must be one of {sorted(presets)}, got {value!r}")
+            return presets[value]()
         return coerce_config(cls, value, "delay", "staleness")
+
+
+#: the fields :meth:`DelayConfig.streaming` sets on top of DiLoCo's
+STREAMING = dict(average_every=16, fragments=4, overlap=1, mix=0.5, compress="int8")
+
+
+def _number_in(name: str, value: Any, low: float, high: Optional[float],
+               low_open: bool = False, high_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"delay {name} must be a number, got {value!r}")
+    bad = value < low or (low_open and value == low) or (
+        high is not None and (value > high or (high_open and value == high)))
+    if bad:
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        raise ValueError(f"delay {name} must be in {lo}{low:g}, "
+                         f"{'inf' if high is None else f'{high:g}'}{hi}, got {value!r}")
 
 
 class DelayPolicy:
@@ -103,6 +193,7 @@ class DelayPolicy:
         self.config = config
         self.stats = stats
         self.step = 0  # finished steps
+        self._offsets = set(start_offsets(config.average_every, config.fragments))
         #: ids folded in by the last step (newest first), for logging and tests
         self.last_folded: list[int] = []
         #: ids the last step had to wait for (not arrived, but due: bound or drain)
@@ -114,9 +205,10 @@ class DelayPolicy:
         return self.step + 1
 
     def averages_now(self) -> bool:
-        """Whether the step in progress drains and then averages the parameters."""
+        """Whether the step in progress drains and then synchronizes the parameters (of a
+        fragment, with ``fragments > 1``)."""
         c = self.config
-        return not c.synchronous and self.current % c.average_every == 0
+        return not c.synchronous and self.current % c.average_every in self._offsets
 
     def plan(self, outstanding: list[int], ready: set[int]) -> tuple[list[int], list[int]]:
         """For the step in progress: ``(wait_for, fold)`` -- the outstanding ids that are not
@@ -185,6 +277,8 @@ class DelayedGradients(Transport):
     """
 
     name = "delay"
+    #: each rank's own memory: the outer exchange's error-feedback residuals
+    per_rank = ("outer_residual",)
 
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats,
@@ -203,6 +297,12 @@ class DelayedGradients(Transport):
         self._bad: list = []  # this step's device flags: a layer's local gradient non-finite
         #: whether the last step replaced a non-finite local gradient by zeros
         self.local_nonfinite = False
+        if config.fragments > len(layer_names):
+            raise ValueError(f"delay fragments={config.fragments} needs 1..{len(layer_names)} "
+                             "(the number of layers)")
+        #: the outer synchronization (DiLoCo class), or None: plain K-step averaging
+        self.outer = (OuterSync(config, grads, ops, comm, layer_names, stats)
+                      if config.outer else None)
 
     @property
     def outstanding(self) -> list[int]:
@@ -211,7 +311,8 @@ class DelayedGradients(Transport):
 
     def start(self, li: int, ks: list[int]) -> Optional[Pending]:
         """Start the background allreduce of the layer's local gradient for this step; the
-        returned pending only carries the byte and collective counts (nothing to wait for)."""
+        returned pending only carries the byte and collective counts (nothing to wait for).
+        Without ``exchange_gradients`` nothing is sent (``None``)."""
         for k in ks:
             if self.grads.is_row_sparse(li, k):
                 raise ValueError("delay= supports dense gradients only; a row-sparse gradient "
@@ -225,6 +326,8 @@ class DelayedGradients(Transport):
         local = self.ops.zero_if(bad, local)
         for k, g in zip(ks, local):
             self.grads.set(li, k, g)
+        if not self.config.exchange_gradients:  # local steps: nothing goes until the sync
+            return None
         # In-flight ids span at most staleness + 1 consecutive steps, so this slot keeps
         # collective names unique while letting Horovod's response cache reuse them.
         slot = step % (self.config.staleness + 1)
@@ -243,6 +346,11 @@ class DelayedGradients(Transport):
     def before_optimizer_step(self) -> None:
         """Set this step's update ``g_t + sum_j (G_j - g_j)`` over the arrived (or due) global
         gradients."""
+        if self.outer is not None:
+            self.outer.before_first_update()
+        if not self.config.exchange_gradients:
+            self.policy.finish_step([], None, [], 0)
+            return
         t = self.policy.current
         ids = self.outstanding
         ready = {j for j in ids if all(part.pending.ready()
@@ -271,7 +379,7 @@ class DelayedGradients(Transport):
                     update = ops.accumulate(ops.accumulate(update, red[li][i]),
                                             part[li].local[i], sign=-1)
                 self.grads.set(li, k, update)
-        self._average_after_step = self.policy.averages_now()
+        self._average_after_step = self.policy.averages_now() and self.outer is None
         if self._average_after_step:
             self.stats.count("averaged")
             self.stats.control(*self._averaging_size())
@@ -287,7 +395,9 @@ class DelayedGradients(Transport):
     def after_optimizer_step(self) -> None:
         """Average the parameters (and, if configured, the optimizer state) when this step
         was an averaging step."""
-        if self._average_after_step:
+        if self.outer is not None:
+            self.outer.after_update(self.policy.step)
+        elif self._average_after_step:
             self._average_after_step = False
             self.comm.average(self._averaged())
 
@@ -295,7 +405,10 @@ class DelayedGradients(Transport):
         """Wait for every outstanding global gradient and average the replicas; returns how
         many outstanding global gradients this rank discarded. A no-op (on every rank alike)
         right after an averaging step or when synchronous."""
-        if self.config.synchronous or self.policy.step % self.config.average_every == 0:
+        c = self.config
+        if self.outer is not None:
+            return self._discard_gradients() + self.outer.synchronize_all()
+        if c.synchronous or self.policy.step % c.average_every == 0:
             return 0
         dropped = self.discard()
         self.stats.control(*self._averaging_size())
@@ -303,7 +416,10 @@ class DelayedGradients(Transport):
         return dropped
 
     def discard(self) -> int:
-        """Finish and drop every outstanding global gradient."""
+        """Finish and drop every outstanding global gradient and outer exchange."""
+        return self._discard_gradients() + (self.outer.discard() if self.outer else 0)
+
+    def _discard_gradients(self) -> int:
         n = len(self._in_flight)
         for part in self._in_flight.values():
             for layer in part.values():
@@ -315,26 +431,47 @@ class DelayedGradients(Transport):
             self.stats.count("discarded", n)
         return n
 
-    forget = discard
+    def forget(self) -> None:
+        self.discard()
+        if self.outer is not None:
+            self.outer.forget()
+
+    def drop_per_rank(self) -> None:
+        """Drop this rank's residuals; the anchors, momentum and schedule are shared."""
+        if self.outer is not None:
+            self.outer.residual.clear()
 
     def state_dict(self) -> dict:
-        """Shared: the step counter (the averaging schedule). Outstanding global gradients are
-        not saved: call ``flush()`` before saving (docs/checkpoints.md)."""
-        return {"policy": self.policy.state_dict()}
+        """Shared: the step counter (the schedule) and the outer synchronization's anchors,
+        momentum and exchanges in flight; per rank: its residuals. Outstanding stale global
+        gradients (``exchange_gradients``) are not saved: call ``flush()`` before saving
+        (docs/checkpoints.md)."""
+        state = {"policy": self.policy.state_dict()}
+        if self.outer is not None:
+            outer = self.outer.state_dict()
+            state["outer_residual"] = outer.pop("residual")
+            state["outer"] = outer
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.discard()
         self.policy.load_state_dict(state["policy"])
+        if self.outer is not None:
+            self.outer.load_state_dict({**state.get("outer", {}),
+                                        "residual": state.get("outer_residual", {})})
 
     def status(self) -> dict:
         """Finished ``step`` count, ids (step numbers) of the ``outstanding`` global
         gradients, the ids the last step folded in (``last_folded``, newest first), the ids it
         had to wait for (``last_waited``: due by the bound or a drain, not arrived) and the
         ``staleness`` histogram ``{lag in steps: count}``."""
-        return {"step": self.policy.step, "outstanding": self.outstanding,
-                "last_folded": list(self.policy.last_folded),
-                "last_waited": list(self.policy.last_waited),
-                "staleness": staleness_histogram(self.stats.total.counters)}
+        status = {"step": self.policy.step, "outstanding": self.outstanding,
+                  "last_folded": list(self.policy.last_folded),
+                  "last_waited": list(self.policy.last_waited),
+                  "staleness": staleness_histogram(self.stats.total.counters)}
+        if self.outer is not None:
+            status["outer"] = self.outer.status()
+        return status
 
     # -- parameter averaging ------------------------------------------------------------------
     def _averaged(self) -> list[tuple[str, list]]:

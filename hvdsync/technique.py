@@ -186,6 +186,22 @@ class TensorOps(Protocol):
     def random_matrix(self, rows: int, cols: int, seed: int, like: Any) -> Any:
         """Standard normal, the same for the same ``seed`` on every rank; ``like``'s dtype
         and device."""
+    # the outer synchronization (delay=, hvdsync/outer.py)
+    def add_scaled(self, acc: Any, x: Any, alpha: float) -> Any:
+        """``acc + alpha * x``, in place where the framework allows (the caller owns ``acc``)."""
+    def zeros_like(self, t: Any) -> Any: ...
+    def assign(self, target: Any, value: Any) -> None:
+        """Write ``value`` into a parameter (or state tensor) of :meth:`Gradients.replica_tensors`."""
+    def cast(self, t: Any, dtype: Optional[str] = None, like: Any = None) -> Any:
+        """``t`` as ``dtype`` (a name: ``"float16"``), or as ``like``'s dtype."""
+    def encode(self, tensors: Sequence[Any], codec: str, chunk: int) -> list:
+        """``tensors`` flattened into one vector and encoded (``"bf16"``: its bits as int16;
+        ``"int8"``: codes and a float32 scale per ``chunk`` values): the tensors to gather."""
+    def decode(self, parts: Sequence[Any], like: Sequence[Any], codec: str,
+               chunk: int) -> list:
+        """Inverse of :meth:`encode`: tensors shaped (and typed) like ``like``."""
+    def part(self, gathered: Any, rank: int, size: int) -> Any:
+        """Rank ``rank``'s piece of a 1-d allgather result of ``size`` equal pieces."""
 
 
 class Communicator(Protocol):
@@ -198,6 +214,9 @@ class Communicator(Protocol):
     def control(self, values: list[float], name: str) -> list[float]: ...
     def control_async(self, values: list[float], name: str) -> Pending: ...
     def average(self, groups: list[tuple[str, list]]) -> tuple[int, int]: ...
+    def allgather_async(self, name: str, tensors: list) -> Pending:
+        """Start gathering every rank's 1-d ``tensors`` (same length on every rank); the
+        pending's ``wait()`` gives, per tensor, the ranks' pieces concatenated in rank order."""
 
 
 # -- the roles -------------------------------------------------------------------------------

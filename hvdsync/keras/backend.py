@@ -127,6 +127,54 @@ class KerasOps:
     def random_matrix(rows: int, cols: int, seed: int, like):
         return tf.random.stateless_normal([rows, cols], seed=[seed, 0], dtype=like.dtype)
 
+    # -- the outer synchronization (delay=): parameters are Keras variables
+    @staticmethod
+    def add_scaled(acc, x, alpha: float):
+        return acc + tf.cast(alpha, acc.dtype) * x
+
+    @staticmethod
+    def zeros_like(t):
+        return tf.zeros_like(t)
+
+    @staticmethod
+    def assign(target, value) -> None:
+        target.assign(value)
+
+    @staticmethod
+    def cast(t, dtype: Optional[str] = None, like=None):
+        return tf.cast(t, dtype if dtype is not None else like.dtype)
+
+    @staticmethod
+    def encode(tensors: Sequence, codec: str, chunk: int) -> list:
+        flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
+        if codec == "bf16":
+            return [tf.bitcast(tf.cast(flat, tf.bfloat16), tf.int16)]
+        n = int(flat.shape[0])
+        rows = tf.reshape(tf.pad(flat, [[0, -n % chunk]]), [-1, chunk])
+        scale = tf.reduce_max(tf.abs(rows), axis=1) / 127.0
+        safe = tf.where(scale > 0, scale, tf.ones_like(scale))
+        codes = tf.cast(tf.clip_by_value(tf.round(rows / safe[:, None]), -127, 127), tf.int8)
+        return [tf.reshape(codes, [-1])[:n], scale]  # the padding is not sent
+
+    @staticmethod
+    def decode(parts: Sequence, like: Sequence, codec: str, chunk: int) -> list:
+        if codec == "bf16":
+            flat = tf.cast(tf.bitcast(parts[0], tf.bfloat16), tf.float32)
+        else:
+            codes, scale = parts
+            rows = tf.pad(tf.cast(codes, tf.float32), [[0, -int(codes.shape[0]) % chunk]])
+            flat = tf.reshape(tf.reshape(rows, [-1, chunk]) * scale[:, None], [-1])
+        out, i = [], 0
+        for t in like:
+            n = int(np.prod(t.shape))
+            out.append(tf.cast(tf.reshape(flat[i:i + n], t.shape), t.dtype))
+            i += n
+        return out
+
+    @staticmethod
+    def part(gathered, rank: int, size: int):
+        return tf.reshape(gathered, [size, -1])[rank]
+
 
 class Slots:
     """The wrapped optimizer's variables that belong to each model variable (momentum, Adam

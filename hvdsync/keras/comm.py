@@ -249,6 +249,24 @@ class KerasCommunicator:
     def gather_json(self, obj, name: str) -> list:
         return gather_json(obj, name, self.process_set)
 
+    def allgather_async(self, name: str, tensors: list) -> Pending:
+        """Gather every rank's 1-d ``tensors`` in the background thread (behind what it was
+        given before, in the same order on every rank); ``wait()`` gives each one's pieces
+        concatenated in rank order."""
+        tensors = list(tensors)
+        if self.size == 1:
+            return Pending.resolved(tensors)
+
+        def run() -> list:  # one allgather per tensor: a grouped one takes a single dtype
+            with guard(f"the allgather {name!r}"):
+                return [mpi_ops.allgather(t, name=f"{name}.{i}", process_set=self.process_set)
+                        for i, t in enumerate(tensors)]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdsync")
+        future = self._pool.submit(run)
+        return Pending(future.result, future.done, sum(payload_bytes(t) for t in tensors),
+                       len(tensors), what=f"the allgather {name!r}")
+
     def allgather(self, tensors: list, name: str) -> list:
         """Eager grouped allgather (the sparse exchange's rows and counts)."""
         if self.size == 1:

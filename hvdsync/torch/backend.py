@@ -120,6 +120,55 @@ class TorchOps:
     def dtype_key(t: torch.Tensor) -> str:
         return str(t.dtype).removeprefix("torch.")
 
+    # -- the outer synchronization (delay=)
+    @staticmethod
+    def add_scaled(acc: torch.Tensor, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return acc.add_(x, alpha=alpha)
+
+    @staticmethod
+    def zeros_like(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t)
+
+    @staticmethod
+    def assign(target: torch.Tensor, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            target.copy_(value)
+
+    @staticmethod
+    def cast(t: torch.Tensor, dtype: Optional[str] = None,
+             like: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return t.to(getattr(torch, dtype) if dtype is not None else like.dtype)
+
+    @staticmethod
+    def encode(tensors: Sequence[torch.Tensor], codec: str, chunk: int) -> list[torch.Tensor]:
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        if codec == "bf16":  # as int16 bits: collectives need not know bfloat16
+            return [flat.to(torch.bfloat16).view(torch.int16)]
+        rows = torch.nn.functional.pad(flat, (0, -flat.numel() % chunk)).view(-1, chunk)
+        scale = rows.abs().amax(dim=1) / 127.0  # NaN/Inf show in the scale
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+        return [codes.view(-1)[:flat.numel()], scale]  # the padding is not sent
+
+    @staticmethod
+    def decode(parts: Sequence[torch.Tensor], like: Sequence[torch.Tensor], codec: str,
+               chunk: int) -> list[torch.Tensor]:
+        if codec == "bf16":
+            flat = parts[0].view(torch.bfloat16).float()
+        else:
+            codes, scale = parts
+            rows = torch.nn.functional.pad(codes.float(), (0, -codes.numel() % chunk))
+            flat = (rows.view(-1, chunk) * scale[:, None]).view(-1)
+        out, i = [], 0
+        for t in like:
+            out.append(flat[i:i + t.numel()].reshape(t.shape).to(t.dtype).clone())
+            i += t.numel()
+        return out
+
+    @staticmethod
+    def part(gathered: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        return gathered.view(size, -1)[rank]
+
 
 class TorchGradients:
     """:class:`hvdsync.technique.Gradients` over ``p.grad`` of the wrapped optimizer's

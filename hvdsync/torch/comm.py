@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 from horovod.torch.mpi_ops import Average, ProcessSet
-from horovod.torch.mpi_ops import (allgather, allreduce_async, grouped_allreduce_async_,
+from horovod.torch.mpi_ops import (allgather, allgather_async, allreduce_async,
+                                   grouped_allreduce_async_,
                                    poll, sparse_allreduce_async, synchronize)
 
 from hvdsync.stats import SyncStats
@@ -133,6 +134,17 @@ class TorchCommunicator:
             for h in handles:
                 synchronize(h)
 
+    def allgather_async(self, name: str, tensors: list[torch.Tensor]) -> Pending:
+        """Start gathering every rank's 1-d ``tensors``; ``wait()`` gives each one's pieces
+        concatenated in rank order."""
+        if self.size == 1:
+            return Pending.resolved(list(tensors))
+        handles = [allgather_async(t, name=f"{name}.{i}", process_set=self.process_set)
+                   for i, t in enumerate(tensors)]
+        return Pending(lambda: [synchronize(h) for h in handles],
+                       lambda: all(poll(h) for h in handles),
+                       sum(payload_bytes(t) for t in tensors), len(tensors),
+                       what=f"the allgather {name!r}")
 
     def gather_bytes(self, data: bytes, name: str) -> list[bytes]:
         """Every rank's ``data``, in rank order (two allgathers)."""

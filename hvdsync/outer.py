@@ -1,0 +1,310 @@
+"""``delay=``'s outer synchronization: every K steps the ranks exchange the parameter change
+since their last synchronization (the *pseudo-gradient*), average it, and apply an *outer
+optimizer* to the last synchronized parameters -- DiLoCo (Douillard et al., 2023) -- optionally
+streamed: the model split into fragments that synchronize at staggered steps, each exchange
+overlapping the next ``overlap`` inner steps and merged when it lands (Streaming DiLoCo,
+Douillard et al., 2025), with a compressed exchange (fp16, bf16, int8 with a scale per chunk)
+and error feedback. docs/delay.md has the terms of the seed and of DiLoCo side by side.
+
+Per fragment ``f`` (a run of layers in layer order, balanced by bytes), on every rank:
+
+* ``anchor`` -- the fragment's parameters at its last synchronization (``theta_global``); the
+  same on every rank. At step ``t`` with ``t % K == offset_f`` the rank sends
+  ``delta = anchor - theta`` (plus its error-feedback residual, compressed) and trains on;
+* ``overlap`` (tau) steps later it takes the average ``mean(delta)`` (every rank has the same),
+  and applies the outer optimizer -- SGD with momentum ``mu`` (Nesterov by default) and
+  learning rate ``lr``::
+
+      m      = mu * m + mean(delta)
+      step   = mean(delta) + mu * m    (Nesterov; else m)
+      anchor = anchor - lr * step
+
+* then merges (Streaming DiLoCo's rule): ``theta = (1 - mix) * anchor + mix * theta``, where
+  ``theta`` has taken ``overlap`` more inner steps meanwhile. ``mix = 0`` replaces them by the
+  synchronized parameters (DiLoCo, and Streaming DiLoCo with ``overlap = 0``).
+
+``lr = 1, mu = 0`` is plain model averaging (post-local SGD); with ``K = 1`` and plain SGD
+inside it is synchronous data-parallel SGD. Which collectives run depends only on the step
+counter and the layer layout (the no-hang rule); a rank's timing only decides when a wait
+returns. A non-finite average (any rank's parameters blew up) is skipped on every rank: the
+fragment goes back to its anchor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hvdsync.stats import SyncStats
+from hvdsync.technique import Communicator, Gradients, Pending, TensorOps
+
+#: how the pseudo-gradients travel: ``none`` (as they are, allreduce), ``fp16`` (allreduce
+#: in half precision), ``bf16`` and ``int8`` (allgather: every rank decodes every rank's
+#: contribution and averages them in rank order, so all get the same bits)
+CODECS = ("none", "fp16", "bf16", "int8")
+#: values per int8 scale (the chunk's largest magnitude maps to 127)
+INT8_CHUNK = 1024
+
+
+def fragment_layers(layer_bytes: list[int], fragments: int) -> list[list[int]]:
+    """Consecutive layers (in layer order) in ``fragments`` runs of about equal bytes, none
+    empty; the same on every rank (from shapes only)."""
+    n = len(layer_bytes)
+    if not 1 <= fragments <= n:
+        raise ValueError(f"delay fragments={fragments} needs 1..{n} (the number of layers)")
+    total = sum(layer_bytes) or n
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    seen, f = 0, 0
+    for li, b in enumerate(layer_bytes):
+        # move on once this fragment has its share, leaving one layer at least for each of
+        # the fragments still to come
+        if out[f] and (seen >= total * (f + 1) / fragments or n - li <= fragments - 1 - f):
+            f += 1
+        out[f].append(li)
+        seen += b
+    return out
+
+
+def start_offsets(average_every: int, fragments: int) -> list[int]:
+    """Fragment ``f`` starts its exchange at the steps ``t`` with ``t % K == offset[f]``:
+    staggered evenly, the last fragment on multiples of K (K-step averaging's schedule)."""
+    return [((f + 1) * average_every // fragments) % average_every for f in range(fragments)]
+
+
+@dataclass
+class _Exchange:
+    """One fragment's exchange in flight: started after step ``started``, merged after step
+    ``due``."""
+
+    fragment: int
+    started: int
+    due: int
+    pending: Pending  # wait() -> {key: averaged pseudo-gradient}
+
+
+class OuterSync:
+    """The outer synchronization of ``delay=`` (see the module docstring): per-fragment
+    anchors, outer momentum, error-feedback residuals and exchanges in flight.
+
+    Memory (keyed by :meth:`Gradients.key`): ``anchor`` and ``momentum`` (shared: the same on
+    every rank), ``residual`` (each rank's own), and the exchanges in flight -- whose averages
+    a checkpoint stores once they arrive, so a resumed run merges them at the same step.
+    """
+
+    def __init__(self, config: Any, grads: Gradients, ops: TensorOps, comm: Communicator,
+                 layer_names: list[str], stats: SyncStats):
+        self.config = config
+        self.grads = grads
+        self.ops = ops
+        self.comm = comm
+        self.layer_names = layer_names
+        self.stats = stats
+        self.offsets = start_offsets(config.average_every, config.fragments)
+        self._fragments: Optional[list[list[int]]] = None
+        self.anchor: dict[str, Any] = {}
+        self.momentum: dict[str, Any] = {}
+        self.residual: dict[str, Any] = {}
+        self._in_flight: dict[int, _Exchange] = {}  # fragment -> its exchange
+        #: fragments merged by the last step, and whether each average was finite
+        self.last_merged: list[int] = []
+
+    # -- layout -------------------------------------------------------------------------------
+    @property
+    def fragments(self) -> list[list[int]]:
+        """The layers of each fragment (computed from parameter sizes at first use)."""
+        if self._fragments is None:
+            sizes = [sum(self.ops.nbytes(x) for x in self.grads.replica_tensors(li, False))
+                     for li in range(len(self.layer_names))]
+            self._fragments = fragment_layers(sizes, self.config.fragments)
+        return self._fragments
+
+    def _params(self, f: int) -> list[tuple[str, Any]]:
+        """``(key, parameter)`` of fragment ``f`` in a fixed order."""
+        out = []
+        for li in self.fragments[f]:
+            params = self.grads.replica_tensors(li, False)
+            out += [(self.grads.key(li, k), p) for k, p in enumerate(params)]
+        return out
+
+    def starting(self, step: int) -> list[int]:
+        """Fragments whose exchange starts after step ``step``."""
+        k = self.config.average_every
+        return [f for f, o in enumerate(self.offsets) if step % k == o]
+
+    # -- the step -----------------------------------------------------------------------------
+    def before_first_update(self) -> None:
+        """Take the anchors (the parameters every rank starts from) before the first update."""
+        if self.anchor:
+            return
+        for f in range(len(self.fragments)):
+            for key, p in self._params(f):
+                self.anchor[key] = self.ops.clone(p)
+
+    def after_update(self, step: int) -> None:
+        """After the inner update of step ``step``: merge the exchanges due now, then start
+        the ones this step begins (``overlap = 0``: started and merged at once)."""
+        self.last_merged = []
+        self._merge_due(step)
+        tau = self.config.overlap
+        for f in self.starting(step):
+            self._in_flight[f] = _Exchange(f, step, step + tau, self._send(f, step))
+        if tau == 0:
+            self._merge_due(step)
+
+    def _merge_due(self, step: int) -> None:
+        for f in sorted(self._in_flight):
+            if self._in_flight[f].due <= step:
+                self._merge(self._in_flight.pop(f), self.config.mix)
+
+    # -- one exchange -------------------------------------------------------------------------
+    def _send(self, f: int, step: int) -> Pending:
+        """Start the exchange of fragment ``f``'s pseudo-gradients (compressed, with this
+        rank's residual folded in); the pending gives ``{key: average}``."""
+        ops, codec = self.ops, self.config.compress
+        keys, deltas = [], []
+        for key, p in self._params(f):
+            delta = ops.accumulate(ops.clone(self.anchor[key]), p, sign=-1)
+            if key in self.residual:
+                delta = ops.accumulate(delta, self.residual[key])
+            keys.append(key)
+            deltas.append(delta)
+        name = f"hvdsync.outer.f{f}"
+        if codec in ("none", "fp16"):
+            sent = [ops.cast(d, "float16") for d in deltas] if codec == "fp16" else deltas
+            if codec == "fp16" and self.config.error_feedback:
+                self._keep_residuals(keys, deltas, [ops.cast(s, like=d)
+                                                    for s, d in zip(sent, deltas)])
+            pending = self.comm.allreduce(name, sent)
+            self.comm.flush(background=True)  # Keras queues eager requests: send it now
+            result = pending.then(lambda out: {k: ops.cast(x, like=d)
+                                               for k, x, d in zip(keys, out, deltas)})
+        else:
+            parts = ops.encode(deltas, codec, INT8_CHUNK)
+            if self.config.error_feedback:
+                self._keep_residuals(keys, deltas, ops.decode(parts, deltas, codec, INT8_CHUNK))
+            pending = self.comm.allgather_async(name, parts)
+            result = pending.then(lambda out: self._average_gathered(keys, deltas, codec, out))
+        self.stats.control(pending.nbytes, pending.collectives)
+        self.stats.count("outer_started")
+        self.stats.count("outer_bytes", pending.nbytes)
+        return result
+
+    def _keep_residuals(self, keys: list[str], sent: list, decoded: list) -> None:
+        """Error feedback: what compression lost joins this rank's next pseudo-gradient."""
+        for key, s, d in zip(keys, sent, decoded):
+            self.residual[key] = self.ops.accumulate(self.ops.clone(s), d, sign=-1)
+
+    def _average_gathered(self, keys: list[str], like: list, codec: str,
+                          gathered: list) -> dict[str, Any]:
+        """Every rank's decoded contribution, averaged in rank order (the same bits on every
+        rank)."""
+        ops, n = self.ops, self.comm.size
+        total: Optional[list] = None
+        for r in range(n):
+            mine = ops.decode([ops.part(t, r, n) for t in gathered], like, codec, INT8_CHUNK)
+            total = mine if total is None else [ops.accumulate(a, b)
+                                                for a, b in zip(total, mine)]
+        return {k: ops.add_scaled(ops.zeros_like(t), t, 1.0 / n) for k, t in zip(keys, total)}
+
+    def _merge(self, ex: _Exchange, mix: float) -> None:
+        """The outer step on fragment ``ex.fragment``'s anchors, then the merge into the
+        parameters; a non-finite average resets the fragment to its anchors on every rank."""
+        ops, c = self.ops, self.config
+        averaged = ex.pending.wait()
+        finite = ops.all_finite(list(averaged.values()))
+        params = self._params(ex.fragment)
+        if not finite:
+            self.stats.count("outer_nonfinite")
+            for key, p in params:
+                self.residual.pop(key, None)
+                ops.assign(p, self.anchor[key])
+            self.last_merged.append(ex.fragment)
+            return
+        for key, p in params:
+            d = averaged[key]
+            update = d
+            if c.outer_momentum:
+                m = self.momentum.get(key)
+                m = ops.clone(d) if m is None else ops.add_scaled(ops.clone(d), m,
+                                                                   c.outer_momentum)
+                self.momentum[key] = m
+                update = ops.add_scaled(ops.clone(d), m, c.outer_momentum) if c.nesterov else m
+            anchor = ops.add_scaled(self.anchor[key], update, -c.outer_lr)
+            self.anchor[key] = anchor
+            if mix:  # theta = anchor + mix * (theta - anchor)
+                local = ops.accumulate(ops.clone(p), anchor, sign=-1)
+                ops.assign(p, ops.add_scaled(ops.clone(anchor), local, mix))
+            else:
+                ops.assign(p, anchor)
+        self.stats.count("outer_merged")
+        self.last_merged.append(ex.fragment)
+
+    # -- outside the step ---------------------------------------------------------------------
+    def synchronize_all(self) -> int:
+        """``flush()``: merge every exchange in flight, then make the replicas identical by
+        averaging the parameters (as post-local SGD does; the outer momentum is kept), and
+        take them as every fragment's new anchor. Returns how many exchanges were in flight."""
+        n = len(self._in_flight)
+        for f in sorted(self._in_flight):
+            self._merge(self._in_flight.pop(f), self.config.mix)
+        groups, keys = [], []
+        for f in range(len(self.fragments)):
+            params = self._params(f)
+            groups.append((f"hvdsync.outer.flush.f{f}", [p for _, p in params]))
+            keys.append(params)
+        if self.comm.size > 1:
+            self.stats.control(sum(self.ops.nbytes(p) for _, ps in groups for p in ps),
+                               len(groups))
+            self.comm.average(groups)
+        for params in keys:
+            for key, p in params:
+                self.anchor[key] = self.ops.clone(p)
+                self.residual.pop(key, None)
+        return n
+
+    def discard(self) -> int:
+        """Finish and drop every exchange in flight (its residual given back is not
+        attempted: the next exchange starts from the parameters as they are)."""
+        n = len(self._in_flight)
+        for ex in self._in_flight.values():
+            ex.pending.wait()
+        self._in_flight.clear()
+        return n
+
+    def state_dict(self) -> dict:
+        """Shared: anchors, outer momentum, and each exchange in flight (waited for here:
+        its average, with the steps it started and is merged after). Per rank: residuals."""
+        g = self.grads
+        return {
+            "anchor": {k: g.to_saved(k, v) for k, v in self.anchor.items()},
+            "momentum": {k: g.to_saved(k, v) for k, v in self.momentum.items()},
+            "residual": {k: g.to_saved(k, v) for k, v in self.residual.items()},
+            "in_flight": [{"fragment": ex.fragment, "started": ex.started, "due": ex.due,
+                           "average": {k: g.to_saved(k, v)
+                                       for k, v in ex.pending.wait().items()}}
+                          for _, ex in sorted(self._in_flight.items())],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        g = self.grads
+        self.discard()
+        self.anchor = {k: g.from_saved(k, v) for k, v in state.get("anchor", {}).items()}
+        self.momentum = {k: g.from_saved(k, v) for k, v in state.get("momentum", {}).items()}
+        self.residual = {k: g.from_saved(k, v) for k, v in state.get("residual", {}).items()}
+        for ex in state.get("in_flight", []):
+            average = {k: g.from_saved(k, v) for k, v in ex["average"].items()}
+            self._in_flight[int(ex["fragment"])] = _Exchange(
+                int(ex["fragment"]), int(ex["started"]), int(ex["due"]),
+                Pending.resolved(average))
+
+    def forget(self) -> None:
+        """Start over from the parameters as they are at the next step."""
+        self.discard()
+        self.anchor.clear()
+        self.momentum.clear()
+        self.residual.clear()
+
+    def status(self) -> dict:
+        return {"fragments": [list(f) for f in self.fragments],
+                "in_flight": sorted(self._in_flight),
+                "last_merged": list(self.last_merged)}
