@@ -97,11 +97,18 @@ METHODS: dict[str, dict[str, Any]] = {
                                            outer_lr=0.7, outer_momentum=0.9)),
     "hvdsync diloco k32": dict(kind="hvdsync", dense_model=True, extra=True,
                                kwargs=dict(delay="diloco")),
-    "hvdsync streaming": dict(kind="hvdsync", dense_model=True, kwargs=dict(delay="streaming")),
+    "hvdsync streaming k8": dict(kind="hvdsync", dense_model=True, extra=True,
+                                 kwargs=dict(delay=dict(STREAMING_CFG, average_every=8))),
+    "hvdsync streaming k4 averaging": dict(
+        kind="hvdsync", dense_model=True, extra=True,
+        kwargs=dict(delay=dict(STREAMING_CFG, average_every=4, fragments=2, outer_lr=1.0,
+                               outer_momentum=0.0))),
     "hvdsync streaming fp32": dict(kind="hvdsync", dense_model=True, extra=True,
                                    kwargs=dict(delay=dict(STREAMING_CFG, compress="none"))),
-    "hvdsync recommended": dict(kind="hvdsync", fp16=True,
-                                kwargs=dict(delay=dict(staleness=4, average_every=32)),
+    # the seed's stale-gradient scheme, the recommended preset before issue 29
+    "hvdsync delay + fp16": dict(kind="hvdsync", fp16=True, dense_model=True, extra=True,
+                                 kwargs=dict(delay=dict(staleness=4, average_every=32))),
+    "hvdsync recommended": dict(kind="hvdsync", fp16=True, kwargs=dict(delay="streaming"),
                                 sparse_kwargs=dict(sparse=True)),
 }
 # select='s selectors at equal bytes (issue 20): a quarter of the dense bytes per step, a
@@ -118,8 +125,8 @@ for _label, _sel in SELECTORS.items():
                                               kwargs=dict(select={**SELECT_BUDGET, **_sel}))
 RUNS = [0]  # torchft runs so far on this rank (each gets its own ports)
 EXTEND = 3  # a method faster per step trains up to this many times the workload's steps
-RECOMMENDED = ("delay= (staleness 4, average every 32) + fp16; with sparse gradients: "
-               "sparse= + fp16")
+RECOMMENDED = ('delay="streaming" (local steps, outer Nesterov 0.7/0.9, K 16 in 4 fragments, '
+               "overlap 1, mix 0.5, int8); with sparse gradients: sparse= + fp16")
 
 
 def _powersgd_bytes(model, rank: int = 2, min_rate: float = 2.0) -> int:

@@ -65,7 +65,9 @@ class SyncAPI:
     def delay_status(self) -> dict[str, Any]:
         """With ``delay=``: finished ``step`` count, ids (step numbers) of the ``outstanding``
         global gradients, the ids the last step folded in (``last_folded``, newest first) and
-        the ``staleness`` histogram ``{lag in steps: count}``. Empty without ``delay=``."""
+        the ``staleness`` histogram ``{lag in steps: count}``; with the outer synchronization
+        also ``outer``: the ``fragments`` (layer indices), the fragments ``in_flight`` and those
+        the last step merged (``last_merged``). Empty without ``delay=``."""
         return self._status("delay")
 
     @property

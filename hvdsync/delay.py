@@ -1,6 +1,8 @@
-"""``delay=``: overlap compute with communication -- update with the local gradient at once,
-fold in the global (averaged) gradient when it arrives, average the models every K steps
-(a transport: it replaces the plain exchange of dense layers).
+"""``delay=``: local steps -- update with the local gradient at once, fold in the global
+(averaged) gradient when it arrives, and synchronize the models every K steps, by plain
+averaging or by an outer optimizer on the pseudo-gradient, streamed in fragments
+(:mod:`hvdsync.outer`; with ``exchange_gradients=False`` a step sends nothing but that
+synchronization: DiLoCo). A transport: it replaces the plain exchange of dense layers.
 
 Step ``t`` of every rank:
 
@@ -277,8 +279,9 @@ class DelayedGradients(Transport):
     """
 
     name = "delay"
-    #: each rank's own memory: the outer exchange's error-feedback residuals
-    per_rank = ("outer_residual",)
+    #: each rank's own memory: the outer exchange's error-feedback residuals, and its
+    #: parameters and optimizer state (they differ between ranks between synchronizations)
+    per_rank = ("outer_residual", "outer_local")
 
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats,
@@ -295,6 +298,7 @@ class DelayedGradients(Transport):
         self._in_flight: dict[int, dict[int, _InFlight]] = {}  # step id -> layer -> part
         self._average_after_step = False
         self._bad: list = []  # this step's device flags: a layer's local gradient non-finite
+        self._local: list[tuple[int, list[int]]] = []  # local steps: this step's layers
         #: whether the last step replaced a non-finite local gradient by zeros
         self.local_nonfinite = False
         if config.fragments > len(layer_names):
@@ -317,6 +321,9 @@ class DelayedGradients(Transport):
             if self.grads.is_row_sparse(li, k):
                 raise ValueError("delay= supports dense gradients only; a row-sparse gradient "
                                  "reached it (pass sparse_as_dense=True or no delay)")
+        if not self.config.exchange_gradients:  # local steps: nothing goes until the sync
+            self._local.append((li, ks))  # checked once for the whole step in flush()
+            return None
         step = self.policy.current
         local = [self.grads.get(li, k) for k in ks]
         # Non-finite on this rank: its steps are not exchanged synchronously, so the step
@@ -326,8 +333,6 @@ class DelayedGradients(Transport):
         local = self.ops.zero_if(bad, local)
         for k, g in zip(ks, local):
             self.grads.set(li, k, g)
-        if not self.config.exchange_gradients:  # local steps: nothing goes until the sync
-            return None
         # In-flight ids span at most staleness + 1 consecutive steps, so this slot keeps
         # collective names unique while letting Horovod's response cache reuse them.
         slot = step % (self.config.staleness + 1)
@@ -340,6 +345,16 @@ class DelayedGradients(Transport):
         return Pending(nbytes=pending.nbytes, collectives=pending.collectives)
 
     def flush(self) -> dict[int, Pending]:
+        if self._local:  # local steps: one finiteness check for the step, before the verdict
+            layers, self._local = self._local, []
+            local = [self.grads.get(li, k) for li, ks in layers for k in ks]
+            if not self.ops.all_finite(local):  # one read; zeroing only when needed
+                bad = self.ops.bad(local)
+                self._bad.append(bad)
+                zeroed = iter(self.ops.zero_if(bad, local))
+                for li, ks in layers:
+                    for k in ks:
+                        self.grads.set(li, k, next(zeroed))
         self.comm.flush(background=True)  # Keras: the step's allreduce goes to a thread
         return {}
 
@@ -420,6 +435,7 @@ class DelayedGradients(Transport):
         return self._discard_gradients() + (self.outer.discard() if self.outer else 0)
 
     def _discard_gradients(self) -> int:
+        self._local = []
         n = len(self._in_flight)
         for part in self._in_flight.values():
             for layer in part.values():
@@ -450,6 +466,7 @@ class DelayedGradients(Transport):
         if self.outer is not None:
             outer = self.outer.state_dict()
             state["outer_residual"] = outer.pop("residual")
+            state["outer_local"] = outer.pop("local")
             state["outer"] = outer
         return state
 
@@ -458,13 +475,15 @@ class DelayedGradients(Transport):
         self.policy.load_state_dict(state["policy"])
         if self.outer is not None:
             self.outer.load_state_dict({**state.get("outer", {}),
-                                        "residual": state.get("outer_residual", {})})
+                                        "residual": state.get("outer_residual", {}),
+                                        "local": state.get("outer_local", {})})
 
     def status(self) -> dict:
         """Finished ``step`` count, ids (step numbers) of the ``outstanding`` global
         gradients, the ids the last step folded in (``last_folded``, newest first), the ids it
-        had to wait for (``last_waited``: due by the bound or a drain, not arrived) and the
-        ``staleness`` histogram ``{lag in steps: count}``."""
+        had to wait for (``last_waited``: due by the bound or a drain, not arrived), the
+        ``staleness`` histogram ``{lag in steps: count}``, and with the outer synchronization
+        ``outer`` (:meth:`hvdsync.outer.OuterSync.status`)."""
         status = {"step": self.policy.step, "outstanding": self.outstanding,
                   "last_folded": list(self.policy.last_folded),
                   "last_waited": list(self.policy.last_waited),

@@ -273,9 +273,17 @@ class OuterSync:
 
     def state_dict(self) -> dict:
         """Shared: anchors, outer momentum, and each exchange in flight (waited for here:
-        its average, with the steps it started and is merged after). Per rank: residuals."""
+        its average, with the steps it started and is merged after). Per rank: residuals, and
+        ``local`` -- this rank's parameters and the optimizer state shaped like them, which
+        differ between ranks between synchronizations while a checkpoint's model and optimizer
+        state are one rank's."""
         g = self.grads
+        local = {}
+        for li in range(len(self.layer_names)):
+            key = g.key(li, 0)
+            local[key] = [g.to_saved(key, x) for x in g.replica_tensors(li, True)]
         return {
+            "local": local,
             "anchor": {k: g.to_saved(k, v) for k, v in self.anchor.items()},
             "momentum": {k: g.to_saved(k, v) for k, v in self.momentum.items()},
             "residual": {k: g.to_saved(k, v) for k, v in self.residual.items()},
@@ -291,6 +299,12 @@ class OuterSync:
         self.anchor = {k: g.from_saved(k, v) for k, v in state.get("anchor", {}).items()}
         self.momentum = {k: g.from_saved(k, v) for k, v in state.get("momentum", {}).items()}
         self.residual = {k: g.from_saved(k, v) for k, v in state.get("residual", {}).items()}
+        for li in range(len(self.layer_names)):  # this rank's own values, where saved
+            saved = state.get("local", {}).get(g.key(li, 0))
+            targets = g.replica_tensors(li, True)
+            if saved is not None and len(saved) == len(targets):
+                for x, v in zip(targets, saved):
+                    self.ops.assign(x, g.from_saved(g.key(li, 0), v))
         for ex in state.get("in_flight", []):
             average = {k: g.from_saved(k, v) for k, v in ex["average"].items()}
             self._in_flight[int(ex["fragment"])] = _Exchange(

@@ -287,7 +287,7 @@ def test_staleness_histogram_from_counters():
     (dict(delay=dict(staleness=1.5)), ValueError, "staleness must be an int"),
     (dict(delay=dict(optimizer_state="sum")), ValueError, "optimizer_state must be one of"),
     (dict(delay=dict(stale=1)), TypeError, "unexpected keyword"),
-    (dict(delay="yes"), TypeError, "delay must be a DelayConfig"),
+    (dict(delay=[1]), TypeError, "delay must be a DelayConfig"),
     (dict(delay=2, op=hvd.Sum), ValueError, "needs op=Average"),
     (dict(delay=2, threshold=0.5), ValueError, "cannot be combined with threshold"),
     (dict(delay=2, select=1), ValueError, "cannot be combined with select"),
