@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from hvdsync.outer import fragment_layers
+
 
 def own_address(peer: str) -> str:
     """This process' address on the network that reaches ``peer``."""
@@ -37,15 +39,9 @@ def fragments_of(model: nn.Module, n: int) -> list[nn.Module]:
         layers = [m for m in inner if isinstance(m, nn.ModuleList)]
         pieces += list(layers[0]) if layers else [child]
     pieces = [p for p in pieces if any(True for _ in p.parameters())]
-    total = sum(p.numel() for m in pieces for p in m.parameters())
-    groups: list[list[nn.Module]] = [[] for _ in range(n)]
-    seen, g = 0, 0
-    for i, m in enumerate(pieces):
-        if groups[g] and (seen >= total * (g + 1) / n or len(pieces) - i <= n - 1 - g):
-            g += 1
-        groups[g].append(m)
-        seen += sum(p.numel() for p in m.parameters())
-    return [nn.ModuleList(ms) for ms in groups]
+    # the same split as hvdsync's fragments (consecutive, balanced by size)
+    groups = fragment_layers([sum(p.numel() for p in m.parameters()) for m in pieces], n)
+    return [nn.ModuleList([pieces[i] for i in g]) for g in groups]
 
 
 def start_diloco(model: nn.Module, inner: torch.optim.Optimizer, rank: int, size: int,

@@ -39,6 +39,7 @@ Scalar state (Adam's step count) is the same on every rank either way.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -74,7 +75,8 @@ class DelayConfig:
         outer_lr, outer_momentum, nesterov: the outer optimizer on the pseudo-gradient
             (``1, 0``: plain model averaging; DiLoCo: ``0.7, 0.9, True``).
         fragments: the model in this many runs of layers (balanced by bytes), synchronized at
-            staggered steps (Streaming DiLoCo).
+            staggered steps (Streaming DiLoCo); at most one per layer (a model with fewer
+            layers gets one fragment per layer).
         overlap: tau -- a fragment's exchange is merged this many steps after it starts; the
             inner steps go on meanwhile (``0``: the step waits for it).
         mix: Streaming DiLoCo's alpha: after the outer update a fragment's parameters become
@@ -301,9 +303,8 @@ class DelayedGradients(Transport):
         self._local: list[tuple[int, list[int]]] = []  # local steps: this step's layers
         #: whether the last step replaced a non-finite local gradient by zeros
         self.local_nonfinite = False
-        if config.fragments > len(layer_names):
-            raise ValueError(f"delay fragments={config.fragments} needs 1..{len(layer_names)} "
-                             "(the number of layers)")
+        if config.fragments > len(layer_names):  # a fragment is one layer at least
+            config = dataclasses.replace(config, fragments=len(layer_names))
         #: the outer synchronization (DiLoCo class), or None: plain K-step averaging
         self.outer = (OuterSync(config, grads, ops, comm, layer_names, stats)
                       if config.outer else None)

@@ -105,7 +105,7 @@ class OuterSync:
         self.momentum: dict[str, Any] = {}
         self.residual: dict[str, Any] = {}
         self._in_flight: dict[int, _Exchange] = {}  # fragment -> its exchange
-        #: fragments merged by the last step, and whether each average was finite
+        #: fragments merged after the last step's update
         self.last_merged: list[int] = []
 
     # -- layout -------------------------------------------------------------------------------
@@ -147,17 +147,17 @@ class OuterSync:
         self._merge_due(step)
         tau = self.config.overlap
         for f in self.starting(step):
-            self._in_flight[f] = _Exchange(f, step, step + tau, self._send(f, step))
+            self._in_flight[f] = _Exchange(f, step, step + tau, self._send(f))
         if tau == 0:
             self._merge_due(step)
 
     def _merge_due(self, step: int) -> None:
         for f in sorted(self._in_flight):
             if self._in_flight[f].due <= step:
-                self._merge(self._in_flight.pop(f), self.config.mix)
+                self._merge(self._in_flight.pop(f))
 
     # -- one exchange -------------------------------------------------------------------------
-    def _send(self, f: int, step: int) -> Pending:
+    def _send(self, f: int) -> Pending:
         """Start the exchange of fragment ``f``'s pseudo-gradients (compressed, with this
         rank's residual folded in); the pending gives ``{key: average}``."""
         ops, codec = self.ops, self.config.compress
@@ -206,7 +206,7 @@ class OuterSync:
                                                 for a, b in zip(total, mine)]
         return {k: ops.add_scaled(ops.zeros_like(t), t, 1.0 / n) for k, t in zip(keys, total)}
 
-    def _merge(self, ex: _Exchange, mix: float) -> None:
+    def _merge(self, ex: _Exchange) -> None:
         """The outer step on fragment ``ex.fragment``'s anchors, then the merge into the
         parameters; a non-finite average resets the fragment to its anchors on every rank."""
         ops, c = self.ops, self.config
@@ -231,9 +231,9 @@ class OuterSync:
                 update = ops.add_scaled(ops.clone(d), m, c.outer_momentum) if c.nesterov else m
             anchor = ops.add_scaled(self.anchor[key], update, -c.outer_lr)
             self.anchor[key] = anchor
-            if mix:  # theta = anchor + mix * (theta - anchor)
+            if c.mix:  # theta = anchor + mix * (theta - anchor)
                 local = ops.accumulate(ops.clone(p), anchor, sign=-1)
-                ops.assign(p, ops.add_scaled(ops.clone(anchor), local, mix))
+                ops.assign(p, ops.add_scaled(ops.clone(anchor), local, c.mix))
             else:
                 ops.assign(p, anchor)
         self.stats.count("outer_merged")
@@ -246,7 +246,7 @@ class OuterSync:
         take them as every fragment's new anchor. Returns how many exchanges were in flight."""
         n = len(self._in_flight)
         for f in sorted(self._in_flight):
-            self._merge(self._in_flight.pop(f), self.config.mix)
+            self._merge(self._in_flight.pop(f))
         groups, keys = [], []
         for f in range(len(self.fragments)):
             params = self._params(f)
@@ -263,8 +263,8 @@ class OuterSync:
         return n
 
     def discard(self) -> int:
-        """Finish and drop every exchange in flight (its residual given back is not
-        attempted: the next exchange starts from the parameters as they are)."""
+        """Finish and drop every exchange in flight (a checkpoint is being loaded, or the
+        technique forgets); returns how many there were."""
         n = len(self._in_flight)
         for ex in self._in_flight.values():
             ex.pending.wait()

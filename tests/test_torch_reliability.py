@@ -24,6 +24,7 @@ def disagreeing_body(kind: str) -> str:
     options = {"select_k": dict(select=dict(k=1 + r)),
                "threshold": dict(threshold=0.5 + r),
                "staleness": dict(delay=dict(staleness=1 + r)),
+               "outer": dict(delay="streaming" if r == 0 else "diloco"),
                "technique": dict(clip=1.0) if r == 0 else {},
                "shapes": {},
                "op": dict(op=hvd.Sum if r == 0 else hvd.Average)}[kind]
@@ -36,7 +37,8 @@ def disagreeing_body(kind: str) -> str:
 
 
 DISAGREEMENTS = {"select_k": "select=", "threshold": "threshold=", "staleness": "delay=",
-                 "technique": "clip=", "shapes": "layers", "op": "horovod options"}
+                 "outer": "delay=", "technique": "clip=", "shapes": "layers",
+                 "op": "horovod options"}
 
 
 @pytest.mark.parametrize("np_", [2, 3])
@@ -75,6 +77,33 @@ def test_a_collective_on_one_rank_ends_the_job_with_a_message():
     msg = str(err.value)
     assert "exited with code" in msg and "timed out" not in msg
     assert "rank 0 waited" in msg and "parameter averaging" in msg and "gives up" in msg
+    assert processes_of(err.value.workdir) == []
+
+
+def outer_exchange_on_one_rank() -> None:
+    """Local steps, K=4, tau 1: rank 1 stops after 3 steps, rank 0 starts the outer exchange
+    after step 4 and waits for it at step 5's merge -- nobody joins."""
+    import hvdsync.torch as hvd
+    hvd.init()
+    model = MLP()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+        delay=dict(exchange_gradients=False, average_every=4, overlap=1, compress="int8"))
+    for x, y in teacher_batches(hvd.rank(), 6 if hvd.rank() == 0 else 3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    time.sleep(120)  # rank 1 stays alive: only hvdsync's bound can end this
+
+
+def test_an_outer_exchange_on_one_rank_ends_the_job_with_a_message():
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(outer_exchange_on_one_rank, np=2, timeout=100,
+                  env={"HVDSYNC_TIMEOUT_SECONDS": "6"})
+    assert time.monotonic() - start < 60
+    msg = str(err.value)
+    assert "rank 0 waited" in msg and "hvdsync.outer.f0" in msg and "gives up" in msg
     assert processes_of(err.value.workdir) == []
 
 

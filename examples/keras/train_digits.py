@@ -6,6 +6,7 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --select 1
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --lowrank 4
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --delay 2 --average-every 8
+    horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --delay streaming
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --save /tmp/digits.keras
 
 What differs from a single-process Keras script: ``import hvdsync.keras as hvd``,
@@ -32,7 +33,7 @@ import hvdsync.keras as hvd  # noqa: E402
 
 def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
           clip: Optional[dict] = None, threshold: Optional[dict] = None,
-          select: Optional[dict] = None, delay: Optional[dict] = None,
+          select: Optional[dict] = None, delay: Optional[dict | str] = None,
           save: Optional[str] = None, verbose: bool = True,
           lowrank: Optional[dict] = None) -> dict[str, Any]:
     """Train on this rank's shard with ``model.fit``; return test accuracy and the stats."""
@@ -90,7 +91,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--max-skip", type=int, help="with --threshold: most steps a layer skips")
     p.add_argument("--select", type=int, help="layers pushed per step (select=)")
     p.add_argument("--lowrank", type=int, help="rank of the weight matrices' factors (lowrank=)")
-    p.add_argument("--delay", type=int, help="staleness of the global gradient (delay=)")
+    p.add_argument("--delay", metavar="STALENESS|diloco|streaming",
+                   help="staleness of the global gradient, or a local-steps preset (delay=)")
     p.add_argument("--average-every", type=int, default=8, help="with --delay: K")
     p.add_argument("--save", help="save the trained model (.keras) here")
     a = p.parse_args(argv)
@@ -99,8 +101,8 @@ def main(argv: Optional[list[str]] = None) -> None:
           threshold=(dict(threshold=a.threshold, max_skip=a.max_skip)
                      if a.threshold is not None else None),
           select=dict(k=a.select) if a.select else None,
-          delay=dict(staleness=a.delay, average_every=a.average_every)
-          if a.delay is not None else None,
+          delay=(None if a.delay is None else a.delay if a.delay in ("diloco", "streaming")
+                 else dict(staleness=int(a.delay), average_every=a.average_every)),
           save=a.save, lowrank=dict(rank=a.lowrank) if a.lowrank else None)
 
 

@@ -28,6 +28,7 @@ CONFIGS = [
     ("lowrank rank 4", dict(lowrank=dict(rank=4))),
     ("delay s=2 K=8 + fp16", dict(delay=dict(staleness=2, average_every=8),
                                   compression="fp16")),
+    ("local steps, delay=\"streaming\"", dict(delay="streaming")),
 ]
 
 

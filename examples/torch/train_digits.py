@@ -6,6 +6,7 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --select 1
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --lowrank 4
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --delay 2 --average-every 8
+    horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --delay streaming
 
 The only change from a Horovod script is the import line: ``import hvdsync.torch as hvd``.
 Each rank trains on its own shard; rank 0 prints loss and held-out accuracy per epoch and the
@@ -30,7 +31,7 @@ import hvdsync.torch as hvd
 
 def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
           threshold: Optional[dict] = None, clip: Optional[dict] = None,
-          select: Optional[dict] = None, delay: Optional[dict] = None,
+          select: Optional[dict] = None, delay: Optional[dict | str] = None,
           compression: str = "none", lowrank: Optional[dict] = None, horovod: bool = False,
           verbose: bool = True) -> dict[str, Any]:
     """Train on this rank's shard; return final test accuracy, loss, the stats and the time
@@ -100,6 +101,9 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
                 steps=steps * epochs)
 
 
+PRESETS = ("diloco", "streaming")  # delay= presets (docs/delay.md)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=8)
@@ -114,9 +118,10 @@ def main() -> None:
     ap.add_argument("--select", type=float, default=None,
                     help="push only this many layers per step (or a fraction < 1)")
     ap.add_argument("--selector", default="hypernet", choices=["hypernet", "norm", "random"])
-    ap.add_argument("--delay", type=int, default=None, metavar="STALENESS",
-                    help="update with the local gradient at once, fold in global gradients "
-                         "at most this many steps late")
+    ap.add_argument("--delay", default=None, metavar="STALENESS|diloco|streaming",
+                    help="a number: update with the local gradient at once, fold in global "
+                         "gradients at most this many steps late; 'diloco' / 'streaming': "
+                         "local steps with an outer optimizer (docs/delay.md)")
     ap.add_argument("--average-every", type=int, default=8,
                     help="with --delay: average the parameters every this many steps")
     ap.add_argument("--lowrank", type=int, default=None, metavar="RANK",
@@ -128,8 +133,8 @@ def main() -> None:
     clip = dict(max_norm=args.clip) if args.clip is not None else None
     k = args.select if args.select is None or args.select < 1 else int(args.select)
     select = None if k is None else dict(k=k, selector=args.selector)
-    delay = (dict(staleness=args.delay, average_every=args.average_every)
-             if args.delay is not None else None)
+    delay = (None if args.delay is None else args.delay if args.delay in PRESETS
+             else dict(staleness=int(args.delay), average_every=args.average_every))
     train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip, select, delay,
           compression="fp16" if args.fp16 else "none",
           lowrank=dict(rank=args.lowrank) if args.lowrank is not None else None)
