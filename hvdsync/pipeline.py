@@ -50,10 +50,6 @@ def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOp
     techniques = [make[name](configs.get(name)) for name in rules.pipeline_order(configs)]
     by_name = {t.name: t for t in techniques}
     if "lowrank" in by_name and "delay" in by_name:  # delay runs the compressed exchange
-        if not by_name["delay"].config.exchange_gradients:
-            raise ValueError("lowrank= compresses delay='s per-step gradient exchange, which "
-                             "exchange_gradients=False turns off; compress the outer exchange "
-                             "with delay=dict(compress='int8' or 'fp16') instead")
         by_name["lowrank"].delayed = True
         by_name["delay"].compressor = by_name["lowrank"]
     return techniques

@@ -51,6 +51,9 @@ EXCLUSIONS = (
     Exclusion("delay", "clip mode 'global'",
               "delay= folds the global gradient in later, so clipping the averaged gradient "
               "before the step does not apply; use clip mode 'local'"),
+    Exclusion("delay local steps (exchange_gradients=False)", "lowrank",
+              "lowrank= compresses delay='s per-step gradient exchange, which local steps turn "
+              "off; compress the outer exchange with delay=dict(compress='int8' or 'fp16')"),
     Exclusion("sparse", "sparse_as_dense",
               "sparse_as_dense=True always sends sparse gradients dense; sparse= chooses per "
               "step (dense_ratio=0 always sends dense): pass one of them"),
@@ -95,6 +98,9 @@ def configure(*, op: str, sparse_as_dense: bool, **given: Any) -> dict[str, Any]
         on.add("clip mode 'global'")
     if sparse_as_dense:
         on.add("sparse_as_dense")
+    delay = configs["delay"]
+    if delay is not None and not delay.exchange_gradients:
+        on.add("delay local steps (exchange_gradients=False)")
     for rule in EXCLUSIONS:
         if rule.first in on and rule.second in on:
             raise ValueError(f"{_kw(rule.first)} cannot be combined with {_kw(rule.second)}: "
