@@ -68,18 +68,6 @@ def flush_on_one_rank() -> None:
     time.sleep(120)  # rank 1 stays alive: only hvdsync's bound can end this
 
 
-def test_a_collective_on_one_rank_ends_the_job_with_a_message():
-    start = time.monotonic()
-    with pytest.raises(RanksFailed) as err:
-        run_ranks(flush_on_one_rank, np=2, timeout=100,
-                  env={"HVDSYNC_TIMEOUT_SECONDS": "6"})
-    assert time.monotonic() - start < 60
-    msg = str(err.value)
-    assert "exited with code" in msg and "timed out" not in msg
-    assert "rank 0 waited" in msg and "parameter averaging" in msg and "gives up" in msg
-    assert processes_of(err.value.workdir) == []
-
-
 def outer_exchange_on_one_rank() -> None:
     """Local steps, K=4, tau 1: rank 1 stops after 3 steps, rank 0 starts the outer exchange
     after step 4 and waits for it at step 5's merge -- nobody joins."""
@@ -96,14 +84,17 @@ def outer_exchange_on_one_rank() -> None:
     time.sleep(120)  # rank 1 stays alive: only hvdsync's bound can end this
 
 
-def test_an_outer_exchange_on_one_rank_ends_the_job_with_a_message():
+@pytest.mark.parametrize("body,what", [(flush_on_one_rank, "parameter averaging"),
+                                       (outer_exchange_on_one_rank, "hvdsync.outer.f0")],
+                         ids=["flush", "outer_exchange"])
+def test_a_collective_on_one_rank_ends_the_job_with_a_message(body, what):
     start = time.monotonic()
     with pytest.raises(RanksFailed) as err:
-        run_ranks(outer_exchange_on_one_rank, np=2, timeout=100,
-                  env={"HVDSYNC_TIMEOUT_SECONDS": "6"})
+        run_ranks(body, np=2, timeout=100, env={"HVDSYNC_TIMEOUT_SECONDS": "6"})
     assert time.monotonic() - start < 60
     msg = str(err.value)
-    assert "rank 0 waited" in msg and "hvdsync.outer.f0" in msg and "gives up" in msg
+    assert "exited with code" in msg and "timed out" not in msg
+    assert "rank 0 waited" in msg and what in msg and "gives up" in msg
     assert processes_of(err.value.workdir) == []
 
 
