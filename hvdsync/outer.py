@@ -122,8 +122,7 @@ class OuterSync:
         """``(key, parameter)`` of fragment ``f`` in a fixed order."""
         out = []
         for li in self.fragments[f]:
-            params = self.grads.replica_tensors(li, False)
-            out += [(self.grads.key(li, k), p) for k, p in enumerate(params)]
+            out += zip(self.grads.param_keys(li), self.grads.replica_tensors(li, False))
         return out
 
     def starting(self, step: int) -> list[int]:
@@ -280,7 +279,7 @@ class OuterSync:
         g = self.grads
         local = {}
         for li in range(len(self.layer_names)):
-            key = g.key(li, 0)
+            key = g.param_keys(li)[0]
             local[key] = [g.to_saved(key, x) for x in g.replica_tensors(li, True)]
         return {
             "local": local,
@@ -300,11 +299,12 @@ class OuterSync:
         self.momentum = {k: g.from_saved(k, v) for k, v in state.get("momentum", {}).items()}
         self.residual = {k: g.from_saved(k, v) for k, v in state.get("residual", {}).items()}
         for li in range(len(self.layer_names)):  # this rank's own values, where saved
-            saved = state.get("local", {}).get(g.key(li, 0))
+            key = g.param_keys(li)[0]
+            saved = state.get("local", {}).get(key)
             targets = g.replica_tensors(li, True)
             if saved is not None and len(saved) == len(targets):
                 for x, v in zip(targets, saved):
-                    self.ops.assign(x, g.from_saved(g.key(li, 0), v))
+                    self.ops.assign(x, g.from_saved(key, v))
         for ex in state.get("in_flight", []):
             average = {k: g.from_saved(k, v) for k, v in ex["average"].items()}
             self._in_flight[int(ex["fragment"])] = _Exchange(

@@ -310,6 +310,9 @@ class KerasGradients:
     def key(self, li: int, k: int) -> str:
         return self._key[self._var(li, k).path]
 
+    def param_keys(self, li: int) -> list[str]:
+        return [self._key[v.path] for v in self.layer_vars[li]]
+
     def name(self, li: int, k: int) -> str:
         return self._var(li, k).path
 

@@ -297,6 +297,9 @@ class TorchGradients:
     def key(self, li: int, k: int) -> str:
         return self._key[(li, k)]
 
+    def param_keys(self, li: int) -> list[str]:
+        return [self._key[(li, k)] for k in range(len(self.layer_params[li]))]
+
     def name(self, li: int, k: int) -> str:
         return self.layer_params[li][k][0]
 
