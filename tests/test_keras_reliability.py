@@ -99,10 +99,6 @@ RESUME = {
     "threshold": dict(threshold=dict(threshold=0.3, max_skip=4)),
     "select": dict(select=dict(k=1, max_wait=3)),
     "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
-    # local steps with the streaming outer synchronization, saved without flush() while
-    # fragment 1's int8 exchange (started after step 8, merged after step 10) is in flight
-    "outer": dict(delay=dict(exchange_gradients=False, average_every=4, fragments=2, overlap=2,
-                             mix=0.5, compress="int8", outer_lr=0.7, outer_momentum=0.9)),
 }
 
 
