@@ -299,6 +299,7 @@ class DelayedGradients(Transport):
         self.compressor = compressor
         self._in_flight: dict[int, dict[int, _InFlight]] = {}  # step id -> layer -> part
         self._average_after_step = False
+        self._outer_due = False  # the outer synchronization's turn after this step's update
         self._bad: list = []  # this step's device flags: a layer's local gradient non-finite
         self._local: list[tuple[int, list[int]]] = []  # local steps: this step's layers
         #: whether the last step replaced a non-finite local gradient by zeros
@@ -364,6 +365,7 @@ class DelayedGradients(Transport):
         gradients."""
         if self.outer is not None:
             self.outer.before_first_update()
+            self._outer_due = True
         if not self.config.exchange_gradients:
             self.policy.finish_step([], None, [], 0)
             return
@@ -411,7 +413,8 @@ class DelayedGradients(Transport):
     def after_optimizer_step(self) -> None:
         """Average the parameters (and, if configured, the optimizer state) when this step
         was an averaging step."""
-        if self.outer is not None:
+        if self._outer_due:  # not after a step that skipped synchronize() (a state init)
+            self._outer_due = False
             self.outer.after_update(self.policy.step)
         elif self._average_after_step:
             self._average_after_step = False

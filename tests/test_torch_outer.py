@@ -198,6 +198,9 @@ def compressed_body(cfg: dict, steps: int, nan_rank: int = -1, nan_step: int = -
     model = MLP()
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(), delay=cfg)
+    # Horovod's habit; its state-initializing step skips synchronize() and must not start an
+    # outer exchange (a fragment whose offset is 0 did, at "step 0", before any anchor)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
     losses = []
     for step, (x, y) in enumerate(teacher_batches(hvd.rank(), steps), start=1):
         if hvd.rank() == nan_rank and step == nan_step:
