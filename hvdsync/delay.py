@@ -288,6 +288,8 @@ class DelayedGradients(Transport):
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats,
                  compressor: Optional[Any] = None):
+        if config.fragments > len(layer_names):  # a fragment is one layer at least
+            config = dataclasses.replace(config, fragments=len(layer_names))
         self.config = config
         self.policy = DelayPolicy(config, stats)
         self.grads = grads
@@ -304,8 +306,6 @@ class DelayedGradients(Transport):
         self._local: list[tuple[int, list[int]]] = []  # local steps: this step's layers
         #: whether the last step replaced a non-finite local gradient by zeros
         self.local_nonfinite = False
-        if config.fragments > len(layer_names):  # a fragment is one layer at least
-            config = dataclasses.replace(config, fragments=len(layer_names))
         #: the outer synchronization (DiLoCo class), or None: plain K-step averaging
         self.outer = (OuterSync(config, grads, ops, comm, layer_names, stats)
                       if config.outer else None)
