@@ -281,6 +281,7 @@ class DelayedGradients(Transport):
     """
 
     name = "delay"
+    checks_own = True  # a non-finite local gradient becomes zeros on its rank (start, flush)
     #: each rank's own memory: the outer exchange's error-feedback residuals, and its
     #: parameters and optimizer state (they differ between ranks between synchronizations)
     per_rank = ("outer_residual", "outer_local")

@@ -32,6 +32,9 @@ fragment goes back to its anchor.
 
 from __future__ import annotations
 
+import atexit
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -71,6 +74,26 @@ def start_offsets(average_every: int, fragments: int) -> list[int]:
     return [((f + 1) * average_every // fragments) % average_every for f in range(fragments)]
 
 
+#: how long a rank's exit waits for the other ranks to start its last exchanges
+EXIT_WAIT_S = 60.0
+
+
+def _finish_at_exit(ref: "weakref.ref[OuterSync]") -> None:
+    sync = ref()
+    if sync is None or not sync._in_flight:
+        return
+    deadline = time.monotonic() + EXIT_WAIT_S
+    try:
+        for ex in sync._in_flight.values():  # polled: a peer that never starts it (it ran
+            while not ex.pending.ready():     # fewer steps, or died) bounds the exit's wait
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.005)
+        sync.discard()
+    except Exception:  # noqa: BLE001 -- a peer is gone or Horovod is down: nothing to keep
+        pass
+
+
 @dataclass
 class _Exchange:
     """One fragment's exchange in flight: started after step ``started``, merged after step
@@ -107,6 +130,11 @@ class OuterSync:
         self._in_flight: dict[int, _Exchange] = {}  # fragment -> its exchange
         #: fragments merged after the last step's update
         self.last_merged: list[int] = []
+        # A script that ends without flush() leaves its last exchange in flight: a rank that
+        # exits at once shuts Horovod down under a slower rank that is still starting it
+        # ("Horovod has been shut down" there). Before Horovod's own exit hook (registered
+        # at init, so run after this one), finish it: every rank started the same ones.
+        atexit.register(_finish_at_exit, weakref.ref(self))
 
     # -- layout -------------------------------------------------------------------------------
     @property
@@ -209,7 +237,7 @@ class OuterSync:
         """The outer step on fragment ``ex.fragment``'s anchors, then the merge into the
         parameters; a non-finite average resets the fragment to its anchors on every rank."""
         ops, c = self.ops, self.config
-        averaged = ex.pending.wait()
+        averaged = ex.pending.wait_idle()  # the other ranks may still be computing
         finite = ops.all_finite(list(averaged.values()))
         params = self._params(ex.fragment)
         if not finite:

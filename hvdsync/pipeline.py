@@ -95,7 +95,8 @@ class StepPipeline:
         self._parts: list[list[tuple[Transport, list[int]]]] = [[] for _ in range(n)]
         self._governed: list[list[int]] = [[] for _ in range(n)]
         self._kept: list = []  # this rank's gradients of the layers the decider kept back
-        self._sent: dict[int, list[int]] = {}  # layer -> parameters exchanged this step
+        #: layer -> parameters exchanged this step, whose values tell whether it was finite
+        self._sent: dict[int, list[int]] = {}
         self._pending: dict[int, list[Pending]] = {}
         self._started = [False] * n
         self._any_started = False
@@ -162,7 +163,8 @@ class StepPipeline:
                 self._start(li, t, part)
 
     def _start(self, li: int, t: Transport, ks: list[int]) -> None:
-        self._sent.setdefault(li, []).extend(ks)
+        if not t.checks_own:
+            self._sent.setdefault(li, []).extend(ks)
         if not self._started[li]:
             if not self._any_started:
                 self.send_times = []

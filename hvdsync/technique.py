@@ -47,6 +47,7 @@ do arithmetic through its :class:`TensorOps`; they move bytes through its
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol
 
@@ -90,6 +91,20 @@ class Pending:
             self._done = True
             self._wait = self._ready = None
         return self._result
+
+    def wait_idle(self, longest_sleep_s: float = 1e-3) -> Any:
+        """:meth:`wait`, without keeping a core busy meanwhile: polls :meth:`ready` with
+        short sleeps first. Horovod's torch ``synchronize()`` spins (a 4 s wait used 5.8 s
+        of CPU), which on a CPU rank takes the core from the threads that move the data and
+        from the other ranks of a shared host. For waits on background exchanges that can
+        be polled; a pending that cannot be polled is simply waited for."""
+        if not self._done and self._ready is not None:
+            with guard(self.what):
+                sleep = 5e-5
+                while not self._ready():
+                    time.sleep(sleep)
+                    sleep = min(2 * sleep, longest_sleep_s)
+        return self.wait()
 
     def ready(self) -> bool:
         if self._done:
@@ -316,6 +331,10 @@ class Transport(Technique):
     role = TRANSPORT
     #: whether deciders choose if its parameters go (False: they go every step)
     decidable = True
+    #: whether it checks the gradients it starts for NaN/Inf itself (``delay=``: they are
+    #: not averaged in the step, so the step's verdict cannot come from exchanged values);
+    #: the pipeline then leaves them out of its own check
+    checks_own = False
 
     def owns(self, li: int, k: int) -> bool:
         """Whether this transport moves parameter ``k`` of layer ``li`` (the last transport

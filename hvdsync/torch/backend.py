@@ -5,7 +5,6 @@ so a ``load_state_dict`` of the optimizer is always seen), and tensor arithmetic
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -21,17 +20,22 @@ def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors))).float())
 
 
-def _peak(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The largest magnitude over all ``tensors`` (None for no values): NaN/Inf show (NaN
-    propagates through max), large finite values do not overflow as in a 2-norm."""
+def _nonfinite(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """1.0 if any of ``tensors`` holds NaN or Inf, else 0.0 (a float tensor on their device;
+    None for no values), without a host read. Large finite values do not overflow as in a
+    2-norm."""
     views = [t._values() if t.is_sparse else t for t in tensors]
     views = [v for v in views if v.numel()]
     if not views:
         return None
-    if views[0].is_cuda:  # one fused kernel
-        return torch.stack(torch._foreach_norm(views, float("inf"))).max()
-    # on CPU the inf-norm kernel is ~10x slower than min/max (2.4 vs 0.27 ms on the LM)
-    return torch.stack([torch.stack(torch.aminmax(v)) for v in views]).abs().max()
+    if views[0].is_cuda:  # one fused kernel; NaN propagates through the max
+        return (~torch.isfinite(torch.stack(torch._foreach_norm(views, float("inf"))).max())
+                ).float()
+    # CPU: GradScaler's fused check (it multiplies by 1: the values stay as they are); on the
+    # LM's 54 tensors 0.13 ms, vs 0.33 for min/max per tensor and 1.2 for the inf-norm
+    found = torch.zeros(1)
+    torch._amp_foreach_non_finite_check_and_unscale_(views, found, torch.ones(1))
+    return found[0]
 
 
 class TorchOps:
@@ -43,13 +47,13 @@ class TorchOps:
 
     @staticmethod
     def bad(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        peak = _peak(tensors)
-        return torch.zeros(()) if peak is None else (~torch.isfinite(peak)).float()
+        flag = _nonfinite(tensors)
+        return torch.zeros(()) if flag is None else flag
 
     @staticmethod
     def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-        peak = _peak(tensors)
-        return peak is None or math.isfinite(peak.item())  # one device read
+        flag = _nonfinite(tensors)
+        return flag is None or not flag.item()  # one device read
 
     @staticmethod
     def zero_if(flag: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
