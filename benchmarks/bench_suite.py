@@ -90,29 +90,23 @@ METHODS: dict[str, dict[str, Any]] = {
     # torchft's (Streaming) DiLoCo, the real package (benchmarks/torchft_peer.py), with the
     # schedule of hvdsync's streaming preset; "torchft diloco k32" is plain DiLoCo
     "torchft streaming diloco": dict(kind="torchft", dense_model=True,
-                                     diloco=dict(average_every=16, fragments=4, overlap=1,
+                                     diloco=dict(average_every=8, fragments=4, overlap=1,
                                                  mix=0.5, outer_lr=0.7, outer_momentum=0.9)),
     "torchft diloco k32": dict(kind="torchft", dense_model=True, extra=True,
                                diloco=dict(average_every=32, fragments=1, overlap=0, mix=0.0,
                                            outer_lr=0.7, outer_momentum=0.9)),
     "hvdsync diloco k32": dict(kind="hvdsync", dense_model=True, extra=True,
                                kwargs=dict(delay="diloco")),
-    "hvdsync streaming k8": dict(kind="hvdsync", dense_model=True, extra=True,
-                                 kwargs=dict(delay=dict(STREAMING_CFG, average_every=8))),
+    "hvdsync streaming k16": dict(kind="hvdsync", dense_model=True, extra=True,
+                                  kwargs=dict(delay=dict(STREAMING_CFG, average_every=16))),
+    "hvdsync streaming k4": dict(kind="hvdsync", dense_model=True, extra=True,
+                                 kwargs=dict(delay=dict(STREAMING_CFG, average_every=4))),
     "hvdsync streaming k4 averaging": dict(
         kind="hvdsync", dense_model=True, extra=True,
         kwargs=dict(delay=dict(STREAMING_CFG, average_every=4, fragments=2, outer_lr=1.0,
                                outer_momentum=0.0))),
     "hvdsync streaming tau2": dict(kind="hvdsync", dense_model=True, extra=True,
                                    kwargs=dict(delay=dict(STREAMING_CFG, overlap=2))),
-    "hvdsync streaming tau3": dict(kind="hvdsync", dense_model=True, extra=True,
-                                   kwargs=dict(delay=dict(STREAMING_CFG, overlap=3))),
-    "hvdsync streaming k4": dict(kind="hvdsync", dense_model=True, extra=True,
-                                 kwargs=dict(delay=dict(STREAMING_CFG, average_every=4))),
-    "hvdsync streaming k4 lr1 m0.5": dict(kind="hvdsync", dense_model=True, extra=True,
-                                 kwargs=dict(delay=dict(STREAMING_CFG, average_every=4, outer_lr=1.0, outer_momentum=0.5))),
-    "hvdsync streaming k8 tau2": dict(kind="hvdsync", dense_model=True, extra=True,
-                                 kwargs=dict(delay=dict(STREAMING_CFG, average_every=8, overlap=2))),
     "hvdsync streaming fp32": dict(kind="hvdsync", dense_model=True, extra=True,
                                    kwargs=dict(delay=dict(STREAMING_CFG, compress="none"))),
     # the seed's stale-gradient scheme, the recommended preset before issue 29
@@ -135,7 +129,7 @@ for _label, _sel in SELECTORS.items():
                                               kwargs=dict(select={**SELECT_BUDGET, **_sel}))
 RUNS = [0]  # torchft runs so far on this rank (each gets its own ports)
 EXTEND = 3  # a method faster per step trains up to this many times the workload's steps
-RECOMMENDED = ('delay="streaming" (local steps, outer Nesterov 0.7/0.9, K 16 in 4 fragments, '
+RECOMMENDED = ('delay="streaming" (local steps, outer Nesterov 0.7/0.9, K 8 in 4 fragments, '
                "overlap 1, mix 0.5, int8); with sparse gradients: sparse= + fp16")
 
 
@@ -377,6 +371,7 @@ def summarize(per_rank: list[dict], methods: list[str], workload: str) -> dict:
             time_to_target_ratio=statistics.mean(ratios) if len(ok) == len(runs) else None,
             time_to_target_ratio_sd=(statistics.stdev(ratios)
                                      if len(ok) == len(runs) and len(ratios) > 1 else 0.0),
+            time_to_target_ratios=ratios,  # per seed, for paired comparisons
             final_accuracy=statistics.mean(finals),
             final_sd=statistics.stdev(finals) if len(runs) > 1 else 0.0,
             end_accuracy=statistics.mean(run["curve"][-1][1] for run in runs),

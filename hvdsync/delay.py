@@ -172,7 +172,7 @@ class DelayConfig:
 
 
 #: the fields :meth:`DelayConfig.streaming` sets on top of DiLoCo's
-STREAMING = dict(average_every=16, fragments=4, overlap=1, mix=0.5, compress="int8")
+STREAMING = dict(average_every=8, fragments=4, overlap=1, mix=0.5, compress="int8")
 
 
 def _number_in(name: str, value: Any, low: float, high: Optional[float],
@@ -380,7 +380,7 @@ class DelayedGradients(Transport):
             start = time.perf_counter()
             for j in wait_for:
                 for part in self._in_flight[j].values():
-                    part.pending.wait()
+                    part.pending.wait_idle()  # without spinning: the peers are computing
             waited = time.perf_counter() - start
         parts = [self._in_flight.pop(j) for j in fold]
         reduced = [{li: layer.pending.wait() for li, layer in part.items()} for part in parts]

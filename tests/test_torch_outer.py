@@ -315,6 +315,35 @@ def test_presets():
     assert not DelayConfig().outer  # the seed's scheme with plain averaging, as before
 
 
+def ends_with_an_exchange_in_flight(steps: int) -> int:
+    """Train without flush(); the last step starts an exchange. Rank 0 ends at once, the
+    last rank takes its last step 2 s later."""
+    import time
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    m = MLP()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(),
+                                   delay=dict(exchange_gradients=False, average_every=2,
+                                              overlap=1, compress="int8"))
+    for i, (x, y) in enumerate(teacher_batches(hvd.rank(), steps)):
+        if i == steps - 1 and hvd.rank() == hvd.size() - 1:
+            time.sleep(2)
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    return len(opt.delay_status["outer"]["in_flight"])
+
+
+def test_a_script_may_end_with_an_exchange_in_flight():
+    """At exit each rank finishes its in-flight exchanges before Horovod shuts down: without
+    that, rank 0's exit shut Horovod down under the last rank, whose exchange then failed
+    ("Horovod has been shut down") and the job with it."""
+    assert run_ranks(ends_with_an_exchange_in_flight, np=2, args=(6,), timeout=120) == [1, 1]
+
+
 @pytest.mark.parametrize("kwargs,exc,pattern", [
     (dict(delay="local"), ValueError, "delay preset must be one of"),
     (dict(delay=dict(outer_lr=0)), ValueError, "outer_lr must be in"),
