@@ -82,14 +82,11 @@ def _finish_at_exit(ref: "weakref.ref[OuterSync]") -> None:
     sync = ref()
     if sync is None or not sync._in_flight:
         return
-    deadline = time.monotonic() + EXIT_WAIT_S
-    try:
-        for ex in sync._in_flight.values():  # polled: a peer that never starts it (it ran
-            while not ex.pending.ready():     # fewer steps, or died) bounds the exit's wait
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.005)
-        sync.discard()
+    deadline = time.monotonic() + EXIT_WAIT_S  # a peer that never starts one (it ran fewer
+    try:                                        # steps, or died) bounds the exit's wait
+        if all(ex.pending.ready_within(deadline - time.monotonic())
+               for ex in sync._in_flight.values()):
+            sync.discard()
     except Exception:  # noqa: BLE001 -- a peer is gone or Horovod is down: nothing to keep
         pass
 

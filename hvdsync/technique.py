@@ -92,7 +92,7 @@ class Pending:
             self._wait = self._ready = None
         return self._result
 
-    def wait_idle(self, longest_sleep_s: float = 1e-3) -> Any:
+    def wait_idle(self) -> Any:
         """:meth:`wait`, without keeping a core busy meanwhile: polls :meth:`ready` with
         short sleeps first. Horovod's torch ``synchronize()`` spins (a 4 s wait used 5.8 s
         of CPU), which on a CPU rank takes the core from the threads that move the data and
@@ -100,11 +100,19 @@ class Pending:
         be polled; a pending that cannot be polled is simply waited for."""
         if not self._done and self._ready is not None:
             with guard(self.what):
-                sleep = 5e-5
-                while not self._ready():
-                    time.sleep(sleep)
-                    sleep = min(2 * sleep, longest_sleep_s)
+                self.ready_within(math.inf)
         return self.wait()
+
+    def ready_within(self, seconds: float) -> bool:
+        """Whether it becomes ready within ``seconds``, polling with short sleeps (up to
+        1 ms) instead of spinning."""
+        deadline, sleep = time.monotonic() + seconds, 5e-5
+        while not self.ready():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(sleep)
+            sleep = min(2 * sleep, 1e-3)
+        return True
 
     def ready(self) -> bool:
         if self._done:
