@@ -153,9 +153,10 @@ def test_streaming_merges_each_fragment_on_its_own_schedule(reference_runs):
 
 
 # -- K = 1 is Horovod -----------------------------------------------------------------------
-def horovod_body(cfg: dict, momentum: float, steps: int) -> float:
+def horovod_body(cfg: dict, momentum: float, steps: int, passes: int = 1) -> float:
     """hvdsync's delay=cfg and horovod.torch.DistributedOptimizer on the same rank, the same
-    weights and batches (float64): the largest parameter difference at the end."""
+    weights and batches (float64), ``passes`` backward passes per step: the largest parameter
+    difference at the end."""
     import horovod.torch as horovod
 
     import hvdsync.torch as hvd
@@ -165,25 +166,31 @@ def horovod_body(cfg: dict, momentum: float, steps: int) -> float:
     theirs = MLP().double()
     theirs.load_state_dict(ours.state_dict())
     opt = hvd.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1, momentum=momentum),
-                                   named_parameters=ours.named_parameters(), delay=cfg)
+                                   named_parameters=ours.named_parameters(), delay=cfg,
+                                   backward_passes_per_step=passes)
     ref = horovod.DistributedOptimizer(torch.optim.SGD(theirs.parameters(), lr=0.1,
                                                        momentum=momentum),
-                                       named_parameters=theirs.named_parameters())
-    for x, y in teacher_batches(hvd.rank(), steps):
+                                       named_parameters=theirs.named_parameters(),
+                                       backward_passes_per_step=passes)
+    batches = teacher_batches(hvd.rank(), steps * passes)
+    for step in range(steps):
         for model, o in ((ours, opt), (theirs, ref)):
             o.zero_grad()
-            nn.functional.cross_entropy(model(x.double()), y).backward()
+            for x, y in batches[step * passes:(step + 1) * passes]:
+                nn.functional.cross_entropy(model(x.double()), y).backward()
             o.step()
     return max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["sgd", "momentum"])
-def test_k1_outer_lr_1_equals_horovod(np_, momentum):
+@pytest.mark.parametrize("momentum,passes", [(0.0, 1), (0.9, 1), (0.9, 2)],
+                         ids=["sgd", "momentum", "momentum_2_passes"])
+def test_k1_outer_lr_1_equals_horovod(np_, momentum, passes):
     """K=1, outer lr 1, no outer momentum, local steps only: the parameter change of one SGD
-    step averaged is the averaged gradient's step (momentum too: it is linear)."""
+    step averaged is the averaged gradient's step (momentum too: it is linear); with gradient
+    accumulation the local step takes the summed passes, as Horovod's allreduce does."""
     cfg = dict(exchange_gradients=False, average_every=1)
-    for diff in run_ranks(horovod_body, np=np_, args=(cfg, momentum, 10), timeout=120):
+    for diff in run_ranks(horovod_body, np=np_, args=(cfg, momentum, 10, passes), timeout=120):
         assert diff <= 1e-10, diff
 
 

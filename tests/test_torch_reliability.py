@@ -173,7 +173,10 @@ TECHNIQUES = {
     "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
     # staleness 0: what arrives when cannot change the result, so runs compare bit for bit
     "delay": dict(delay=dict(staleness=0)),
+    # local steps and the streaming outer synchronization (K 8 in fragments, int8)
+    "outer": dict(delay="streaming"),
 }
+LOCAL = ("delay", "outer")  # techniques whose steps are not exchanged synchronously
 BAD_STEP, BAD_RANK, STEPS = 3, 1, 10
 
 
@@ -259,7 +262,7 @@ def test_loss_scale_does_not_change_the_result(amp_runs, case):
         assert _same(one, big), case
 
 
-@pytest.mark.parametrize("case", [c for c in TECHNIQUES if c != "delay"])
+@pytest.mark.parametrize("case", [c for c in TECHNIQUES if c not in LOCAL])
 @pytest.mark.parametrize("kind", ["overflow", "nan"])
 def test_a_bad_step_on_one_rank_is_skipped_on_every_rank(amp_runs, case, kind):
     """An overflow (scaler) or a NaN (fp32) in rank 1's gradient at one step: every rank
@@ -275,16 +278,21 @@ def test_a_bad_step_on_one_rank_is_skipped_on_every_rank(amp_runs, case, kind):
             assert hit["scale"] == 2.0 ** 15 and ref["scale"] == 2.0 ** 16
 
 
-def test_delay_keeps_a_bad_gradient_to_its_rank(amp_runs):
+@pytest.mark.parametrize("case", LOCAL)
+def test_delay_keeps_a_bad_gradient_to_its_rank(amp_runs, case):
     """delay= does not exchange a step synchronously, so the bad rank contributes (and
     applies) zeros for it: nothing non-finite anywhere, the replicas identical after each
-    averaging, that rank counts it and backs its own scaler off."""
+    averaging (flush() at the end), that rank counts it and backs its own scaler off; with
+    local steps the outer schedule stays aligned (a scaler's skip is still a step)."""
     np_, runs = amp_runs
     for kind in ("overflow", "nan"):
-        ranks = runs[f"delay/{kind}"]
+        ranks = runs[f"{case}/{kind}"]
         for rank, r in enumerate(ranks):
             assert r["memory_finite"] and all(np.isfinite(p).all() for p in r["params"])
             assert (r["stats"].get("nonfinite", 0) > 0) == (rank == BAD_RANK), (kind, rank)
+            if case == "outer":  # the bad step is still a step of the outer schedule
+                clean = runs[f"{case}/scale1"][rank]["stats"]
+                assert r["stats"]["outer_started"] == clean["outer_started"] > 0
             if kind == "overflow":
                 assert r["scale"] == (2.0 ** 15 if rank == BAD_RANK else 2.0 ** 16)
         for other in ranks[1:]:  # flush() at the end averaged the replicas
