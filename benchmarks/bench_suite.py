@@ -155,7 +155,9 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
     training time in the same run -- a method that got there in less time goes on training
     until its slowest rank has used that budget (at most ``EXTEND`` x ``steps``), so that a
     method faster per step is not cut off by a step count the baseline set: time to target is
-    then measured on an equal wall-time footing."""
+    then measured on an equal wall-time footing. ``steps`` beyond the workload's count make a
+    longer cell: the score at the workload's own step count is kept too (``early``), the
+    second target of local-step methods, which gain with training length."""
     import horovod.torch as horovod
     import torch
     from torch import nn
@@ -254,7 +256,7 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         return slowest.item() >= budget_s
 
     horovod.allreduce(torch.zeros(1), name=f"start.{name}.{seed}")  # start together
-    curve, train_s, final, step = [], 0.0, None, 0
+    curve, train_s, final, early, step = [], 0.0, None, None, 0
     while True:
         step += 1
         x, y = batches[step - 1] if step <= steps else next_batch()
@@ -272,6 +274,8 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
             curve.append((train_s, w.score(model, x_test, y_test)))  # higher is better
         if step == steps:
             final = curve[-1][1]
+        if step == w.steps < steps:
+            early = curve[-1][1]
         if done:
             break
     steps = step
@@ -302,13 +306,13 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         else:  # 10 synchronous steps, then a parameter averaging every 32 steps
             rounds = min(steps, 10) + max(steps - 10, 0) // 32
             nbytes, collectives = dense_bytes * rounds / steps, rounds / steps
-    return dict(curve=curve, final=final, steps=steps, train_s=train_s,
+    return dict(curve=curve, final=final, early=early, steps=steps, train_s=train_s,
                 bytes_per_step=nbytes, collectives_per_step=collectives,
                 step_s=train_s / steps)
 
 
 def suite_body(workload: str, methods: list[str], seeds: list[int], ddp_addr: str,
-               ddp_port: int, ddp_iface: str) -> dict:
+               ddp_port: int, ddp_iface: str, steps: int | None = None) -> dict:
     """On each rank: every (seed, method) in turn; the DDP process group is joined once."""
     import os
 
@@ -328,11 +332,12 @@ def suite_body(workload: str, methods: list[str], seeds: list[int], ddp_addr: st
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ddp_iface)
     others = [m for m in methods if m != "horovod"]
     for seed in seeds:
-        out["horovod"].append(run_method("horovod", workload, seed))
+        out["horovod"].append(run_method("horovod", workload, seed, steps=steps))
         budget = horovod.allreduce(torch.tensor([out["horovod"][-1]["train_s"]]),
                                    op=horovod.Max, name=f"budget.{seed}").item()
         for m in others:
-            out[m].append(run_method(m, workload, seed, budget_s=budget, peer=ddp_addr))
+            out[m].append(run_method(m, workload, seed, steps=steps, budget_s=budget,
+                                     peer=ddp_addr))
     if dist.is_initialized():
         dist.destroy_process_group()
     return out
@@ -340,7 +345,9 @@ def suite_body(workload: str, methods: list[str], seeds: list[int], ddp_addr: st
 
 def summarize(per_rank: list[dict], methods: list[str], workload: str) -> dict:
     """Combine ranks (slowest rank's time, mean score) and seeds; time to target, with a
-    target per seed: plain Horovod's final score of that seed, less the workload's tolerance."""
+    target per seed: plain Horovod's final score of that seed, less the workload's tolerance.
+    A longer cell (runs with an ``early`` score) has a second target: Horovod's score at the
+    workload's own step count."""
     w = WORKLOADS[workload]
     combined = {}
     for m in methods:
@@ -350,42 +357,52 @@ def summarize(per_rank: list[dict], methods: list[str], workload: str) -> dict:
             points = len(ranks[0]["curve"])  # the same on all ranks: they stop together
             curve = [(max(r["curve"][i][0] for r in ranks),
                       statistics.mean(r["curve"][i][1] for r in ranks)) for i in range(points)]
+            early = [r.get("early") for r in ranks]
             runs.append(dict(curve=curve, final=statistics.mean(r["final"] for r in ranks),
+                             early=statistics.mean(early) if None not in early else None,
                              steps=ranks[0]["steps"], step_s=max(r["step_s"] for r in ranks),
                              bytes_per_step=statistics.mean(r["bytes_per_step"] for r in ranks),
                              collectives_per_step=ranks[0]["collectives_per_step"]))
         combined[m] = runs
     targets = [run["final"] - w.tolerance for run in combined["horovod"]]
+    early = [run["early"] for run in combined["horovod"]]
+    early_targets = [e - w.tolerance for e in early] if None not in early else None
 
-    def reached(runs: list[dict]) -> list:
-        return [next((t for t, a in run["curve"] if a >= target), None)
-                for run, target in zip(runs, targets)]
-    base = reached(combined["horovod"])
-    table = {}
-    for m, runs in combined.items():
-        times = reached(runs)
+    def reached(runs: list[dict], goals: list[float]) -> list:
+        return [next((t for t, a in run["curve"] if a >= goal), None)
+                for run, goal in zip(runs, goals)]
+
+    def versus_horovod(runs: list[dict], goals: list[float]) -> dict:
+        """time to the per-seed ``goals``, as ratios to Horovod's own (per seed and mean +- sd;
+        ``None`` where a seed never got there)."""
+        base, times = reached(combined["horovod"], goals), reached(runs, goals)
         ok = [t for t in times if t is not None]
         ratios = [t / b for t, b in zip(times, base) if t is not None and b]
+        every = len(ok) == len(runs)
+        return dict(time_to_target_ratio=statistics.mean(ratios) if every else None,
+                    time_to_target_ratio_sd=(statistics.stdev(ratios)
+                                             if every and len(ratios) > 1 else 0.0),
+                    time_to_target_ratios=ratios,  # per seed, for paired comparisons
+                    time_to_target=statistics.mean(ok) if every else None,
+                    reached=f"{len(ok)}/{len(runs)}")
+    table = {}
+    for m, runs in combined.items():
         finals = [run["final"] for run in runs]
         table[m] = dict(
-            time_to_target_ratio=statistics.mean(ratios) if len(ok) == len(runs) else None,
-            time_to_target_ratio_sd=(statistics.stdev(ratios)
-                                     if len(ok) == len(runs) and len(ratios) > 1 else 0.0),
-            time_to_target_ratios=ratios,  # per seed, for paired comparisons
+            **versus_horovod(runs, targets),
+            early=versus_horovod(runs, early_targets) if early_targets else None,
             final_accuracy=statistics.mean(finals),
             final_sd=statistics.stdev(finals) if len(runs) > 1 else 0.0,
             end_accuracy=statistics.mean(run["curve"][-1][1] for run in runs),
             steps=statistics.mean(run["steps"] for run in runs),
-            time_to_target=statistics.mean(ok) if len(ok) == len(runs) else None,
-            reached=f"{len(ok)}/{len(runs)}",
             step_s=statistics.mean(run["step_s"] for run in runs),
             bytes_per_step=statistics.mean(run["bytes_per_step"] for run in runs),
             collectives_per_step=runs[0]["collectives_per_step"],
             curve=[(statistics.mean(run["curve"][i][0] for run in runs),
                     statistics.mean(run["curve"][i][1] for run in runs))
                    for i in range(min(len(run["curve"]) for run in runs))])
-    return dict(target=statistics.mean(targets), targets=targets, metric=w.metric,
-                methods=table)
+    return dict(target=statistics.mean(targets), targets=targets, early_targets=early_targets,
+                metric=w.metric, methods=table)
 
 
 def rows_for(cell: str, summary: dict, workload: str) -> list[list]:
@@ -393,11 +410,7 @@ def rows_for(cell: str, summary: dict, workload: str) -> list[list]:
     base = summary["methods"]["horovod"]
     rows = []
     for m, v in summary["methods"].items():
-        ttt, ratio = v["time_to_target"], v["time_to_target_ratio"]
-        rows.append([cell, m,
-                     f"{ttt:.1f}" if ttt is not None else f"not reached ({v['reached']})",
-                     f"{ratio:.2f} +- {v['time_to_target_ratio_sd']:.2f}"
-                     if ratio is not None else "-",
+        rows.append([cell, m, *_time_to_target(v),
                      f"{w.show(v['final_accuracy'])} +- {w.show(v['final_sd'], spread=True)}",
                      f"{w.show(v['end_accuracy'])} ({v['steps']:.0f})",
                      f"{v['step_s'] / base['step_s']:.2f}",
@@ -405,6 +418,20 @@ def rows_for(cell: str, summary: dict, workload: str) -> list[list]:
                      f"{v['bytes_per_step'] / base['bytes_per_step']:.2f}",
                      f"{v['collectives_per_step']:.1f}"])
     return rows
+
+
+def _time_to_target(v: dict) -> list[str]:
+    """the time and ratio cells; a longer cell adds the early target's after a slash."""
+    def cells(v: dict) -> tuple[str, str]:
+        ttt, ratio = v["time_to_target"], v["time_to_target_ratio"]
+        return (f"{ttt:.1f}" if ttt is not None else f"not reached ({v['reached']})",
+                f"{ratio:.2f} +- {v['time_to_target_ratio_sd']:.2f}" if ratio is not None
+                else "-")
+    end = cells(v)
+    if not v.get("early"):
+        return list(end)
+    early = cells(v["early"])
+    return [f"{early[0]} / {end[0]}", f"{early[1]} / {end[1]}"]
 
 
 def plot(results: dict, name: str) -> list[str]:
@@ -425,6 +452,9 @@ def plot(results: dict, name: str) -> list[str]:
                     linewidth=2.2 if m.startswith("hvdsync rec") else 1.2)
         target = as_shown(metric, s["target"])
         ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        if s.get("early_targets"):  # a longer cell: Horovod's score at the usual steps
+            ax.axhline(as_shown(metric, statistics.mean(s["early_targets"])), color="grey",
+                       linestyle="--", linewidth=1)
         ax.set_title(cell, fontsize=9)
         ax.set_xlabel("training time, slowest rank (s)")
         ax.set_ylabel(METRIC_LABEL[metric])
@@ -468,6 +498,9 @@ def main(argv=None) -> None:
                     help="one-way delay added to each rank's link (netem; where the kernel "
                          "has no netem the run says so and only the rate applies)")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="train this many steps instead of the workload's count (a longer "
+                         "cell: a second target at Horovod's score at the workload's count)")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS),
                     default=[m for m, spec in METHODS.items() if not spec.get("extra")])
     ap.add_argument("--name", default=None,
@@ -492,7 +525,8 @@ def main(argv=None) -> None:
                     methods.insert(0, "horovod")
                 started = time.monotonic()
                 if net_name == "loopback":
-                    call = (wl, methods, list(range(args.seeds)), "127.0.0.1", 29511, "lo")
+                    call = (wl, methods, list(range(args.seeds)), "127.0.0.1", 29511, "lo",
+                            args.steps)
                     label = "loopback"
                     per_rank = run_ranks_on(None, suite_body, np_, args=call, timeout=7200)
                 else:
@@ -502,14 +536,15 @@ def main(argv=None) -> None:
                         label = f"{float(net_name):g} Mbit/s" + (
                             f" {args.delay_ms:g} ms" if net.delay_emulated else "")
                         call = (wl, methods, list(range(args.seeds)), net.addresses[0], 29511,
-                                "hvs0")
+                                "hvs0", args.steps)
                         try:
                             per_rank = run_ranks_on(net, suite_body, np_, args=call,
                                                     timeout=7200)
                         except RanksFailed as e:  # report it, go on with the other cells
                             print(f"{wl}, {np_} ranks, {label} FAILED:\n{e}", flush=True)
                             continue
-                cell = f"{wl}, {np_} ranks, {label}"
+                cell = f"{wl}, {np_} ranks, {label}" + (
+                    f", {args.steps} steps" if args.steps else "")
                 results[cell] = summarize(per_rank, methods, wl)
                 rows += rows_for(cell, results[cell], wl)
                 print(f"{cell}: {time.monotonic() - started:.0f} s", flush=True)
@@ -532,7 +567,9 @@ def write(results: dict, rows: list, args, argv) -> None:
            "benchmarks.bench_suite", argv)
 
 
-HEADERS = ["workload, ranks, link", "method", "time to target (s)",
+HEADERS = ["workload, ranks, link", "method",
+           "time to target (s) (a longer cell: to Horovod's score at the workload's steps / "
+           "at its end)",
            "vs horovod (mean +- sd of the per-seed ratio)",
            "final metric (mean +- sd over seeds)",
            "metric at the end (steps)", "time/step vs horovod",

@@ -5,9 +5,9 @@ import pytest
 from benchmarks.bench_suite import rows_for, summarize
 
 
-def _run(curve, final, steps=300, step_s=0.1):
-    return dict(curve=curve, final=final, steps=steps, step_s=step_s, bytes_per_step=100.0,
-                collectives_per_step=1.0)
+def _run(curve, final, steps=300, step_s=0.1, early=None):
+    return dict(curve=curve, final=final, early=early, steps=steps, step_s=step_s,
+                bytes_per_step=100.0, collectives_per_step=1.0)
 
 
 def test_time_to_target_is_per_seed_and_reported_with_its_spread():
@@ -46,3 +46,18 @@ def test_loss_metric_is_shown_as_a_loss():
     assert s["methods"]["other"]["time_to_target_ratio"] == pytest.approx(0.4)
     row = rows_for("cell", s, "stdlib_lm")[1]
     assert row[4] == "1.900 +- 0.000" and row[5] == "1.900 (300)"
+
+
+def test_a_longer_cell_has_a_second_target_at_the_workloads_own_steps():
+    # 900 steps; Horovod's loss is 2.5 at step 300 (12 s) and 2.0 at its end (36 s). The other
+    # method gets to 2.51 at 3 s and to 2.01 at 18 s: 0.25 and 0.5 of Horovod's times
+    horovod = [_run([(12, -2.5), (24, -2.2), (36, -2.0)], -2.0, steps=900, early=-2.5)]
+    other = [_run([(3, -2.5), (9, -2.2), (18, -2.0)], -2.0, steps=900, early=-2.3)]
+    rank = {"horovod": horovod, "other": other}
+    s = summarize([rank], ["horovod", "other"], "stdlib_lm")
+    assert s["early_targets"] == pytest.approx([-2.51])
+    m = s["methods"]["other"]
+    assert m["early"]["time_to_target_ratio"] == pytest.approx(0.25)
+    assert m["time_to_target_ratio"] == pytest.approx(0.5)
+    row = rows_for("cell", s, "stdlib_lm")[1]
+    assert row[2] == "3.0 / 18.0" and row[3] == "0.25 +- 0.00 / 0.50 +- 0.00"
