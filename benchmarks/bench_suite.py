@@ -377,12 +377,14 @@ def summarize(per_rank: list[dict], methods: list[str], workload: str) -> dict:
         ``None`` where a seed never got there)."""
         base, times = reached(combined["horovod"], goals), reached(runs, goals)
         ok = [t for t in times if t is not None]
-        ratios = [t / b for t, b in zip(times, base) if t is not None and b]
+        # per seed, for paired comparisons (None: that seed never got there)
+        per_seed = [t / b if t is not None and b else None for t, b in zip(times, base)]
+        ratios = [r for r in per_seed if r is not None]
         every = len(ok) == len(runs)
         return dict(time_to_target_ratio=statistics.mean(ratios) if every else None,
                     time_to_target_ratio_sd=(statistics.stdev(ratios)
                                              if every and len(ratios) > 1 else 0.0),
-                    time_to_target_ratios=ratios,  # per seed, for paired comparisons
+                    time_to_target_ratios=per_seed,
                     time_to_target=statistics.mean(ok) if every else None,
                     reached=f"{len(ok)}/{len(runs)}")
     table = {}

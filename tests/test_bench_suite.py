@@ -32,6 +32,7 @@ def test_a_seed_that_misses_its_target_leaves_the_ratio_out_and_says_so():
     rank = {"horovod": horovod, "other": other}
     s = summarize([rank], ["horovod", "other"], "digits_mlp")
     assert s["methods"]["other"]["time_to_target_ratio"] is None
+    assert s["methods"]["other"]["time_to_target_ratios"] == [None, pytest.approx(0.5)]
     row = rows_for("cell", s, "digits_mlp")[1]
     assert row[2] == "not reached (1/2)" and row[3] == "-"
 
