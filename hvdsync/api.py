@@ -31,10 +31,13 @@ class SyncAPI:
 
     def flush(self) -> int:
         """Make every replica identical now, e.g. before evaluating or saving, or at the end
-        of training (with ``delay=``: wait for every outstanding global gradient and average
-        the parameters -- and, with ``optimizer_state="average"``, the optimizer state). Call
-        it on every rank, outside the training step: it is a collective unless the last step
-        already averaged.
+        of training. With ``delay=``: wait for every outstanding global gradient and average
+        the parameters -- and, with ``optimizer_state="average"``, the optimizer state (the
+        outer synchronization: merge every fragment in flight, then average). With
+        ``threshold=``: synchronize every layer that is skipping, as its due sync would (back
+        to its sync point, one optimizer step with the ranks' reduced accumulation; no step
+        is counted). Call it on every rank, outside the training step: it is a collective
+        unless nothing is pending.
 
         The outstanding global gradients are not folded in as another optimizer step: the
         averaged parameters already hold every rank's local contribution of those steps,

@@ -157,6 +157,10 @@ class Gradients(Protocol):
         """The parameter ``key`` and the optimizer's state for it, as they are now."""
     def restore(self, key: str, snap: Any) -> None:
         """Put the parameter ``key`` and its optimizer state back to ``snap``."""
+    def update_only(self, grads: dict[str, Any]) -> None:
+        """Outside a step: one update of the wrapped optimizer with ``grads`` (by key) for
+        those parameters only; every other parameter and its state stay as they are, and no
+        step is counted (``flush()`` of layers a decider kept back)."""
     def withhold(self, li: int, k: int) -> None: ...
     def replica_tensors(self, li: int, with_state: bool) -> list: ...
     def key(self, li: int, k: int) -> str: ...
@@ -259,6 +263,9 @@ class Technique:
     #: the keys of its ``state_dict()`` that hold this rank's own memory (residuals,
     #: accumulations...): checkpoints keep them per rank and never give them to another
     per_rank: tuple[str, ...] = ()
+    #: whether its result depends on the gradients' scale (it reads their values, or keeps
+    #: them across steps): under loss scaling it must see them unscaled (``scaler=``)
+    scale_sensitive: bool = True
 
     def layer_ready(self, li: int, ks: list[int]) -> None:
         """Layer ``li``'s local gradient is final (its missing gradients filled)."""

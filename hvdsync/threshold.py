@@ -250,6 +250,32 @@ class AccumulationThreshold(Decider):
         relative = self.policy.config.relative
         self.plan = self.policy.decide(shared[:n], shared[n:-1] if relative else None)
 
+    def flush_replicas(self) -> int:
+        """Synchronize every layer that is skipping now, as its due sync would: the ranks'
+        accumulations reduced (the user's op and compression, one grouped collective), the
+        layer back at its sync point, and one optimizer step with the reduced sum. Afterwards
+        every replica is identical and nothing accumulated is lost or counted twice. Which
+        layers skip comes from the shared plan, so every rank flushes the same keys."""
+        g = self.grads
+        keys = sorted(self.anchor, key=int)
+        if not keys:
+            return 0
+        anchors = {key: self.anchor[key] for key in keys}
+        pending = self.comm.allreduce("hvdsync.flush.threshold",
+                                      [self.ops.clone(self.acc[key]) for key in keys])
+        self.comm.flush()
+        reduced = pending.wait()
+        for key in keys:  # (Keras keeps these per layer: a layer's first key empties it)
+            g.restore(key, anchors[key])
+            self.anchor.pop(key, None)
+            self.acc.pop(key, None)
+        g.update_only(dict(zip(keys, reduced)))
+        flushed = set(keys)
+        self.policy.skipped_for = [
+            0 if flushed.intersection(g.param_keys(li)) else skipped
+            for li, skipped in enumerate(self.policy.skipped_for)]
+        return 0
+
     def state_dict(self) -> dict:
         """Shared: the skip counters and step. Per rank: the unsent accumulations, the sync
         points (parameters and optimizer state) of layers that are skipping, and where this

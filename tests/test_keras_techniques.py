@@ -56,6 +56,13 @@ CASES = {
                         "momentum", 0.05, 9, 16, F64),
     "delay_flush": (dict(delay=dict(staleness=2, average_every=4)), "sgd", 0.05, 10, 16,
                     dict(callbacks=("broadcast", "flush"), **F64)),
+    # threshold='s provisional local steps, synchronized by FlushCallback at the end of fit
+    # (a threshold never reached: every layer syncs at steps 5 and 10 only, skips at 11)
+    "threshold_flush": (dict(threshold=dict(threshold=50.0, max_skip=4)), "momentum", 0.05, 11,
+                        16, dict(callbacks=("broadcast", "flush"), **F64)),
+    "threshold_flush_adam_passes": (dict(threshold=dict(threshold=50.0, max_skip=4),
+                                         backward_passes_per_step=2), "adam", 0.01, 22, 16,
+                                    dict(callbacks=("broadcast", "flush"), **F64)),
 }
 
 
@@ -237,6 +244,20 @@ def test_flush_callback_makes_replicas_identical(runs):
     for other in ranks[1:]:
         assert _weights_equal(ranks[0]["final"], other["final"])
     assert all(r["delay"]["outstanding"] == [] for r in ranks)
+
+
+@pytest.mark.parametrize("case", ["threshold_flush", "threshold_flush_adam_passes"])
+def test_flush_callback_synchronizes_threshold_layers(runs, case):
+    """Layers that were skipping at the end of fit (provisional local steps, so the replicas
+    differ) are synchronized as a due sync would: identical replicas, nothing pending."""
+    ranks = runs[case]
+    assert any(not _weights_equal(ranks[0]["weights"][-1], o["weights"][-1]) for o in ranks[1:])
+    for r in ranks:
+        assert all(np.isfinite(w).all() for w in r["final"].values())
+    for other in ranks[1:]:
+        assert _weights_equal(ranks[0]["final"], other["final"])
+        for k, v in ranks[0]["opt_vars"].items():
+            np.testing.assert_array_equal(v, other["opt_vars"][k], err_msg=k)
 
 
 # -- convergence ----------------------------------------------------------------------------

@@ -297,3 +297,69 @@ def test_delay_keeps_a_bad_gradient_to_its_rank(amp_runs, case):
                 assert r["scale"] == (2.0 ** 15 if rank == BAD_RANK else 2.0 ** 16)
         for other in ranks[1:]:  # flush() at the end averaged the replicas
             assert _same(ranks[0], other)
+
+
+# -- Horovod's AMP recipe without scaler= -------------------------------------------------------
+def unscaled_body(case: str, recipe: str) -> dict:
+    """Horovod's recipe (``synchronize; unscale_; skip_synchronize: step``) or the short one
+    (``scaler.step(opt)``) with a GradScaler at 2^16 that the wrapper was not given. A
+    scale-sensitive technique must refuse at the first step, before any update; the plain
+    exchange must give what Horovod's own optimizer gives."""
+    import horovod.torch as horovod
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    ours, theirs = MLP(), MLP()
+    theirs.load_state_dict(ours.state_dict())
+    options = {"plain": {}, "outer": dict(delay="streaming")}.get(case, TECHNIQUES.get(case))
+    opts = [(ours, hvd.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1),
+                                            named_parameters=ours.named_parameters(),
+                                            **options))]
+    if case == "plain":
+        opts.append((theirs, horovod.DistributedOptimizer(
+            torch.optim.SGD(theirs.parameters(), lr=0.1),
+            named_parameters=theirs.named_parameters())))
+    start = [p.detach().clone() for p in ours.parameters()]
+    error = None
+    for model, opt in opts:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        try:
+            for x, y in teacher_batches(hvd.rank(), 3):
+                opt.zero_grad()
+                scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+                if recipe == "horovod":
+                    opt.synchronize()
+                    scaler.unscale_(opt)
+                    with opt.skip_synchronize():
+                        scaler.step(opt)
+                else:
+                    scaler.step(opt)
+                scaler.update()
+        except RuntimeError as e:
+            error = str(e)
+    moved = max((a - b).abs().max().item() for a, b in zip(start, ours.parameters()))
+    diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(),
+                                                          theirs.parameters()))
+    return dict(error=error, moved=moved, diff=diff)
+
+
+SENSITIVE = ["clip", "threshold", "select", "lowrank", "delay", "outer"]
+
+
+@pytest.mark.parametrize("np_", [2])
+def test_amp_recipe_without_scaler_refuses_or_matches_horovod(np_):
+    # (the short recipe unscales while a plain exchange is in flight: Horovod's docs ask for
+    # synchronize() first, so plain is compared with Horovod on its own recipe only)
+    cases = {f"{case}/{recipe}": (case, recipe) for case in ["plain"] + SENSITIVE
+             for recipe in ("horovod", "short") if case != "plain" or recipe == "horovod"}
+    runs = run_cases(unscaled_body, np_, cases, timeout=300)
+    for name, ranks in runs.items():
+        case = name.split("/")[0]
+        for r in ranks:
+            if case == "plain":  # the sum is linear: unscaled afterwards, as with Horovod
+                assert r["error"] is None and r["diff"] <= 1e-6, (name, r)
+            else:  # refused at the first step, on every rank, before the update
+                assert r["error"] is not None and "scaler=scaler" in r["error"], (name, r)
+                assert f"{case if case != 'outer' else 'delay'}=" in r["error"], (name, r)
+                assert r["moved"] == 0.0, (name, r)

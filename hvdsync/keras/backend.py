@@ -10,7 +10,7 @@ global and advances every step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -206,9 +206,12 @@ class KerasGradients:
     parameters are its variables present in the step (Keras drops variables without a
     gradient); keys are a variable's position among the optimizer's variables."""
 
-    def __init__(self, layer_vars: list[list], slots: Slots):
+    def __init__(self, layer_vars: list[list], slots: Slots,
+                 update: Optional[Callable[[list, list], None]] = None):
         self.layer_vars = layer_vars
         self.slots = slots
+        #: the wrapped optimizer's own update of ``(grads, variables)``, not counted as a step
+        self._update = update
         self._key = {v.path: str(i) for i, v in enumerate(v for vs in layer_vars for v in vs)}
         self._by_key = {str(i): v for i, v in enumerate(v for vs in layer_vars for v in vs)}
         self._pos_of: dict[str, int] = {}
@@ -281,6 +284,9 @@ class KerasGradients:
         v = self._by_key[key]
         v.assign(snap["value"])
         self.slots.restore(v.path, snap["state"])
+
+    def update_only(self, grads: dict[str, Any]) -> None:
+        self._update(list(grads.values()), [self._by_key[key] for key in grads])
 
     def withhold(self, li: int, k: int) -> None:
         v = self._var(li, k)

@@ -83,7 +83,8 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         hv.stats = SyncStats(names)
         hv.comm = KerasCommunicator(hv.compression, hv.op, hv.predivide, hv.sparse_as_dense,
                                     hv.process_set, hv.stats)
-        hv.grads = KerasGradients(layer_vars, Slots(self.variables, variables))
+        hv.grads = KerasGradients(layer_vars, Slots(self.variables, variables),
+                                  update=self._update_uncounted)
         hv.techniques = build_techniques(
             hv.configs, grads=hv.grads, ops=KerasOps(), comm=hv.comm, clip_layer=clip_layer,
             sparse_exchange=lambda c: SparseExchange(c, hv.grads, hv.comm, hv.stats),
@@ -140,6 +141,13 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             super()._backend_apply_gradients(grads, variables)
         finally:
             self.gradient_accumulation_steps = steps
+
+    def _update_uncounted(self, grads: list, variables: list) -> None:
+        """The wrapped optimizer's update of ``variables`` alone, outside a training step
+        (``flush()``): the iteration count (learning-rate schedules) stays as it was."""
+        iterations = self._iterations.numpy()
+        self._apply_update(grads, variables)
+        self._iterations.assign(iterations)
 
     def _exchange_and_apply(self, grads, variables) -> None:
         hv = self._hv

@@ -33,6 +33,7 @@ _INDEX_BYTES = 8  # int64 row indices
 class SparseExchange(Transport):
     name = "sparse"
     decidable = False  # row-sparse gradients go every step
+    scale_sensitive = False  # rows summed, no memory across steps
 
     def __init__(self, config: SparseConfig, grads: KerasGradients, comm: KerasCommunicator,
                  stats: SyncStats):

@@ -5,7 +5,7 @@ so a ``load_state_dict`` of the optimizer is always seen), and tensor arithmetic
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -184,9 +184,12 @@ class TorchGradients:
     position in layer order."""
 
     def __init__(self, layer_params: list[list[tuple[str, torch.Tensor]]],
-                 optimizer: torch.optim.Optimizer, scaler: Any = None):
+                 optimizer: torch.optim.Optimizer, scaler: Any = None,
+                 base_step: Optional[Callable[[], Any]] = None):
         self.layer_params = layer_params
         self._optimizer = optimizer
+        #: the wrapped optimizer's own ``step()`` (no exchange, no technique, no counter)
+        self._base_step = base_step or optimizer.step
         self.scaler = scaler  # a torch.amp.GradScaler: techniques see unscaled gradients
         self._inv_scale: Optional[torch.Tensor] = None
         self._key: dict[tuple[int, int], str] = {}
@@ -242,6 +245,20 @@ class TorchGradients:
             self._optimizer.state.pop(p, None)
         else:
             self._optimizer.state[p] = snap["state"]
+
+    def update_only(self, grads: dict[str, torch.Tensor]) -> None:
+        # torch optimizers leave a parameter without a gradient (and its state) alone
+        params = [p for group in self._optimizer.param_groups for p in group["params"]]
+        saved = [p.grad for p in params]
+        try:
+            for p in params:
+                p.grad = None
+            for key, grad in grads.items():
+                self._param[key].grad = grad
+            self._base_step()
+        finally:
+            for p, grad in zip(params, saved):
+                p.grad = grad
 
     def withhold(self, li: int, k: int) -> None:
         self._withheld.append(self.param(li, k))

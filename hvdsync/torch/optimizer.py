@@ -73,7 +73,8 @@ class _DistributedOptimizer(SyncAPI):
         self._compression = compression
         layer_names = [layer.name for layer in self._layers]
         self.stats = SyncStats(layer_names)
-        self._grads = TorchGradients(layer_params, self, scaler)
+        self._grads = TorchGradients(layer_params, self, scaler,
+                                     base_step=super(_DistributedOptimizer, self).step)
         self._comm = comm = TorchCommunicator(compression, op, gradient_predivide_factor,
                                               sparse_as_dense, process_set, self.stats)
         self._techniques = build_techniques(
@@ -200,6 +201,22 @@ class _DistributedOptimizer(SyncAPI):
                 t.forget()
         self._pipeline.after_load(restored)
 
+    def _unscaled_by(self, scaler: Any) -> None:
+        """``scaler.unscale_(self)`` is about to run (Horovod's mixed-precision recipe, or
+        ``scaler.step``). Without ``scaler=`` the techniques that depend on the gradients'
+        scale worked on scaled ones (a clip limit 2^16 times too tight, accumulations at
+        changing scales): refuse before the update, naming the fix."""
+        if self._grads.scaler is not None or not scaler.is_enabled():
+            return
+        sensitive = [t.name for t in self._pipeline.techniques if t.scale_sensitive]
+        if sensitive:
+            raise RuntimeError(
+                f"hvdsync: a GradScaler is unscaling this optimizer's gradients (scale "
+                f"{scaler.get_scale():g}), but hvd.DistributedOptimizer was not given it: "
+                f"{', '.join(s + '=' for s in sensitive)} worked on the scaled gradients, "
+                "which would make this update wrong. Pass the same scaler as "
+                "hvd.DistributedOptimizer(..., scaler=scaler) (docs/mixed_precision.md)")
+
     # -- hvdsync's API (with SyncAPI's) --------------------------------------------------------
     def _sync_pipeline(self) -> StepPipeline:
         return self._pipeline
@@ -211,6 +228,25 @@ class _DistributedOptimizer(SyncAPI):
     def layers(self) -> list[Layer]:
         """The layers in send order, as :class:`hvdsync.Layer` objects."""
         return list(self._layers)
+
+
+def _watch_unscale() -> None:
+    """Let a wrapped optimizer see ``GradScaler.unscale_`` called on it (``_unscaled_by``):
+    the one moment a loss scaler the wrapper was not given shows itself."""
+    original = torch.amp.GradScaler.unscale_
+    if getattr(original, "hvdsync_watch", False):
+        return
+
+    @functools.wraps(original)
+    def unscale_(scaler, optimizer):
+        if isinstance(optimizer, _DistributedOptimizer):
+            optimizer._unscaled_by(scaler)
+        return original(scaler, optimizer)
+    unscale_.hvdsync_watch = True
+    torch.amp.GradScaler.unscale_ = unscale_
+
+
+_watch_unscale()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,

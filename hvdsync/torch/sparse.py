@@ -53,6 +53,7 @@ class SparseExchange(Transport):
 
     name = "sparse"
     decidable = False  # row-sparse gradients go every step
+    scale_sensitive = False  # rows summed, no memory across steps
 
     def __init__(self, config: SparseConfig, grads: TorchGradients, dense: TorchCommunicator,
                  stats: SyncStats):
