@@ -243,8 +243,8 @@ def _totals(s) -> dict:
 
 class FlushCallback(keras.callbacks.Callback):
     """With ``delay=`` or ``threshold=``: make the replicas identical (``optimizer.flush()``)
-    at the end of every epoch's training batches -- before ``fit``'s validation, whichever ranks validate -- and at
-    the end of training.
+    at the end of every epoch's training batches -- before ``fit``'s validation, whichever
+    ranks validate -- and at the end of training.
 
     ``flush()`` is a collective, so it runs only where every rank is: after the epoch's last
     batch (every rank trains the same number of batches) and at the end of ``fit``. When the

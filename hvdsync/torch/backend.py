@@ -184,12 +184,12 @@ class TorchGradients:
     position in layer order."""
 
     def __init__(self, layer_params: list[list[tuple[str, torch.Tensor]]],
-                 optimizer: torch.optim.Optimizer, scaler: Any = None,
-                 base_step: Optional[Callable[[], Any]] = None):
+                 optimizer: torch.optim.Optimizer, scaler: Any = None, *,
+                 base_step: Callable[[], Any]):
         self.layer_params = layer_params
         self._optimizer = optimizer
         #: the wrapped optimizer's own ``step()`` (no exchange, no technique, no counter)
-        self._base_step = base_step or optimizer.step
+        self._base_step = base_step
         self.scaler = scaler  # a torch.amp.GradScaler: techniques see unscaled gradients
         self._inv_scale: Optional[torch.Tensor] = None
         self._key: dict[tuple[int, int], str] = {}
