@@ -127,6 +127,16 @@ SELECTORS = {"select hypernet": dict(selector="hypernet"),
 for _label, _sel in SELECTORS.items():
     METHODS[f"hvdsync {_label} @25%"] = dict(kind="hvdsync", dense_model=True, extra=True,
                                               kwargs=dict(select={**SELECT_BUDGET, **_sel}))
+# outer-optimizer variants of the streaming preset (per-step accuracy probes, issue 29):
+# ``--methods horovod "hvdsync streaming lr1" ...``; compare ``finals`` (per seed) at equal steps
+OUTER_VARIANTS = {"lr1": dict(outer_lr=1.0), "lr1 m0.8": dict(outer_lr=1.0, outer_momentum=0.8),
+                  "lr0.85": dict(outer_lr=0.85), "lr0.6": dict(outer_lr=0.6),
+                  "lr0.5": dict(outer_lr=0.5), "m0.8": dict(outer_momentum=0.8),
+                  "mix0.25": dict(mix=0.25), "mix0.75": dict(mix=0.75),
+                  "f8": dict(fragments=8), "k6 f3": dict(average_every=6, fragments=3)}
+for _label, _cfg in OUTER_VARIANTS.items():
+    METHODS[f"hvdsync streaming {_label}"] = dict(kind="hvdsync", dense_model=True, extra=True,
+                                                   kwargs=dict(delay={**STREAMING_CFG, **_cfg}))
 RUNS = [0]  # torchft runs so far on this rank (each gets its own ports)
 EXTEND = 3  # a method faster per step trains up to this many times the workload's steps
 RECOMMENDED = ('delay="streaming" (local steps, outer Nesterov 0.7/0.9, K 8 in 4 fragments, '
@@ -393,7 +403,7 @@ def summarize(per_rank: list[dict], methods: list[str], workload: str) -> dict:
         table[m] = dict(
             **versus_horovod(runs, targets),
             early=versus_horovod(runs, early_targets) if early_targets else None,
-            final_accuracy=statistics.mean(finals),
+            final_accuracy=statistics.mean(finals), finals=finals,
             final_sd=statistics.stdev(finals) if len(runs) > 1 else 0.0,
             end_accuracy=statistics.mean(run["curve"][-1][1] for run in runs),
             steps=statistics.mean(run["steps"] for run in runs),
