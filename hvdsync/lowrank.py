@@ -148,11 +148,20 @@ class _DelayedLowRank(Pending):
             self._q = comm.allreduce(f"{self.name}.Q", [ops.matmul(m, p, transpose_a=True)
                                                          for m, p in zip(self.ms, self._p)])
 
+    def wait_idle(self) -> list:
+        if self._chained is None and self._q is None and not self.owner.comm.matches_by_name:
+            # due now (every rank waits for it at this point): its Q round, and the older
+            # ones', start here -- polling would never start them (see _poll)
+            self.owner._start_arrived(due=self.step)
+        return super().wait_idle()
+
     def _poll(self) -> bool:
         if not (self.plain_p.ready() and self.p_round.ready()):
             return False
         if self._chained is not None:
             return self._chained.done()
+        if self._q is None and not self.owner.comm.matches_by_name:
+            return False  # its Q round starts when due, on every rank alike
         self._start_q()
         return self._q.ready()
 
@@ -322,8 +331,10 @@ class LowRankCompression(Transport):
         return None
 
     def _advance(self) -> None:
-        """Start the Q round of every waiting bucket whose P has arrived, in sending order."""
-        while self._waiting and self._waiting[0].p.ready():
+        """Start the Q round of every waiting bucket whose P has arrived, in sending order
+        (only where collectives pair by name: elsewhere they start in :meth:`flush`, in the
+        same order on every rank)."""
+        while self.comm.matches_by_name and self._waiting and self._waiting[0].p.ready():
             self._start_q(self._waiting.pop(0))
 
     def _start_q(self, rnd: _Round) -> None:
@@ -422,7 +433,9 @@ class LowRankCompression(Transport):
         """torch, inside ``delay=``: start the Q round of the exchanges (oldest first) whose P
         has arrived -- and, with ``due``, of every exchange of steps <= ``due``, waiting for
         its P: one P and one Q round of latency for a step's layers, not one per layer."""
-        while self._no_q and (self._no_q[0]._q is not None or self._no_q[0].p_round.ready()
+        by_name = self.comm.matches_by_name  # else only the due ones: the same on every rank
+        while self._no_q and (self._no_q[0]._q is not None
+                              or (by_name and self._no_q[0].p_round.ready())
                               or (due is not None and self._no_q[0].step <= due)):
             self._no_q.pop(0)._start_q()
 

@@ -9,6 +9,12 @@ role does at that moment (:mod:`hvdsync.technique`). docs/design.md walks a grad
 The no-hang rule holds here: which collectives run depends only on decisions every rank
 takes from shared values (deciders), on layouts every rank shares (transports), and on the
 fixed layer order -- never on a rank's own timing or values.
+
+On an engine that pairs collectives by the order they start (torch.distributed; Horovod
+pairs them by name) the *order* must be the same on every rank too, and backward may make
+layers ready in a different order on each rank (a layer used on one rank only, a branch):
+there the pipeline takes the layers in one fixed order, last layer first (the order backward
+usually produces them), holding a layer that is ready early until the ones before it are.
 """
 
 from __future__ import annotations
@@ -87,6 +93,11 @@ class StepPipeline:
         #: ``(layer name, time.perf_counter())`` when each layer's first send of the current
         #: (or last) step started: shows sends overlapping backward
         self.send_times: list[tuple[str, float]] = []
+        #: the fixed order layers are taken in where collectives pair by order (None: as they
+        #: come, Horovod)
+        self._order: Optional[list[int]] = (
+            None if comm is None or comm.matches_by_name
+            else list(reversed(range(len(layer_names)))))
         self._new_step()
 
     def _new_step(self) -> None:
@@ -100,6 +111,8 @@ class StepPipeline:
         self._pending: dict[int, list[Pending]] = {}
         self._started = [False] * n
         self._any_started = False
+        self._arrived = [False] * n  # ready from backward, maybe not taken yet (_order)
+        self._taken = 0  # how many of _order are taken
 
     @property
     def busy(self) -> bool:
@@ -108,7 +121,19 @@ class StepPipeline:
 
     # -- in backward ---------------------------------------------------------------------------
     def layer_ready(self, li: int) -> None:
-        """Layer ``li``'s local gradient is final: transform it and send it (or decide)."""
+        """Layer ``li``'s local gradient is final: transform it and send it (or decide) --
+        now, or where collectives pair by order, once the layers before it in ``_order`` are
+        taken."""
+        if self._order is None:
+            self._take(li)
+            return
+        self._arrived[li] = True
+        order = self._order
+        while self._taken < len(order) and self._arrived[order[self._taken]]:
+            self._taken += 1
+            self._take(order[self._taken - 1])
+
+    def _take(self, li: int) -> None:
         self.grads.prepare(li)
         self.stats.dense(self.grads.payload_bytes(li))  # what plain Horovod would send
         parts = self._parts[li] = self._split(li)
@@ -184,7 +209,7 @@ class StepPipeline:
             value = next((v for v in (t.fill(li, k) for t in self.transports) if v is not None),
                          None)
             self.grads.set(li, k, value if value is not None else self.grads.zeros(li, k))
-        self.layer_ready(li)
+        self._take(li)
 
     # -- synchronize() -----------------------------------------------------------------------
     def finish_backward(self) -> None:
@@ -197,8 +222,14 @@ class StepPipeline:
         for t in self.transports:
             t.backward_done()
         held = [li for li in missing if any(t.holds(li) for t in self.transports)]
-        for li in missing:  # fixed order, so every rank starts the rest alike
-            if li not in held:
+        # fixed order, so every rank starts the rest alike
+        rest = missing if self._order is None else self._order[self._taken:]
+        for li in rest:
+            if li in held:
+                continue
+            if self._arrived[li]:  # ready, held back by an earlier layer (_order)
+                self._take(li)
+            else:
                 self._fill_and_ready(li)
         for t in self.transports:
             self._add(t.start_early())

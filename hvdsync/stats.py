@@ -48,10 +48,12 @@ class SyncStats:
 
     ``last`` is the most recent finished step, ``total`` sums every finished step (its
     ``step`` field is the number of steps), ``layers`` maps layer name to
-    :class:`LayerCounters`.
+    :class:`LayerCounters`; ``backend`` names the engine that moves the bytes (``"horovod"``
+    or ``"torch"``: torch.distributed).
     """
 
-    def __init__(self, layer_names: Sequence[str]):
+    def __init__(self, layer_names: Sequence[str], backend: str = "horovod"):
+        self.backend = backend
         self.layers: dict[str, LayerCounters] = {n: LayerCounters() for n in layer_names}
         self.total = StepRecord()
         self.last = StepRecord()
@@ -107,6 +109,7 @@ class SyncStats:
     def as_dict(self) -> dict[str, Any]:
         """Plain-data snapshot (JSON-serializable)."""
         return {
+            "backend": self.backend,
             "last": self.last.as_dict(),
             "total": self.total.as_dict(),
             "layers": {k: dict(v.__dict__) for k, v in self.layers.items()},
@@ -118,7 +121,7 @@ class SyncStats:
         steps = max(t.step, 1)
         ratio = f"{t.bytes_sent / t.bytes_dense:.3f}" if t.bytes_dense else "n/a"
         lines = [
-            f"hvdsync: {t.step} steps, {human_bytes(t.bytes_sent)} sent "
+            f"hvdsync ({self.backend}): {t.step} steps, {human_bytes(t.bytes_sent)} sent "
             f"({human_bytes(t.bytes_sent / steps)}/step, {ratio} of dense), "
             f"{t.collectives / steps:.1f} collectives/step, "
             f"layers sent {t.layers_sent} / skipped {t.layers_skipped}",

@@ -239,6 +239,11 @@ class Communicator(Protocol):
     """Moves tensors between ranks (see each adapter's ``comm.py``)."""
 
     size: int
+    #: whether the engine pairs collectives across ranks by name (Horovod: a rank may start
+    #: them in its own order); ``False`` (torch.distributed pairs them by order): every rank
+    #: must start them in the same order, so a technique must not start one because a poll
+    #: on this rank said an earlier one had arrived
+    matches_by_name: bool
 
     def allreduce(self, name: str, tensors: list) -> Pending: ...
     def flush(self, background: bool = False) -> None: ...

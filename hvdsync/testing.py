@@ -1,4 +1,5 @@
-"""Run a function on N real Horovod ranks (``horovodrun --gloo``), with a timeout.
+"""Run a function on N real ranks -- Horovod's (``horovodrun --gloo``) or torch's
+(``torchrun``, hvdsync's torch backend) -- with a timeout.
 
 Used by hvdsync's tests and benchmarks; usable for your own::
 
@@ -57,14 +58,32 @@ def _horovodrun() -> str:
     return found
 
 
+#: how :func:`run_ranks` starts ranks: Horovod's launcher (the Horovod backend) or torch's
+#: (the torch.distributed backend, :mod:`hvdsync.torch.engine`)
+LAUNCHERS = ("horovodrun", "torchrun")
+
+
+def launch_command(launcher: str, np: int, tmp: str) -> list[str]:
+    """The command line that starts ``np`` ranks on this host, each running the call written
+    into ``tmp``."""
+    if launcher == "horovodrun":
+        return [_horovodrun(), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+                *rank_command(tmp)]
+    if launcher == "torchrun":  # --tee 3: every line prefixed with its rank, as horovodrun's
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={np}", "--tee=3", "--no-python", *rank_command(tmp)]
+    raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+
+
 def run_ranks(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | None = None,
-              timeout: float = 180, env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``np`` Horovod ranks (Gloo, this host); return per-rank
-    results, or raise :class:`RanksFailed` with every rank's output."""
+              timeout: float = 180, env: dict[str, str] | None = None,
+              launcher: str = "horovodrun") -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``np`` ranks (Gloo, this host) started by ``launcher``
+    (``"horovodrun"`` or ``"torchrun"``); return per-rank results, or raise
+    :class:`RanksFailed` with every rank's output."""
     with tempfile.TemporaryDirectory(prefix="hvdsync-ranks-") as tmp:
         name = write_call(tmp, fn, args, kwargs)
-        cmd = [_horovodrun(), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-               *rank_command(tmp)]
+        cmd = launch_command(launcher, np, tmp)
         start = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=rank_env(env), start_new_session=True, text=True,
@@ -178,17 +197,18 @@ def collect_results(tmp: str, np: int, name: str, hung: bool, returncode: int | 
     return results
 
 
-_PREFIX = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
+# horovodrun's "[1]<stdout>:line" and torchrun --tee's "[default1]:line"
+_PREFIX = re.compile(r"^\[(?:default)?(\d+)\](?:<(?:stdout|stderr)>)?:(.*)$")
 
 
 def format_rank_output(output: str, np: int, tail: int = 60) -> str:
-    """Group horovodrun's interleaved ``[rank]<stream>:`` lines by rank (last ``tail`` each)."""
+    """Group the launcher's interleaved per-rank lines by rank (last ``tail`` each)."""
     per_rank: dict[str, list[str]] = {str(r): [] for r in range(np)}
     launcher: list[str] = []
     for line in output.splitlines():
         m = _PREFIX.match(line)
         if m:
-            per_rank.setdefault(m.group(1), []).append(m.group(3))
+            per_rank.setdefault(m.group(1), []).append(m.group(2))
         else:
             launcher.append(line)
     parts = []
@@ -200,10 +220,15 @@ def format_rank_output(output: str, np: int, tail: int = 60) -> str:
     return "\n".join(parts)
 
 
+def rank_of_process() -> str:
+    """This rank's number as its launcher set it (before any ``init``)."""
+    return os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "?"))
+
+
 def _rank_main(tmp: str) -> None:
     with open(os.path.join(tmp, "call.pkl"), "rb") as f:
         module, qualname, args, kwargs = pickle.load(f)
-    rank = os.environ.get("HOROVOD_RANK", "?")
+    rank = rank_of_process()
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)

@@ -91,7 +91,7 @@ def _watch() -> None:
 
 
 def _give_up(what: str, waited: float) -> None:
-    rank = os.environ.get("HOROVOD_RANK", "?")
+    rank = os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "?"))
     sys.stderr.write(
         f"\nhvdsync: rank {rank} waited {waited:.0f} s for {what} and gives up "
         f"({ENV}={timeout_s():g}). Another rank did not take part: it died, it skipped a call "

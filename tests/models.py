@@ -64,11 +64,13 @@ def apply_each(body: Callable[..., Any], cases: list[tuple]) -> list:
 
 
 def run_cases(body: Callable[..., Any], np: int, cases: dict[str, tuple],
-              timeout: float, env: dict[str, str] | None = None) -> dict[str, list]:
-    """Run ``body(*case)`` for every case in **one** ``np``-rank job (a launch costs seconds);
-    per case name, every rank's result."""
+              timeout: float, env: dict[str, str] | None = None,
+              launcher: str = "horovodrun") -> dict[str, list]:
+    """Run ``body(*case)`` for every case in **one** ``np``-rank job (a launch costs seconds)
+    started by ``launcher`` (the backend: ``horovodrun`` or ``torchrun``); per case name, every
+    rank's result."""
     per_rank = run_ranks(apply_each, np=np, args=(body, list(cases.values())), timeout=timeout,
-                         env=env)
+                         env=env, launcher=launcher)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
 
 

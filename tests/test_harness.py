@@ -98,11 +98,12 @@ def killed_mid_training(where: str, steps: int = 200):
 DEAD_RANK_BOUND_S = 60
 
 
+@pytest.mark.parametrize("launcher", ["horovodrun", "torchrun"])
 @pytest.mark.parametrize("where", ["between", "inside"])
-def test_killed_rank_ends_the_job_and_leaves_nothing(where):
+def test_killed_rank_ends_the_job_and_leaves_nothing(where, launcher):
     start = time.monotonic()
     with pytest.raises(RanksFailed) as err:
-        run_ranks(killed_mid_training, np=2, args=(where,), timeout=180)
+        run_ranks(killed_mid_training, np=2, args=(where,), timeout=180, launcher=launcher)
     elapsed = time.monotonic() - start
     assert elapsed < DEAD_RANK_BOUND_S, elapsed
     msg = str(err.value)

@@ -183,7 +183,7 @@ def test_stats_count_bytes_collectives_and_layers(np_):
         assert s["last"]["collectives"] == 3  # one grouped allreduce per layer
         assert {k: v["sent"] for k, v in s["layers"].items()} == {"fc1": steps, "fc2": steps,
                                                                   "out": steps}
-        assert "hvdsync: 4 steps" in res["summary"] and "fc2" in res["summary"]
+        assert "hvdsync (horovod): 4 steps" in res["summary"] and "fc2" in res["summary"]
 
 
 class EmbedModel(torch.nn.Module):

@@ -41,9 +41,15 @@ DISAGREEMENTS = {"select_k": "select=", "threshold": "threshold=", "staleness": 
                  "op": "horovod options"}
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_ranks_that_disagree_all_raise_the_same_error(np_):
-    results = run_cases(disagreeing_body, np_, {k: (k,) for k in DISAGREEMENTS}, timeout=240)
+# the Horovod backend on 2 and 3 ranks, torch.distributed (torchrun) on 2
+JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun")]
+JOB_IDS = [f"np{n}-{launcher}" for n, launcher in JOBS]
+
+
+@pytest.mark.parametrize("np_,launcher", JOBS, ids=JOB_IDS)
+def test_ranks_that_disagree_all_raise_the_same_error(np_, launcher):
+    results = run_cases(disagreeing_body, np_, {k: (k,) for k in DISAGREEMENTS}, timeout=240,
+                        launcher=launcher)
     for kind, field in DISAGREEMENTS.items():
         messages = results[kind]
         assert all(m == messages[0] for m in messages), messages  # the same, everywhere
@@ -87,10 +93,12 @@ def outer_exchange_on_one_rank() -> None:
 @pytest.mark.parametrize("body,what", [(flush_on_one_rank, "parameter averaging"),
                                        (outer_exchange_on_one_rank, "hvdsync.outer.f0")],
                          ids=["flush", "outer_exchange"])
-def test_a_collective_on_one_rank_ends_the_job_with_a_message(body, what):
+@pytest.mark.parametrize("launcher", ["horovodrun", "torchrun"])
+def test_a_collective_on_one_rank_ends_the_job_with_a_message(body, what, launcher):
     start = time.monotonic()
     with pytest.raises(RanksFailed) as err:
-        run_ranks(body, np=2, timeout=100, env={"HVDSYNC_TIMEOUT_SECONDS": "6"})
+        run_ranks(body, np=2, timeout=100, env={"HVDSYNC_TIMEOUT_SECONDS": "6"},
+                  launcher=launcher)
     assert time.monotonic() - start < 60
     msg = str(err.value)
     assert "exited with code" in msg and "timed out" not in msg
@@ -242,11 +250,12 @@ AMP_CASES = {f"{case}/{variant}": (case, scale, bad) for case in TECHNIQUES
                                          ("nan", None, "nan"), ("nan_dropped", None, "drop"))}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=JOBS, ids=JOB_IDS)
 def amp_runs(request):
+    np_, launcher = request.param
     # bit for bit across runs needs Horovod's summation order fixed (3+ ranks: fusion timing)
-    return request.param, run_cases(amp_body, request.param, AMP_CASES, timeout=600,
-                                    env={"HOROVOD_FUSION_THRESHOLD": "0"})
+    return np_, run_cases(amp_body, np_, AMP_CASES, timeout=600, launcher=launcher,
+                          env={"HOROVOD_FUSION_THRESHOLD": "0"})
 
 
 def _same(a: dict, b: dict) -> bool:

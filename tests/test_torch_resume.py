@@ -106,13 +106,19 @@ def second_job(directory: str, how: str, cases: dict = CASES) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+# Horovod on 2 and 3 ranks, torch.distributed (torchrun) on 2
+JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun")]
+
+
+@pytest.fixture(scope="module", params=JOBS, ids=[f"np{n}-{lau}" for n, lau in JOBS])
 def jobs(request, tmp_path_factory):
-    np_ = request.param
+    np_, launcher = request.param
     directory = str(tmp_path_factory.mktemp(f"ckpt{np_}"))
     env = {"HOROVOD_FUSION_THRESHOLD": "0"}  # the same summation order in both jobs
-    uninterrupted = run_ranks(first_job, np=np_, args=(directory,), timeout=300, env=env)
-    resumed = {how: run_ranks(second_job, np=np_, args=(directory, how), timeout=300, env=env)
+    uninterrupted = run_ranks(first_job, np=np_, args=(directory,), timeout=300, env=env,
+                              launcher=launcher)
+    resumed = {how: run_ranks(second_job, np=np_, args=(directory, how), timeout=300, env=env,
+                              launcher=launcher)
                for how in ("helper", "own", "rank0")}
     return np_, uninterrupted, resumed
 

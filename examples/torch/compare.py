@@ -1,6 +1,7 @@
 """The same short training run, plain and with hvdsync's techniques, side by side.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/compare.py [--epochs 4]
+    torchrun --nproc-per-node 2 -m examples.torch.compare     # torch.distributed, no Horovod
 
 Every configuration trains the digits MLP of ``train_digits.py`` from the same start, on the
 same shards, one after the other in this one job. Rank 0 prints, per configuration, what
@@ -19,7 +20,7 @@ import argparse
 from examples.torch.train_digits import train
 
 CONFIGS = [
-    ("horovod (baseline)", dict(horovod=True)),
+    ("{baseline} (baseline)", dict(baseline=True)),
     ("hvdsync, nothing on", {}),
     ("fp16 compression", dict(compression="fp16")),
     ("clip max_norm=1", dict(clip=dict(max_norm=1.0))),
@@ -42,19 +43,21 @@ def main() -> None:
     rows = []
     for name, options in CONFIGS:
         r = train(epochs=args.epochs, seed=args.seed, verbose=False, **options)
-        rows.append((name, r))
+        baseline = "horovod" if hvd.backend_name() == "horovod" else "DDP"
+        rows.append((name.format(baseline=baseline), r))
     if hvd.rank() != 0:
         return
     dense = next(r["stats"]["total"] for _, r in rows if r["stats"] is not None)
     per_step_dense = dense["bytes_dense"] / max(dense["step"], 1)
-    print(f"\ndigits MLP, {hvd.size()} ranks, {args.epochs} epochs, loopback "
+    engine = {"horovod": "Horovod", "torch": "torch.distributed"}[hvd.backend_name()]
+    print(f"\ndigits MLP, {hvd.size()} ranks on {engine}, {args.epochs} epochs, loopback "
           "(time = computation cost here, not network savings)\n")
-    header = ("method", "KiB/step sent", "vs horovod", "layers skipped", "ms/step",
+    header = ("method", "KiB/step sent", "vs baseline", "layers skipped", "ms/step",
               "test accuracy")
     lines = [header]
     for name, r in rows:
         total = r["stats"]["total"] if r["stats"] is not None else None
-        if total is None:  # Horovod sends every gradient, as hvdsync's dense count says
+        if total is None:  # the baseline sends every gradient, as hvdsync's dense count says
             sent, skipped = per_step_dense, 0.0
         else:
             sent = total["bytes_sent"] / max(total["step"], 1)

@@ -7,8 +7,10 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --lowrank 4
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --delay 2 --average-every 8
     horovodrun -np 2 -H localhost:2 --gloo python examples/torch/train_digits.py --delay streaming
+    torchrun --nproc-per-node 2 -m examples.torch.train_digits --delay streaming   # no Horovod
 
 The only change from a Horovod script is the import line: ``import hvdsync.torch as hvd``.
+Started by ``torchrun`` it runs on torch.distributed instead (docs/backends.md).
 Each rank trains on its own shard; rank 0 prints loss and held-out accuracy per epoch and the
 wrapper's communication stats at the end.
 """
@@ -32,10 +34,11 @@ import hvdsync.torch as hvd
 def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
           threshold: Optional[dict] = None, clip: Optional[dict] = None,
           select: Optional[dict] = None, delay: Optional[dict | str] = None,
-          compression: str = "none", lowrank: Optional[dict] = None, horovod: bool = False,
+          compression: str = "none", lowrank: Optional[dict] = None, baseline: bool = False,
           verbose: bool = True) -> dict[str, Any]:
     """Train on this rank's shard; return final test accuracy, loss, the stats and the time
-    per step. ``horovod=True`` uses Horovod's own optimizer instead (the baseline)."""
+    per step. ``baseline=True`` trains without hvdsync instead: Horovod's own optimizer, or
+    DDP on the torch backend."""
     hvd.init()
     torch.manual_seed(seed)
     torch.set_num_threads(1)
@@ -55,10 +58,16 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
                                       out=nn.Linear(64, 10)))
     opt = torch.optim.SGD(model.parameters(), lr=lr * hvd.size(), momentum=0.9)
     wire = getattr(hvd.Compression, compression)
-    if horovod:
+    net = model
+    if baseline and hvd.backend_name() == "horovod":
         import horovod.torch
         opt = horovod.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                                  compression=wire)
+    elif baseline:  # torch.distributed: DDP, with its fp16 hook for compression="fp16"
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        net = nn.parallel.DistributedDataParallel(model)
+        if compression == "fp16":
+            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
     else:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=wire, threshold=threshold, clip=clip,
@@ -79,11 +88,11 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
         for i in range(steps):
             idx = perm[i * batch_size:(i + 1) * batch_size]
             opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss = nn.functional.cross_entropy(net(x_train[idx]), y_train[idx])
             loss.backward()
             opt.step()
             total += loss.item()
-        if not horovod:
+        if not baseline:
             opt.flush()  # with --delay: identical replicas before evaluating (else a no-op)
         seconds += time.perf_counter() - start
         model.eval()
@@ -94,7 +103,7 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
         say(f"epoch {epoch:2d}  loss {loss_avg:.4f}  test accuracy {acc:.3f}", flush=True)
     say(f"trained in {seconds:.1f}s")
     stats = None
-    if not horovod:
+    if not baseline:
         say(opt.stats.summary())
         stats = opt.stats.as_dict()
     return dict(accuracy=acc, loss=loss_avg, stats=stats, seconds=seconds,

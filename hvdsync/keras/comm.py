@@ -104,6 +104,7 @@ class KerasCommunicator:
         self._queue: list[_Request] = []
         self._pool: Optional[ThreadPoolExecutor] = None
         self._after: list[tuple[Callable[[], Any], Future]] = []
+        self.matches_by_name = True  # Horovod
 
     @property
     def size(self) -> int:

@@ -1,21 +1,74 @@
-"""``import hvdsync.torch as hvd``: a drop-in for ``import horovod.torch as hvd``.
+"""``import hvdsync.torch as hvd``: a drop-in for ``import horovod.torch as hvd``, on Horovod or,
+without it, on ``torch.distributed`` (``torchrun``).
 
-Every public name of ``horovod.torch`` (init, size, rank, local_rank, allreduce, allgather,
-broadcast_parameters, broadcast_optimizer_state, Compression, Average, Sum, ...) is
-re-exported unchanged; ``DistributedOptimizer`` is hvdsync's (same arguments, same results
-with no technique enabled, plus hvdsync's options and ``stats``).
+``init``, ``size``, ``rank``, ``local_rank``, ``allreduce``, ``allgather``, ``broadcast``,
+``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``,
+``synchronize``, ``poll``, ``Compression``, ``Average``, ``Sum`` ... behave as Horovod's on
+whichever backend :mod:`hvdsync.torch.engine` chose (``hvd.init(backend=...)``,
+``HVDSYNC_BACKEND``, or the launcher); ``hvd.backend_name()`` says which. Horovod's other names
+(``alltoall``, ``elastic``, ``SyncBatchNorm`` ...) are re-exported when Horovod is installed
+and work on its backend. ``DistributedOptimizer`` is hvdsync's (same arguments, same results
+with no technique enabled, plus hvdsync's options and ``stats``). docs/backends.md.
 """
+
+from typing import Any as _Any
+
+from hvdsync.torch import engine as _engine
 
 try:
     import horovod.torch as _horovod_torch
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "hvdsync.torch needs Horovod built with PyTorch support. Horovod 0.28.1 does not build "
-        "as-is on current torch; run scripts/install_horovod.sh from the hvdsync repository "
-        f"(see README.md). Original error: {e}") from e
+except ImportError:  # the torch backend only (docs/install.md)
+    _horovod_torch = None
 
-# Re-export horovod.torch's public API exactly as Horovod has it.
-globals().update({k: v for k, v in vars(_horovod_torch).items() if not k.startswith("_")})
+# names whose meaning depends on the backend: resolved at each call (module __getattr__ for
+# the process-set objects), never bound to one backend at import
+_LAZY = ("ProcessSet", "global_process_set")
+_DISPATCHED = (
+    "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank",
+    "cross_rank", "barrier", "join", "poll", "synchronize", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "sparse_allreduce_async", "allgather", "allgather_async",
+    "grouped_allgather", "grouped_allgather_async", "allgather_object", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "broadcast_parameters")
+
+if _horovod_torch is not None:  # Horovod's whole public API, as Horovod has it ...
+    globals().update({k: v for k, v in vars(_horovod_torch).items()
+                      if not k.startswith("_") and k not in _LAZY})
+else:
+    from hvdsync.torch.c10d import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
+    from hvdsync.torch.compression import Compression  # noqa: F401
+
+
+def _dispatch(name: str):
+    def call(*args: _Any, **kwargs: _Any) -> _Any:
+        return getattr(_engine.ops(), name)(*args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"Horovod's ``{name}``, on the active backend (``hvd.backend_name()``)."
+    return call
+
+
+# ... with the calls routed to the active backend
+globals().update({_name: _dispatch(_name) for _name in _DISPATCHED})
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _LAZY:
+        return getattr(_engine.ops(), name)
+    raise AttributeError(f"module 'hvdsync.torch' has no attribute {name!r}")
+
+
+def init(*args: _Any, backend: str | None = None, **kwargs: _Any) -> None:
+    """Horovod's ``init``, on ``backend`` (``"horovod"`` or ``"torch"``; default: the
+    ``HVDSYNC_BACKEND`` environment variable, else by launcher, see
+    :mod:`hvdsync.torch.engine`)."""
+    _engine.select(backend).init(*args, **kwargs)
+
+
+def backend_name() -> str:
+    """``"horovod"`` or ``"torch"``: which engine this process's collectives run on."""
+    return _engine.active_name()
+
 
 from hvdsync.agreement import RanksDisagree  # noqa: E402
 from hvdsync.clipping import ClipConfig  # noqa: E402
@@ -41,8 +94,9 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, **kwargs):  # no
     hvdsync's optimizer that step must stay local (no collectives, no stats, no technique
     state), as Horovod arranges for its own optimizer.
     """
+    ops = _engine.ops()
     if not isinstance(optimizer, _DistributedOptimizer):
-        return _horovod_torch.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
+        return ops.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
     with optimizer.skip_synchronize():
-        _horovod_torch.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
+        ops.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
     broadcast_technique_state(optimizer, root_rank)

@@ -1,4 +1,5 @@
-"""The torch communicator: moves gradient bytes between ranks with Horovod's torch ops.
+"""The torch communicator: moves gradient bytes between ranks with Horovod's torch ops, on
+the active backend (:mod:`hvdsync.torch.engine`: Horovod, or torch.distributed).
 
 Every call launches Horovod collectives asynchronously (in backward, as layers become ready)
 and returns a :class:`hvdsync.technique.Pending` whose ``wait()`` blocks and returns the
@@ -11,14 +12,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from typing import Any
+
 import torch
-from horovod.torch.mpi_ops import Average, ProcessSet
-from horovod.torch.mpi_ops import (allgather, allgather_async, allreduce_async,
-                                   grouped_allreduce_async_,
-                                   poll, sparse_allreduce_async, synchronize)
 
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Pending
+from hvdsync.torch import engine
 from hvdsync.watchdog import guard
 
 
@@ -37,7 +37,10 @@ class TorchCommunicator:
     densified with ``sparse_as_dense``)."""
 
     def __init__(self, compression, op, gradient_predivide_factor: float,
-                 sparse_as_dense: bool, process_set: ProcessSet, stats: SyncStats):
+                 sparse_as_dense: bool, process_set: Any, stats: SyncStats):
+        #: the backend's ops (Horovod's torch API or hvdsync.torch.c10d)
+        self.ops = ops = engine.ops()
+        self.matches_by_name = engine.active_name() == "horovod"
         self.compression = compression
         self.op = op
         self.sparse_as_dense = sparse_as_dense
@@ -48,7 +51,7 @@ class TorchCommunicator:
         self.force_collectives = False
         # As in Horovod: split the average into a pre- and post-scale (the C++ side applies
         # the remaining 1/size for Average).
-        if op == Average:
+        if op == ops.Average:
             self.prescale, self.postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
         else:
             self.prescale = self.postscale = 1.0
@@ -63,7 +66,7 @@ class TorchCommunicator:
         dense: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
             if t.is_sparse and not self.sparse_as_dense:
-                result = sparse_allreduce_async(t, name=f"{name}.sparse.{i}", op=self.op,
+                result = self.ops.sparse_allreduce_async(t, name=f"{name}.sparse.{i}", op=self.op,
                                                 process_set=self.process_set)
                 waits.append(_sparse_finisher(t, result))
                 polls.append(lambda: False)  # Horovod's sparse path has no pollable handle
@@ -75,7 +78,7 @@ class TorchCommunicator:
             group = [tensors[i] for i in idx]
             sources = [g.to_dense() if g.is_sparse else g for g in group]
             compressed, ctxs = zip(*[self.compression.compress(s) for s in sources])
-            handle = grouped_allreduce_async_(list(compressed),
+            handle = self.ops.grouped_allreduce_async_(list(compressed),
                                               name=f"{name}.{str(dtype).removeprefix('torch.')}",
                                               op=self.op, prescale_factor=self.prescale,
                                               postscale_factor=self.postscale,
@@ -83,7 +86,7 @@ class TorchCommunicator:
             nbytes += sum(payload_bytes(c) for c in compressed)
             collectives += 1
             waits.append(self._dense_finisher(handle, group, ctxs))
-            polls.append(lambda h=handle: poll(h))
+            polls.append(lambda h=handle: self.ops.poll(h))
 
         def wait() -> list[torch.Tensor]:
             for w in waits:
@@ -94,7 +97,7 @@ class TorchCommunicator:
 
     def _dense_finisher(self, handle, grads, ctxs):
         def finish() -> None:
-            for grad, out, ctx in zip(grads, synchronize(handle), ctxs):
+            for grad, out, ctx in zip(grads, self.ops.synchronize(handle), ctxs):
                 out = self.compression.decompress(out, ctx)
                 if grad.is_sparse:  # sparse_as_dense: back to sparse for the optimizer
                     grad.zero_().add_(out.to_sparse())
@@ -118,8 +121,9 @@ class TorchCommunicator:
             return Pending.resolved(list(values))
         t = torch.tensor(values, dtype=torch.float64)
         self.stats.control(t.numel() * t.element_size())
-        handle = allreduce_async(t, name=name, op=Average, process_set=self.process_set)
-        return Pending(lambda: synchronize(handle).tolist(), lambda: poll(handle),
+        ops = self.ops
+        handle = ops.allreduce_async(t, name=name, op=ops.Average, process_set=self.process_set)
+        return Pending(lambda: ops.synchronize(handle).tolist(), lambda: ops.poll(handle),
                        what=f"the control allreduce {name!r}")
 
     def average(self, groups: list[tuple[str, list[torch.Tensor]]]) -> None:
@@ -127,22 +131,24 @@ class TorchCommunicator:
         at once)."""
         if self.size == 1:
             return
-        handles = [grouped_allreduce_async_(tensors, name=name, op=Average,
-                                            process_set=self.process_set)
+        ops = self.ops
+        handles = [ops.grouped_allreduce_async_(tensors, name=name, op=ops.Average,
+                                                process_set=self.process_set)
                    for name, tensors in groups]
         with guard("the parameter averaging (delay=, flush())"):
             for h in handles:
-                synchronize(h)
+                ops.synchronize(h)
 
     def allgather_async(self, name: str, tensors: list[torch.Tensor]) -> Pending:
         """Start gathering every rank's 1-d ``tensors``; ``wait()`` gives each one's pieces
         concatenated in rank order."""
         if self.size == 1:
             return Pending.resolved(list(tensors))
-        handles = [allgather_async(t, name=f"{name}.{i}", process_set=self.process_set)
+        ops = self.ops
+        handles = [ops.allgather_async(t, name=f"{name}.{i}", process_set=self.process_set)
                    for i, t in enumerate(tensors)]
-        return Pending(lambda: [synchronize(h) for h in handles],
-                       lambda: all(poll(h) for h in handles),
+        return Pending(lambda: [ops.synchronize(h) for h in handles],
+                       lambda: all(ops.poll(h) for h in handles),
                        sum(payload_bytes(t) for t in tensors), len(tensors),
                        what=f"the allgather {name!r}")
 
@@ -153,9 +159,10 @@ class TorchCommunicator:
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
             torch.zeros(0, dtype=torch.uint8)
         with guard(f"the allgather {name!r}"):
-            sizes = allgather(torch.tensor([t.numel()]), name=f"{name}.sizes",
-                              process_set=self.process_set).tolist()
-            gathered = allgather(t, name=name, process_set=self.process_set).numpy().tobytes()
+            sizes = self.ops.allgather(torch.tensor([t.numel()]), name=f"{name}.sizes",
+                                       process_set=self.process_set).tolist()
+            gathered = self.ops.allgather(t, name=name,
+                                          process_set=self.process_set).numpy().tobytes()
         out, i = [], 0
         for n in sizes:
             out.append(gathered[i:i + n])

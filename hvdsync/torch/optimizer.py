@@ -17,9 +17,6 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
-from horovod.torch import mpi_ops
-from horovod.torch.compression import Compression
-from horovod.torch.mpi_ops import Average, ProcessSet, global_process_set
 
 from hvdsync import agreement, checkpoint, rules
 from hvdsync.api import SyncAPI
@@ -33,6 +30,7 @@ from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
 from hvdsync.threshold import ThresholdConfig
+from hvdsync.torch import engine
 from hvdsync.torch.backend import TorchGradients, TorchOps
 from hvdsync.torch.clipping import clip_layer
 from hvdsync.torch.comm import TorchCommunicator
@@ -72,7 +70,7 @@ class _DistributedOptimizer(SyncAPI):
         self.process_set = process_set
         self._compression = compression
         layer_names = [layer.name for layer in self._layers]
-        self.stats = SyncStats(layer_names)
+        self.stats = SyncStats(layer_names, backend=engine.active_name())
         self._grads = TorchGradients(layer_params, self, scaler,
                                      base_step=super(_DistributedOptimizer, self).step)
         self._comm = comm = TorchCommunicator(compression, op, gradient_predivide_factor,
@@ -251,14 +249,14 @@ _watch_unscale()
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
-                         compression: Any = Compression.none,
+                         compression: Any = None,
                          backward_passes_per_step: int = 1,
-                         op: Any = Average,
+                         op: Any = None,
                          gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0,
                          groups: Any = None,
                          sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set,
+                         process_set: Any = None,
                          *,
                          layers: Grouping = None,
                          clip: ClipConfig | dict | float | None = None,
@@ -269,7 +267,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          delay: DelayConfig | dict | bool | int | None = None,
                          scaler: Any = None,
                          **unknown: Any) -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` so ``step()`` uses gradients reduced across Horovod ranks.
+    """Wrap ``optimizer`` so ``step()`` uses gradients reduced across the ranks (on Horovod
+    or torch.distributed: :mod:`hvdsync.torch.engine`).
 
     Takes ``horovod.torch.DistributedOptimizer``'s arguments with the same meaning, and with
     no hvdsync technique enabled gives the same parameters. The returned object is an instance
@@ -281,7 +280,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         optimizer: the torch optimizer to wrap.
         named_parameters: ``model.named_parameters()``; names identify collectives and group
             parameters into layers. Without it every parameter is its own layer.
-        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
+        compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``.
         backward_passes_per_step: backward passes accumulated locally before a reduction.
         op: ``hvd.Average`` (default) or ``hvd.Sum`` (Adasum is not supported).
         gradient_predivide_factor: with Average, scale by 1/f before and f/size after the sum.
@@ -289,7 +288,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         groups: Horovod's explicit grouping: an int (contiguous chunks of parameters) or a list
             of lists of parameters reduced together. Mutually exclusive with ``layers``.
         sparse_as_dense: reduce sparse gradients as dense tensors.
-        process_set: reduce over this Horovod process set only.
+        process_set: reduce over this Horovod process set only (default: every rank; the
+            torch backend has that one only).
         layers: hvdsync's grouping of parameters into layers (the unit sent together and
             decided on): ``None`` groups by module, or a callable / mapping from parameter
             name to layer name, see :data:`hvdsync.layers.Grouping`.
@@ -317,8 +317,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                         f"{type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already wrapped by hvdsync.torch.DistributedOptimizer")
+    ops = engine.ops()
+    compression = ops.Compression.none if compression is None else compression
+    op = ops.Average if op is None else op
+    if process_set is None or (getattr(process_set, "process_set_id", None) == 0
+                               and not isinstance(process_set, ops.ProcessSet)):
+        process_set = ops.global_process_set  # Horovod's global set on the torch backend too
     configs, groups = rules.check_arguments(
-        mpi_ops, compression=compression, backward_passes_per_step=backward_passes_per_step,
+        ops, compression=compression, backward_passes_per_step=backward_passes_per_step,
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
         groups=groups, layers=layers, clip=clip, threshold=threshold, select=select,

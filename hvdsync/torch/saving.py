@@ -15,9 +15,9 @@ import os
 from typing import Any, Optional
 
 import torch
-from horovod.torch import mpi_ops
 
 from hvdsync import checkpoint
+from hvdsync.torch import engine
 from hvdsync.watchdog import guard
 
 
@@ -35,13 +35,12 @@ def broadcast_technique_state(optimizer, root_rank: int) -> None:
     """Every rank takes ``root_rank``'s shared technique state (``broadcast_optimizer_state``
     of hvdsync.torch calls it): a checkpoint loaded on ``root_rank`` only reaches every rank.
     Per-rank memory is not broadcast, so none keeps any."""
-    import horovod.torch as horovod_torch
     if not optimizer._configured or optimizer.process_set.size() == 1:
         return
     ps = optimizer.process_set
     mine = checkpoint.state_of(optimizer._configured, optimizer._param_signatures, ps.rank(),
                                ps.size())
-    shared = horovod_torch.broadcast_object(mine, root_rank, "hvdsync.techniques", ps)
+    shared = engine.ops().broadcast_object(mine, root_rank, "hvdsync.techniques", ps)
     if ps.rank() != root_rank:
         checkpoint.load_into(optimizer._configured, shared, optimizer._param_signatures,
                              ps.rank(), ps.size(), quiet=True)
@@ -63,12 +62,12 @@ def save_checkpoint(path: str, model: torch.nn.Module,
             _to_bytes(own), "hvdsync.checkpoint.save")]
         state["hvdsync"] = checkpoint.with_every_rank(optimizer._configured, state["hvdsync"],
                                                       parts)
-    if mpi_ops.rank() == root_rank:
+    if engine.ops().rank() == root_rank:
         tmp = f"{path}.tmp{os.getpid()}"
         torch.save({"model": model.state_dict(), "optimizer": state, "extra": extra}, tmp)
         os.replace(tmp, path)
     with guard("the end of save_checkpoint on every rank"):  # the file exists for everyone
-        mpi_ops.allreduce(torch.zeros(1), name="hvdsync.checkpoint.written")
+        engine.ops().allreduce(torch.zeros(1), name="hvdsync.checkpoint.written")
 
 
 def load_checkpoint(path: str, model: torch.nn.Module,

@@ -16,8 +16,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-from horovod.torch.mpi_ops import Average, allgather, grouped_allgather_async, \
-    grouped_allreduce_async_, synchronize
 
 from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseRoute, choose_route, \
     gradient_layouts
@@ -145,7 +143,7 @@ class SparseExchange(Transport):
                 self._absorb(local.tolist())
             else:
                 with guard("the sparse layouts allgather 'hvdsync.sparse.layouts'"):
-                    self._absorb(allgather(local, name="hvdsync.sparse.layouts",
+                    self._absorb(self.dense.ops.allgather(local, name="hvdsync.sparse.layouts",
                                            process_set=self.dense.process_set).tolist())
                 self.stats.control(local.numel() * _INDEX_BYTES)
 
@@ -294,11 +292,11 @@ class SparseExchange(Transport):
             packed.append(torch.cat([index_bits, values.reshape(values.shape[0], row)], dim=1))
             ctxs.append(ctx)
         first = 0 if header is None else 1
-        handle = grouped_allgather_async(([] if header is None else [header]) + packed,
-                                         name="hvdsync.sparse.gather",
-                                         process_set=self.dense.process_set)
-        wait = _waiter(handle)
-        average = self.dense.op == Average
+        handle = self.dense.ops.grouped_allgather_async(
+            ([] if header is None else [header]) + packed, name="hvdsync.sparse.gather",
+            process_set=self.dense.process_set)
+        wait = _waiter(handle, self.dense.ops.synchronize)
+        average = self.dense.op == self.dense.ops.Average
 
         def finisher(j: int, p: torch.Tensor) -> Callable[[], None]:
             def finish() -> None:
@@ -334,11 +332,11 @@ class SparseExchange(Transport):
             compressed, ctx = self.dense.compression.compress(buf)
             buffers.append(compressed)
             ctxs.append(ctx)
-        handle = grouped_allreduce_async_(buffers, name="hvdsync.sparse.dense", op=self.dense.op,
-                                          prescale_factor=self.dense.prescale,
-                                          postscale_factor=self.dense.postscale,
-                                          process_set=self.dense.process_set)
-        wait = _waiter(handle)
+        handle = self.dense.ops.grouped_allreduce_async_(
+            buffers, name="hvdsync.sparse.dense", op=self.dense.op,
+            prescale_factor=self.dense.prescale, postscale_factor=self.dense.postscale,
+            process_set=self.dense.process_set)
+        wait = _waiter(handle, self.dense.ops.synchronize)
 
         def finisher(j: int, p: torch.Tensor) -> Callable[[], None]:
             def finish() -> None:
@@ -364,7 +362,7 @@ class SparseExchange(Transport):
         pendings[items[0][0]].collectives += 1
 
 
-def _waiter(handle) -> Callable[[], list[torch.Tensor]]:
+def _waiter(handle, synchronize) -> Callable[[], list[torch.Tensor]]:
     """Synchronize a grouped handle once and share its outputs among the finishers."""
     outputs: list[list[torch.Tensor]] = []
 
