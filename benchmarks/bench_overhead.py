@@ -15,7 +15,10 @@ machine's drift cancels in the ratio, and the interval says whether an overhead 
 Loopback links by default: what is measured is hvdsync's own work per step, not the network;
 ``--net 100`` runs the ranks on 100 Mbit/s emulated links (root), where the step is the
 exchange and what counts is how well sends overlap backward.
-Results: ``benchmarks/results/overhead_np<N>[_<rate>mbit].{json,md}``.
+``--backend torch`` runs hvdsync on torch.distributed instead of Horovod (docs/backends.md),
+with DDP (``ddp``, ``ddp fp16``) in the same rounds; Horovod's optimizer stays the baseline
+of both, so the two runs' ratios compare the engines.
+Results: ``benchmarks/results/overhead_np<N>[_<rate>mbit][_torch].{json,md}``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,12 @@ METHODS: dict[str, Any] = {
     "threshold=0": dict(threshold=0.0),
     "select (every layer)": dict(select=dict(k=1.0)),
     "delay staleness=0": dict(delay=dict(staleness=0)),
+    "hvdsync fp16": dict(compression="fp16"),
+    "ddp": "ddp",  # torch's DDP on the same process group (--backend torch only)
+    "ddp fp16": "ddp fp16",
 }
+#: where the ranks' torch.distributed process group meets (--backend torch)
+DDP_PORT = 29533
 
 # two-sided 95 % Student t quantiles by degrees of freedom (scipy is not a dependency)
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
@@ -54,15 +62,24 @@ def t95(df: int) -> float:
     return _T95[max(k for k in _T95 if k <= df)]
 
 
-def overhead_body(workload: str, methods: list[str], rounds: int, steps: int) -> dict:
+def overhead_body(workload: str, methods: list[str], rounds: int, steps: int,
+                  backend: str = "horovod", addr: str = "127.0.0.1", iface: str = "lo") -> dict:
     """One rank: every method on its own model copy, rounds interleaved; per round and
-    method the slowest rank's seconds per step."""
+    method the slowest rank's seconds per step. ``backend="torch"``: hvdsync runs on a
+    torch.distributed process group (on ``addr``'s interface ``iface``), shared with DDP."""
     import horovod.torch as horovod
     import torch
+    import torch.distributed as dist
     from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import hvdsync.torch as hvd
-    hvd.init()
+    horovod.init()  # the harness (start together, the slowest rank's time) and the baseline
+    if backend == "torch":
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{DDP_PORT}",
+                                rank=horovod.rank(), world_size=horovod.size())
+    hvd.init(backend=backend)
     os.sched_setaffinity(0, {hvd.rank() % os.cpu_count()})
     torch.set_num_threads(1)
     w = WORKLOADS[workload]
@@ -75,18 +92,26 @@ def overhead_body(workload: str, methods: list[str], rounds: int, steps: int) ->
         model = w.make_model(False)
         model.load_state_dict(template.state_dict())
         base = w.make_optimizer(model, hvd.size())
-        if METHODS[name] is None:
+        net, spec = model, METHODS[name]
+        if spec is None:
             opt = horovod.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        elif isinstance(spec, str):  # DDP
+            net, opt = nn.parallel.DistributedDataParallel(model), base
+            if spec == "ddp fp16":
+                net.register_comm_hook(None, default_hooks.fp16_compress_hook)
         else:
+            options = dict(spec)
+            if options.get("compression") == "fp16":
+                options["compression"] = hvd.Compression.fp16
             opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                           **METHODS[name])
-        runs[name] = (model, opt)
+                                           **options)
+        runs[name] = (net, opt)
 
     def train(name: str, batch_list) -> None:
-        model, opt = runs[name]
+        net, opt = runs[name]
         for x, y in batch_list:
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
+            nn.functional.cross_entropy(net(x), y).backward()
             opt.step()
 
     per_round: dict[str, list[float]] = {name: [] for name in methods}
@@ -126,16 +151,21 @@ def main(argv=None) -> None:
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per method per round")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS),
+                    default=[m for m, spec in METHODS.items() if not isinstance(spec, str)])
     ap.add_argument("--net", default="loopback",
                     help="'loopback' or a link rate in Mbit/s for the emulated network")
+    ap.add_argument("--backend", default="horovod", choices=["horovod", "torch"],
+                    help="the engine hvdsync runs on (torch: torch.distributed, with DDP)")
     args = ap.parse_args(argv)
+    if args.backend == "horovod" and any(isinstance(METHODS[m], str) for m in args.methods):
+        ap.error("the ddp methods need --backend torch (a torch.distributed process group)")
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (the interval needs a spread)")
     methods = ["horovod"] + [m for m in args.methods if m != "horovod"]
     rows, data = [], {}
     for wl in args.workloads:
-        call = (wl, methods, args.rounds, args.steps)
+        call = (wl, methods, args.rounds, args.steps, args.backend)
         if args.net == "loopback":
             per_rank = run_ranks(overhead_body, np=args.np, args=call, timeout=3600)
         else:
@@ -143,6 +173,7 @@ def main(argv=None) -> None:
             if reason:
                 ap.error(f"--net {args.net}: {reason}")
             with EmulatedNetwork(args.np, rate_mbit=float(args.net)) as net:
+                call += (net.addresses[0], "hvs0")
                 per_rank = run_ranks_on(net, overhead_body, args.np, args=call, timeout=3600)
         summary = data[wl] = summarize(per_rank[0])  # every rank holds the same maxima
         for name in methods:
@@ -153,10 +184,14 @@ def main(argv=None) -> None:
     table = markdown_table(["workload", "method", "ms/step (median)", "time/step vs horovod",
                             "95 % CI", "overhead"], rows)
     link = "loopback" if args.net == "loopback" else f"{args.net} Mbit/s emulated links"
-    suffix = "" if args.net == "loopback" else f"_{args.net}mbit"
+    suffix = ("" if args.net == "loopback" else f"_{args.net}mbit") + (
+        "_torch" if args.backend == "torch" else "")
+    engine = "Horovod" if args.backend == "horovod" else "torch.distributed"
     report(f"overhead_np{args.np}{suffix}", f"Step overhead with nothing skipped, {args.np} "
-           f"ranks x 1 core, {link}, {args.rounds} interleaved rounds x {args.steps} steps", table,
-           dict(rounds=args.rounds, steps=args.steps, np=args.np, results=data),
+           f"ranks x 1 core, {link}, hvdsync on {engine}, {args.rounds} interleaved rounds x "
+           f"{args.steps} steps", table,
+           dict(rounds=args.rounds, steps=args.steps, np=args.np, backend=args.backend,
+                results=data),
            "benchmarks.bench_overhead", argv)
 
 

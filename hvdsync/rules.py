@@ -135,7 +135,8 @@ def check_arguments(mpi_ops: Any, *, compression: Any, backward_passes_per_step:
     kind = "average" if op == o.Average else "sum" if op == o.Sum else "other"
     configs = configure(op=kind, sparse_as_dense=sparse_as_dense, **techniques)
     if not isinstance(process_set, o.ProcessSet):
-        raise TypeError(f"process_set must be a {o.__name__} ProcessSet, got {process_set!r}")
+        raise TypeError(f"process_set must be a ProcessSet of the backend ({o.__name__}), e.g. "
+                        f"hvd.global_process_set; got {process_set!r}")
     if num_groups:
         warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)
         if groups is None:

@@ -225,7 +225,14 @@ def rank_of_process() -> str:
     return os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "?"))
 
 
+#: comma-separated modules a rank treats as not installed (``sys.modules[name] = None``): tests
+#: of an install without them, e.g. ``run_ranks(..., env={HIDE_ENV: "horovod"})``
+HIDE_ENV = "HVDSYNC_HIDE_MODULES"
+
+
 def _rank_main(tmp: str) -> None:
+    for hidden in filter(None, os.environ.get(HIDE_ENV, "").split(",")):
+        sys.modules[hidden] = None  # type: ignore[assignment]
     with open(os.path.join(tmp, "call.pkl"), "rb") as f:
         module, qualname, args, kwargs = pickle.load(f)
     rank = rank_of_process()

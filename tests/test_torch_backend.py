@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from hvdsync.testing import run_ranks
+from hvdsync.testing import HIDE_ENV, run_ranks
 
 TORCHRUN = dict(launcher="torchrun")
 
@@ -26,7 +26,7 @@ def api_semantics() -> dict:
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     out: dict = dict(backend=hvd.backend_name(), rank=r, size=n, local_rank=hvd.local_rank(),
-                     local_size=hvd.local_size())
+                     local_size=hvd.local_size(), horovod_loaded="horovod.torch" in sys.modules)
     t = torch.tensor([1.0, 2.0]) * (r + 1)
     out["average"] = hvd.allreduce(t, name="a").tolist()
     out["sum"] = hvd.allreduce(t, name="s", op=hvd.Sum).tolist()
@@ -67,16 +67,34 @@ def api_semantics() -> dict:
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     out["opt_lr"] = opt.param_groups[0]["lr"]
     out["opt_state"] = sorted(len(s) for s in opt.state.values())
+    # and hvdsync's optimizer trains: two techniques with memory, replicas equal at the end
+    from tests.models import MLP, teacher_batches
+    torch.manual_seed(0)
+    mlp = MLP()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(mlp.parameters(), lr=0.1),
+                                   named_parameters=mlp.named_parameters(), clip=1.0,
+                                   lowrank=dict(rank=2, warmup_steps=1, min_compression=0))
+    for x, y in teacher_batches(r, 4):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(mlp(x), y).backward()
+        opt.step()
+    flat = torch.cat([p.detach().flatten() for p in mlp.parameters()]).unsqueeze(0)
+    everyone = hvd.allgather(flat, name="params")
+    out["replicas_equal"] = bool((everyone == everyone[0]).all())
+    out["summary"] = opt.stats.summary().splitlines()[0]
     return out
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_horovod_api_on_torchrun(np_):
-    res = run_ranks(api_semantics, np=np_, timeout=120, **TORCHRUN)
+@pytest.mark.parametrize("np_,without_horovod", [(2, False), (3, False), (2, True)],
+                         ids=["np2", "np3", "np2-without-horovod"])
+def test_horovod_api_on_torchrun(np_, without_horovod):
+    env = {HIDE_ENV: "horovod"} if without_horovod else None
+    res = run_ranks(api_semantics, np=np_, timeout=120, env=env, **TORCHRUN)
     n = np_
     total = sum(range(1, n + 1))
     for r, out in enumerate(res):
         assert out["backend"] == "torch"
+        assert out["horovod_loaded"] is not without_horovod
         assert (out["rank"], out["size"], out["local_rank"], out["local_size"]) == (r, n, r, n)
         assert out["average"] == pytest.approx([total / n, 2 * total / n])
         assert out["sum"] == pytest.approx([total, 2 * total])
@@ -98,6 +116,8 @@ def test_horovod_api_on_torchrun(np_):
         assert out["params"] == [0.0] * 4
         assert out["opt_lr"] == pytest.approx(0.1)  # rank 0's hyper-parameters
         assert out["opt_state"] == [3, 3]  # rank 0's Adam state (step, exp_avg, exp_avg_sq)
+        assert out["replicas_equal"] is True
+        assert out["summary"].startswith("hvdsync (torch): 4 steps"), out["summary"]
 
 
 def test_backend_rule(monkeypatch):

@@ -42,7 +42,7 @@ def test_unknown_keyword_names_it_and_suggests():
     (dict(gradient_predivide_factor=float("nan")), ValueError, "gradient_predivide_factor must be"),
     (dict(sparse_as_dense="yes"), TypeError, "sparse_as_dense must be True or False"),
     (dict(compression="fp16"), TypeError, "compression must provide compress"),
-    (dict(process_set=0), TypeError, "process_set must be a horovod ProcessSet"),
+    (dict(process_set=0), TypeError, "process_set must be a ProcessSet of the backend"),
     (dict(groups=-1), ValueError, "groups must be a positive number"),
     (dict(groups="all"), ValueError, "groups should be a positive int"),
     (dict(groups=2, layers=lambda n: n), ValueError, "either groups .* or layers"),
@@ -85,10 +85,20 @@ def test_double_wrap_refused():
 
 # -- drop-in behaviour -----------------------------------------------------------------------
 def test_reexports_horovod_torch_api():
+    """Horovod's names: its constants and classes as they are; the calls routed to the active
+    backend (Horovod here) with Horovod's results; the rest of its API re-exported."""
     import horovod.torch as horovod_hvd
-    for name in ("init", "size", "rank", "local_rank", "broadcast_parameters", "allreduce", "allgather", "Compression",
-                 "Average", "Sum", "join", "broadcast_object"):
+    hvd.init()
+    for name in ("Compression", "Average", "Sum", "Adasum", "alltoall", "SyncBatchNorm",
+                 "elastic"):
         assert getattr(hvd, name) is getattr(horovod_hvd, name), name
+    assert hvd.backend_name() == "horovod"
+    for name in ("size", "rank", "local_rank", "local_size", "is_initialized"):
+        assert getattr(hvd, name)() == getattr(horovod_hvd, name)(), name
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(hvd.allreduce(t, name="re"), horovod_hvd.allreduce(t, name="re2"))
+    assert hvd.broadcast_object({"a": 1}, 0) == {"a": 1}
+    assert hvd.global_process_set is horovod_hvd.global_process_set
     assert hvd.DistributedOptimizer is not horovod_hvd.DistributedOptimizer
 
 

@@ -1,0 +1,69 @@
+"""Keras: ``FlushCallback`` (``flush()`` at the end of ``fit``) leaves identical replicas --
+weights and optimizer variables -- for every technique and every pair that combines, and for
+the outer synchronization, on 2 and 3 real ranks with different data per rank (the torch
+twin is tests/test_torch_flush.py, with the same technique settings)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hvdsync.testing import run_ranks
+from tests.keras_models import fit_body
+from tests.models import apply_each
+from tests.test_torch_flush import OUTER, PAIRS, SINGLES, TECHNIQUES
+
+STEPS = 11  # not a multiple of any K or max_skip here: something is pending at the end
+
+
+def _options(names: tuple[str, ...]) -> dict:
+    if names == ("outer",):
+        return dict(OUTER)
+    return {k: v for n in names for k, v in TECHNIQUES[n].items()}
+
+
+CASES = {"+".join(names): names for names in SINGLES + PAIRS + [("outer",)]}
+
+
+def flush_case(names: tuple[str, ...]) -> dict:
+    model = "emb" if "sparse" in names else "mlp"
+    out = fit_body(_options(names), "momentum", 0.05, STEPS, 16, model=model, vocab=60,
+                   record_weights=True, callbacks=("broadcast", "flush"))
+    return dict(final=out["final"], opt_vars=out["opt_vars"], last=out["weights"][-1])
+
+
+def flush_rank() -> list:
+    return apply_each(flush_case, [(names,) for names in CASES.values()])
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def runs(request):
+    ranks = run_ranks(flush_rank, np=request.param, timeout=900)
+    return {name: [r[i] for r in ranks] for i, name in enumerate(CASES)}
+
+
+# delay= and the outer synchronization keep each rank's optimizer state (momentum built from
+# its own gradients, docs/delay.md): flush() makes the weights identical, not that state
+LOCAL_STATE = [c for c in CASES if "delay" in c or c == "outer"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_flush_callback_leaves_identical_replicas(runs, case):
+    ranks = runs[case]
+    for r in ranks:
+        assert all(np.isfinite(w).all() for w in r["final"].values()), case
+    for other in ranks[1:]:
+        for k, v in ranks[0]["final"].items():
+            np.testing.assert_array_equal(v, other["final"][k], err_msg=f"{case} {k}")
+        if case in LOCAL_STATE:
+            continue
+        for k, v in ranks[0]["opt_vars"].items():
+            np.testing.assert_array_equal(v, other["opt_vars"][k], err_msg=f"{case} {k}")
+
+
+@pytest.mark.parametrize("case", ["threshold", "delay", "outer"])
+def test_the_replicas_differed_before_the_flush(runs, case):
+    """The test can fail: these techniques leave the replicas apart before flush()."""
+    ranks = runs[case]
+    assert any(not all(np.array_equal(ranks[0]["last"][k], o["last"][k]) for k in o["last"])
+               for o in ranks[1:]), case
