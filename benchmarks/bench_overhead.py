@@ -157,6 +157,8 @@ def main(argv=None) -> None:
                     help="'loopback' or a link rate in Mbit/s for the emulated network")
     ap.add_argument("--backend", default="horovod", choices=["horovod", "torch"],
                     help="the engine hvdsync runs on (torch: torch.distributed, with DDP)")
+    ap.add_argument("--name", default=None, help="results file name (default: "
+                    "overhead_np<N>[_<rate>mbit][_torch])")
     args = ap.parse_args(argv)
     if args.backend == "horovod" and any(isinstance(METHODS[m], str) for m in args.methods):
         ap.error("the ddp methods need --backend torch (a torch.distributed process group)")
@@ -187,7 +189,7 @@ def main(argv=None) -> None:
     suffix = ("" if args.net == "loopback" else f"_{args.net}mbit") + (
         "_torch" if args.backend == "torch" else "")
     engine = "Horovod" if args.backend == "horovod" else "torch.distributed"
-    report(f"overhead_np{args.np}{suffix}", f"Step overhead with nothing skipped, {args.np} "
+    report(args.name or f"overhead_np{args.np}{suffix}", f"Step overhead with nothing skipped, {args.np} "
            f"ranks x 1 core, {link}, hvdsync on {engine}, {args.rounds} interleaved rounds x "
            f"{args.steps} steps", table,
            dict(rounds=args.rounds, steps=args.steps, np=args.np, backend=args.backend,
