@@ -220,11 +220,6 @@ def format_rank_output(output: str, np: int, tail: int = 60) -> str:
     return "\n".join(parts)
 
 
-def rank_of_process() -> str:
-    """This rank's number as its launcher set it (before any ``init``)."""
-    return os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "?"))
-
-
 #: comma-separated modules a rank treats as not installed (``sys.modules[name] = None``): tests
 #: of an install without them, e.g. ``run_ranks(..., env={HIDE_ENV: "horovod"})``
 HIDE_ENV = "HVDSYNC_HIDE_MODULES"
@@ -235,7 +230,8 @@ def _rank_main(tmp: str) -> None:
         sys.modules[hidden] = None  # type: ignore[assignment]
     with open(os.path.join(tmp, "call.pkl"), "rb") as f:
         module, qualname, args, kwargs = pickle.load(f)
-    rank = rank_of_process()
+    from hvdsync.watchdog import launcher_rank
+    rank = launcher_rank()
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)

@@ -90,8 +90,14 @@ def _watch() -> None:
                 _give_up(what, now - started)
 
 
+def launcher_rank() -> str:
+    """This process's rank as its launcher set it (``horovodrun`` or ``torchrun``), before
+    any ``init``; ``"?"`` outside a launched job."""
+    return os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "?"))
+
+
 def _give_up(what: str, waited: float) -> None:
-    rank = os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "?"))
+    rank = launcher_rank()
     sys.stderr.write(
         f"\nhvdsync: rank {rank} waited {waited:.0f} s for {what} and gives up "
         f"({ENV}={timeout_s():g}). Another rank did not take part: it died, it skipped a call "
