@@ -189,10 +189,19 @@ def synchronize(handle: Handle) -> Any:
     return handle.result
 
 
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    """The positions of ``tensors`` per dtype, in order: one fused collective per dtype."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return groups
+
+
 def _reduce(flat: torch.Tensor, op: Any, prescale: float, postscale: float,
             outputs: list[torch.Tensor]) -> Handle:
-    """Reduce ``flat`` (this rank's, a fresh buffer) into ``outputs`` (views of it split by
-    numel are copied into them) with Horovod's pre/post scaling."""
+    """Reduce ``flat`` (this rank's values: a packed copy, or the one output itself) into
+    ``outputs`` (``flat`` split by numel, copied where it is not the output) with Horovod's
+    pre/post scaling."""
     _check_op(op)
     if prescale != 1.0:
         flat.mul_(prescale)
@@ -278,11 +287,8 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: Optional[bool
     _check_set(process_set)
     op = _op_of(average, op)
     tensors = list(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
     handles = []
-    for idx in by_dtype.values():
+    for idx in _by_dtype(tensors).values():
         group = [tensors[i] for i in idx]
         if len(group) == 1 and group[0].is_contiguous():
             flat = group[0].detach().view(-1)  # in place: no copy in or out
@@ -352,11 +358,8 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = N
     with watchdog.guard(f"the sizes of the allgather {name!r}"):
         dist.all_gather(gathered_sizes, mine)
     rows = torch.stack(gathered_sizes).tolist()  # rows[r][i]: first dim of tensor i on rank r
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
     works, unpack = [], []
-    for dtype, idx in by_dtype.items():
+    for dtype, idx in _by_dtype(tensors).items():
         per_row = [math.prod(tensors[i].shape[1:]) for i in idx]  # values per first-dim row
         lengths = [sum(rows[r][i] * k for i, k in zip(idx, per_row)) for r in range(n)]
         longest = max(lengths)
@@ -448,7 +451,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     ``named_parameters()`` (Horovod's contract: a dict is taken in sorted order)."""
     if isinstance(params, dict):
         items: Iterable = sorted(params.items())
-    elif isinstance(params, list | tuple) or hasattr(params, "__iter__"):
+    elif hasattr(params, "__iter__"):  # a list, or named_parameters()' generator
         items = list(params)
     else:
         raise ValueError(f"invalid params of type {type(params)}")

@@ -66,8 +66,8 @@ class TorchCommunicator:
         dense: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
             if t.is_sparse and not self.sparse_as_dense:
-                result = self.ops.sparse_allreduce_async(t, name=f"{name}.sparse.{i}", op=self.op,
-                                                process_set=self.process_set)
+                result = self.ops.sparse_allreduce_async(
+                    t, name=f"{name}.sparse.{i}", op=self.op, process_set=self.process_set)
                 waits.append(_sparse_finisher(t, result))
                 polls.append(lambda: False)  # Horovod's sparse path has no pollable handle
                 nbytes += payload_bytes(t)
@@ -78,11 +78,10 @@ class TorchCommunicator:
             group = [tensors[i] for i in idx]
             sources = [g.to_dense() if g.is_sparse else g for g in group]
             compressed, ctxs = zip(*[self.compression.compress(s) for s in sources])
-            handle = self.ops.grouped_allreduce_async_(list(compressed),
-                                              name=f"{name}.{str(dtype).removeprefix('torch.')}",
-                                              op=self.op, prescale_factor=self.prescale,
-                                              postscale_factor=self.postscale,
-                                              process_set=self.process_set)
+            handle = self.ops.grouped_allreduce_async_(
+                list(compressed), name=f"{name}.{str(dtype).removeprefix('torch.')}",
+                op=self.op, prescale_factor=self.prescale, postscale_factor=self.postscale,
+                process_set=self.process_set)
             nbytes += sum(payload_bytes(c) for c in compressed)
             collectives += 1
             waits.append(self._dense_finisher(handle, group, ctxs))
