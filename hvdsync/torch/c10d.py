@@ -31,8 +31,11 @@ How Horovod's semantics map onto c10d:
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import pickle
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, Optional
@@ -85,6 +88,36 @@ def _check_op(op: Any) -> None:
     if op not in _C10D_OPS:
         raise ValueError(f"the torch backend reduces with Average, Sum, Min, Max or Product "
                          f"(Adasum is Horovod's own); got op={op!r}")
+
+
+# -- tensors lent to c10d ---------------------------------------------------------------------
+# Gloo's worker thread drops a finished work a moment after wait() has returned. If a tensor the
+# work holds has no Python reference left by then, dropping it needs the GIL, and a thread that
+# asks for the GIL while the interpreter shuts down is ended mid-destructor: the process aborts
+# ("terminate called without an active exception"). So c10d only ever gets aliases (their own
+# reference count, same storage) that stay referenced here until c10d has let go of them, and
+# at exit we wait (a moment, bounded) for that before the interpreter tears down.
+_lent: list[torch.Tensor] = []
+
+
+def _lend(tensor: torch.Tensor) -> torch.Tensor:
+    """An alias of ``tensor`` for c10d (same storage), kept until c10d has dropped it."""
+    _lent[:] = [t for t in _lent if t._use_count() > 1]
+    alias = tensor.detach()
+    _lent.append(alias)
+    return alias
+
+
+@atexit.register
+def _await_returns(limit_s: float = 2.0) -> bool:
+    """Wait until c10d has dropped every lent tensor (bounded: a collective that never
+    finished keeps its own); whether it had. Runs at exit."""
+    deadline = time.monotonic() + limit_s
+    while any(t._use_count() > 1 for t in _lent) and time.monotonic() < deadline:
+        time.sleep(0.001)  # releases the GIL that Gloo's threads need to drop their works
+    returned = all(t._use_count() == 1 for t in _lent)
+    _lent.clear()
+    return returned
 
 
 # -- the job ----------------------------------------------------------------------------------
@@ -206,7 +239,7 @@ def _reduce(flat: torch.Tensor, op: Any, prescale: float, postscale: float,
     if prescale != 1.0:
         flat.mul_(prescale)
     n = size()
-    work = dist.all_reduce(flat, op=_C10D_OPS[op], async_op=True) if n > 1 else None
+    work = dist.all_reduce(_lend(flat), op=_C10D_OPS[op], async_op=True) if n > 1 else None
     post = postscale / n if op == Average else postscale
 
     def finish() -> list[torch.Tensor]:
@@ -356,7 +389,7 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = N
     mine = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
     gathered_sizes = [torch.empty_like(mine) for _ in range(n)]
     with watchdog.guard(f"the sizes of the allgather {name!r}"):
-        dist.all_gather(gathered_sizes, mine)
+        dist.all_gather([_lend(g) for g in gathered_sizes], _lend(mine), async_op=True).wait()
     rows = torch.stack(gathered_sizes).tolist()  # rows[r][i]: first dim of tensor i on rank r
     works, unpack = [], []
     for dtype, idx in _by_dtype(tensors).items():
@@ -367,7 +400,7 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = N
         if lengths[rank()]:
             send[:lengths[rank()]].copy_(torch.cat([tensors[i].reshape(-1) for i in idx]))
         recv = [torch.empty(longest, dtype=dtype) for _ in range(n)]
-        works.append(dist.all_gather(recv, send, async_op=True))
+        works.append(dist.all_gather([_lend(r) for r in recv], _lend(send), async_op=True))
         unpack.append((idx, per_row, recv))
 
     def finish() -> list[torch.Tensor]:
@@ -404,10 +437,13 @@ def grouped_allgather(tensors: list[torch.Tensor], name: Optional[str] = None,
 
 def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: Any = global_process_set) -> list[Any]:
+    """Every rank's ``obj`` (pickled), in rank order."""
     _check_set(process_set)
-    out: list[Any] = [None] * size()
-    dist.all_gather_object(out, obj)
-    return out
+    data = _pickled(obj)
+    sizes = allgather(torch.tensor([data.numel()], dtype=torch.int64), name).tolist()
+    everyone = allgather(data, name)
+    return [pickle.loads(everyone[sum(sizes[:r]):sum(sizes[:r + 1])].numpy().tobytes())
+            for r in range(len(sizes))]
 
 
 # -- broadcast --------------------------------------------------------------------------------
@@ -416,7 +452,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     _check_set(process_set)
     if size() == 1:
         return Handle([], lambda: tensor)
-    work = dist.broadcast(tensor.data, src=root_rank, async_op=True)
+    work = dist.broadcast(_lend(tensor), src=root_rank, async_op=True)
     return Handle([work], lambda: tensor)
 
 
@@ -441,9 +477,18 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     _check_set(process_set)
     if size() == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=root_rank)
-    return box[0]
+    mine = rank() == root_rank
+    data = _pickled(obj) if mine else None
+    length = broadcast_(torch.tensor([0 if data is None else data.numel()]), root_rank, name)
+    if mine:
+        broadcast_(data, root_rank, name)
+        return obj
+    data = broadcast_(torch.empty(int(length), dtype=torch.uint8), root_rank, name)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _pickled(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
