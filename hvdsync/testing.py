@@ -104,6 +104,19 @@ def run_ranks(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | 
                                time.monotonic() - start, output)
 
 
+def run_threads(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | None = None,
+                timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``np`` *simulated* ranks: threads of this process whose
+    ``hvdsync.torch`` collectives meet in memory (:mod:`hvdsync.torch.simulated`: one rank
+    runs at a time, each with its own random state; collectives pair by order and must agree).
+    Same contract as :func:`run_ranks` -- per-rank results, or :class:`RanksFailed` with each
+    failing rank's traceback; a wait longer than ``timeout`` seconds fails instead of hanging
+    -- in milliseconds instead of seconds. For the core's logic; parity, launchers and
+    crashes need real ranks."""
+    from hvdsync.torch import simulated
+    return simulated.run(fn, np, args, kwargs, timeout)
+
+
 #: the most seconds to wait for killed processes to go
 _GRACE_S = 30.0
 

@@ -10,12 +10,19 @@
 
 Both engines offer the same names (Horovod's torch API); the adapter calls :func:`ops` at the
 moment it needs one, never at import, so one import serves both. docs/backends.md.
+
+A thread may run on an engine of its own (:func:`on_this_thread`): the simulated ranks of
+:func:`hvdsync.testing.run_threads` (threads of one process, :mod:`hvdsync.torch.simulated`)
+use it for the core's in-process tests; it never changes the process's choice.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Optional
 
@@ -23,6 +30,19 @@ ENV = "HVDSYNC_BACKEND"
 BACKENDS = {"horovod": "horovod.torch", "torch": "hvdsync.torch.c10d"}
 
 _chosen: dict[str, ModuleType] = {}
+_thread = threading.local()  # .engine: (name, module) for this thread only
+
+
+@contextmanager
+def on_this_thread(name: str, module: ModuleType) -> Iterator[None]:
+    """Within the block, this thread's collectives run on ``module`` (Horovod's torch API),
+    reported as ``name``; other threads and the process's own choice are unaffected."""
+    outer = getattr(_thread, "engine", None)
+    _thread.engine = (name, module)
+    try:
+        yield
+    finally:
+        _thread.engine = outer
 
 
 def horovod_installed() -> bool:
@@ -52,6 +72,12 @@ def default_backend() -> str:
 def select(backend: Optional[str] = None) -> ModuleType:
     """Fix this process's backend (``None``: :func:`default_backend`) and return its module.
     Choosing a different one later is an error: tensors already sent went one way."""
+    own = getattr(_thread, "engine", None)
+    if own is not None:
+        if backend is not None and str(backend).strip().lower() != own[0]:
+            raise RuntimeError(f"this thread runs on the {own[0]!r} engine; it cannot use "
+                               f"{backend!r}")
+        return own[1]
     name = default_backend() if backend is None else str(backend).strip().lower()
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
@@ -70,6 +96,9 @@ def select(backend: Optional[str] = None) -> ModuleType:
 
 def ops() -> ModuleType:
     """The active backend's module (Horovod's torch API, or :mod:`hvdsync.torch.c10d`)."""
+    own = getattr(_thread, "engine", None)
+    if own is not None:
+        return own[1]
     if _chosen:
         return next(iter(_chosen.values()))
     return select()
@@ -77,5 +106,8 @@ def ops() -> ModuleType:
 
 def active_name() -> str:
     """``"horovod"`` or ``"torch"``: the backend :func:`ops` gives."""
+    own = getattr(_thread, "engine", None)
+    if own is not None:
+        return own[0]
     ops()
     return next(iter(_chosen))

@@ -1,0 +1,326 @@
+"""Simulated ranks: N threads of one process that run the torch adapter as N ranks would.
+
+:func:`hvdsync.testing.run_threads` starts them; this module is what they talk to. It is the
+torch backend's own code (:mod:`hvdsync.torch.c10d`: Horovod's API, fusion, scaling, uneven
+allgathers, the order rule) over a process group made of threads instead of Gloo: so the core's
+lifecycle -- every technique and composition, sends and skips, memories, flush, checkpoints,
+non-finite values, ranks that disagree -- is tested in seconds, with no launcher. It is not a
+stand-in for real ranks: parity with Horovod and DDP, launchers, crashes and timing stay with
+:func:`hvdsync.testing.run_ranks` (docs/testing.md).
+
+How the simulation keeps the ranks apart and honest:
+
+* **One rank runs at a time.** A rank holds the world's turn while it computes and gives it up
+  only while it waits for a collective, so there is no data race and no oversubscription.
+* **Each rank has its own random state** (torch, numpy, :mod:`random`): saved when it gives up
+  the turn, restored when it takes it back, as separate processes would have.
+* **Collectives pair by order**, as c10d's do: the k-th collective of each rank meets the k-th
+  of the others; a different kind, shape, dtype, reduce op or root on one rank is an error
+  on every rank (naming what differed), never a silent mix.
+* **Results are exact and deterministic**: reductions sum in rank order.
+* **Nothing hangs**: a wait longer than the world's ``timeout`` raises (naming the collective
+  and the ranks that never started it), and a rank that raises ends every other rank's wait.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as _real_dist
+
+NAME = "simulated"
+
+
+class SimulationError(RuntimeError):
+    """A simulated collective failed: ranks disagreed, one never came, or one raised."""
+
+
+class _Slot:
+    """The k-th collective of every rank: what each brought, and the result's readiness."""
+
+    def __init__(self, seq: int):
+        self.seq = seq
+        self.kind: Optional[tuple] = None  # (name, op, root, shapes, dtypes) of the first rank
+        self.first_rank = -1
+        self.inputs: dict[int, Any] = {}  # rank -> (tensors, outputs), until computed
+        self.arrived: set[int] = set()
+        self.complete = False
+        self.done = threading.Event()
+        self.error: Optional[str] = None
+
+
+class _Work:
+    """A started simulated collective (c10d's ``Work``): ``wait()`` and ``is_completed()``."""
+
+    def __init__(self, world: "World", slot: _Slot):
+        self.world, self.slot = world, slot
+
+    def is_completed(self) -> bool:
+        # a rank that polls lets the others run meanwhile (they hold what it waits for)
+        return self.slot.done.is_set() or self.world.poll(self.slot)
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.world.wait_for(self.slot)
+        return True
+
+
+class World:
+    """N simulated ranks (threads) and the collectives between them."""
+
+    def __init__(self, size: int, timeout: float = 120.0):
+        if size < 1:
+            raise ValueError(f"a world needs at least one rank, got {size}")
+        self.size, self.timeout = size, float(timeout)
+        self.turn = threading.Lock()
+        self.local = threading.local()  # .rank
+        self.slots: dict[int, _Slot] = {}
+        self.next_seq = [0] * size
+        self.failed: Optional[str] = None
+        self.rng: list[Optional[tuple]] = [None] * size
+
+    # -- the turn and each rank's random state -------------------------------------------
+    def rank(self) -> int:
+        return self.local.rank
+
+    def take_turn(self) -> None:
+        self.turn.acquire()
+        saved = self.rng[self.rank()]
+        if saved is not None:
+            torch.set_rng_state(saved[0])
+            np.random.set_state(saved[1])
+            random.setstate(saved[2])
+
+    def give_turn(self) -> None:
+        self.rng[self.rank()] = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        self.turn.release()
+
+    # -- collectives ----------------------------------------------------------------------
+    def start(self, name: str, tensors: list[torch.Tensor], op: Any = None,
+              root: Optional[int] = None, outputs: Optional[list[torch.Tensor]] = None) -> _Work:
+        """This rank's part of its next collective; the last rank to arrive computes it."""
+        if self.failed:
+            raise SimulationError(self.failed)
+        r = self.rank()
+        seq = self.next_seq[r]
+        self.next_seq[r] += 1
+        slot = self.slots.setdefault(seq, _Slot(seq))
+        kind = (name, str(op), root, [tuple(t.shape) for t in tensors],
+                [t.dtype for t in tensors])
+        if slot.kind is None:
+            slot.kind, slot.first_rank = kind, r
+        elif slot.kind != kind and slot.error is None:
+            slot.error = (f"collective #{seq} differs between ranks: rank {slot.first_rank} "
+                          f"started {_describe(slot.kind)}, rank {r} {_describe(kind)}")
+        slot.inputs[r] = (tensors, outputs)
+        slot.arrived.add(r)
+        if len(slot.arrived) == self.size:
+            if slot.error is None:
+                _compute(name, op, root, slot.inputs, self.size)
+                slot.complete = True
+            slot.inputs.clear()  # the tensors are the ranks' again
+            del self.slots[seq]
+            slot.done.set()
+        if slot.error is not None:
+            raise SimulationError(slot.error)
+        return _Work(self, slot)
+
+    def wait_for(self, slot: _Slot) -> None:
+        if not slot.done.is_set():
+            self.give_turn()
+            try:
+                finished = slot.done.wait(self.timeout)
+            finally:
+                self.take_turn()
+            if not finished:
+                missing = sorted(set(range(self.size)) - slot.arrived)
+                self.fail(f"rank {self.rank()} waited {self.timeout:g} s for collective "
+                          f"#{slot.seq} ({_describe(slot.kind)}); rank(s) {missing} never "
+                          "started it")
+        if not slot.complete:
+            raise SimulationError(slot.error or self.failed or "the collective was abandoned")
+
+    def poll(self, slot: _Slot) -> bool:
+        """Whether ``slot`` completes within a moment, the turn given up meanwhile."""
+        self.give_turn()
+        try:
+            slot.done.wait(0.002)
+        finally:
+            self.take_turn()
+        return slot.done.is_set()
+
+    def fail(self, why: str) -> None:
+        """End every rank's waits (a rank raised, or a collective never completed)."""
+        if self.failed is None:
+            self.failed = why
+        for slot in list(self.slots.values()):
+            slot.done.set()
+
+    # -- running ranks ----------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = None
+            ) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every simulated rank; the results in rank order."""
+        from hvdsync.torch import engine
+        kwargs = kwargs or {}
+        results: list[Any] = [None] * self.size
+        errors: dict[int, str] = {}
+        start_rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        self.rng = [start_rng] * self.size  # as processes started alike
+
+        def body(r: int) -> None:
+            self.local.rank = r
+            with engine.on_this_thread(NAME, OPS):
+                self.take_turn()
+                try:
+                    results[r] = fn(*args, **kwargs)
+                except BaseException as e:  # noqa: BLE001 -- reported with the rank
+                    errors[r] = "".join(traceback.format_exception(e))
+                    self.fail(f"rank {r} raised {type(e).__name__}: {e}")
+                finally:
+                    self.give_turn()
+
+        saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        threads = [threading.Thread(target=body, args=(r,), name=f"hvdsync-rank{r}",
+                                    daemon=True) for r in range(self.size)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:  # every wait is bounded by the timeout: no join hangs on one
+                t.join()
+        finally:
+            torch.set_rng_state(saved[0])
+            np.random.set_state(saved[1])
+            random.setstate(saved[2])
+        from hvdsync.testing import RanksFailed
+        if errors:
+            raise RanksFailed("simulated ranks failed:\n" + "\n".join(
+                f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        return results
+
+
+def _describe(kind: Optional[tuple]) -> str:
+    if kind is None:
+        return "nothing"
+    name, op, root, shapes, dtypes = kind
+    extra = (f" op={op}" if op != "None" else "") + (f" root={root}" if root is not None else "")
+    return f"{name}{extra} of shapes {shapes} {[str(d) for d in dtypes]}"
+
+
+_REDUCE = {
+    str(_real_dist.ReduceOp.SUM): lambda a, b: a.add_(b),
+    str(_real_dist.ReduceOp.MIN): lambda a, b: torch.minimum(a, b, out=a),
+    str(_real_dist.ReduceOp.MAX): lambda a, b: torch.maximum(a, b, out=a),
+    str(_real_dist.ReduceOp.PRODUCT): lambda a, b: a.mul_(b),
+}
+
+
+def _compute(name: str, op: Any, root: Optional[int], inputs: dict, size: int) -> None:
+    if name == "all_reduce":
+        total = inputs[0][0][0].clone()
+        for r in range(1, size):
+            _REDUCE[str(op)](total, inputs[r][0][0])
+        for r in range(size):
+            inputs[r][0][0].copy_(total)
+    elif name == "all_gather":
+        for r in range(size):
+            for j, out in enumerate(inputs[r][1]):
+                out.copy_(inputs[j][0][0])
+    elif name == "broadcast":
+        value = inputs[root][0][0].clone()
+        for r in range(size):
+            inputs[r][0][0].copy_(value)
+    elif name != "barrier":
+        raise SimulationError(f"no simulated collective {name!r}")
+
+
+class _Dist:
+    """The part of ``torch.distributed`` that :mod:`hvdsync.torch.c10d` calls, on the world
+    of the calling thread."""
+
+    ReduceOp = _real_dist.ReduceOp
+
+    @staticmethod
+    def _world() -> World:
+        world = _CURRENT.world
+        if world is None:
+            raise SimulationError("no simulated world on this thread (use run_threads)")
+        return world
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_rank(self) -> int:
+        return self._world().rank()
+
+    def get_world_size(self) -> int:
+        return self._world().size
+
+    def all_reduce(self, tensor, op=_real_dist.ReduceOp.SUM, async_op=False):
+        return self._sync(self._world().start("all_reduce", [tensor], op=op), async_op)
+
+    def all_gather(self, outputs, tensor, async_op=False):
+        if len(outputs) != self._world().size:
+            raise SimulationError("all_gather needs one output per rank")
+        return self._sync(self._world().start("all_gather", [tensor], outputs=list(outputs)),
+                          async_op)
+
+    def broadcast(self, tensor, src, async_op=False):
+        return self._sync(self._world().start("broadcast", [tensor], root=src), async_op)
+
+    def barrier(self, async_op=False):
+        return self._sync(self._world().start("barrier", []), async_op)
+
+    @staticmethod
+    def _sync(work: _Work, async_op: bool):
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+class _Current(threading.local):
+    world: Optional[World] = None
+
+
+_CURRENT = _Current()
+
+
+def _backend_over(dist: _Dist) -> ModuleType:
+    """A private copy of :mod:`hvdsync.torch.c10d` whose ``dist`` is ``dist``."""
+    name = __name__ + "._backend"
+    origin = importlib.util.find_spec("hvdsync.torch.c10d").origin
+    spec = importlib.util.spec_from_file_location(name, origin)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    module.dist = dist
+    module.init = lambda *a, **k: None  # a simulated rank is in its world from the start
+    module.shutdown = lambda: None
+    return module
+
+
+#: Horovod's torch API for simulated ranks (the torch backend's code over :class:`_Dist`)
+OPS = _backend_over(_Dist())
+
+
+def run(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: Optional[dict] = None,
+        timeout: float = 60.0) -> list[Any]:
+    """Run ``fn`` on ``np`` simulated ranks; see :func:`hvdsync.testing.run_threads`."""
+    world = World(np, timeout)
+    outer = _CURRENT.world
+
+    def in_world(*a: Any, **k: Any) -> Any:
+        _CURRENT.world = world
+        return fn(*a, **k)
+    try:
+        return world.run(in_world, args, kwargs)
+    finally:
+        _CURRENT.world = outer
