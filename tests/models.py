@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdsync.testing import run_ranks
+from hvdsync.testing import run_ranks, run_threads
 
 
 class MLP(nn.Module):
@@ -58,6 +58,14 @@ def assert_construction_fails(exc: type, pattern: str, **kwargs) -> None:
                                  named_parameters=m.named_parameters(), **kwargs)
 
 
+#: where a technique's logic matrix runs: real Horovod ranks (2: the integration check, on
+#: Horovod's by-name path) and simulated ranks (2 and 3, threads of this process: the same
+#: assertions in a fraction of the time; 3-rank real jobs stay in the flush, parity and
+#: reliability tests). docs/testing.md
+LOGIC_JOBS = [(2, "horovodrun"), (2, "simulated"), (3, "simulated")]
+LOGIC_IDS = [f"np{n}-{launcher}" for n, launcher in LOGIC_JOBS]
+
+
 def apply_each(body: Callable[..., Any], cases: list[tuple]) -> list:
     """On a rank: ``body(*case)`` for every case."""
     return [body(*case) for case in cases]
@@ -67,10 +75,15 @@ def run_cases(body: Callable[..., Any], np: int, cases: dict[str, tuple],
               timeout: float, env: dict[str, str] | None = None,
               launcher: str = "horovodrun") -> dict[str, list]:
     """Run ``body(*case)`` for every case in **one** ``np``-rank job (a launch costs seconds)
-    started by ``launcher`` (the backend: ``horovodrun`` or ``torchrun``); per case name, every
-    rank's result."""
-    per_rank = run_ranks(apply_each, np=np, args=(body, list(cases.values())), timeout=timeout,
-                         env=env, launcher=launcher)
+    started by ``launcher`` (the backend: ``horovodrun`` or ``torchrun``; ``"simulated"``:
+    threads of this process, :func:`hvdsync.testing.run_threads`, for the core's logic); per
+    case name, every rank's result."""
+    if launcher == "simulated":
+        assert not env, "simulated ranks share this process's environment"
+        per_rank = run_threads(apply_each, np, args=(body, list(cases.values())))
+    else:
+        per_rank = run_ranks(apply_each, np=np, args=(body, list(cases.values())),
+                             timeout=timeout, env=env, launcher=launcher)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
 
 

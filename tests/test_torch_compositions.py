@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.models import run_cases
+from tests.models import LOGIC_IDS, LOGIC_JOBS, run_cases
 
 STEPS = 12
 
@@ -111,9 +111,10 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
 def runs(request):
-    return request.param, run_cases(cases_body, request.param, CASES, timeout=300)
+    np_, launcher = request.param
+    return np_, run_cases(cases_body, np_, CASES, timeout=300, launcher=launcher)
 
 
 def _equal_across_ranks(ranks: list, step: int, prefix: str = "") -> bool:

@@ -135,7 +135,8 @@ def _flush_runs(np_: int, launcher: str) -> dict:
     return _RUNS[np_, launcher]
 
 
-JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun"), (3, "torchrun")]
+JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun"), (3, "torchrun"),
+        (2, "simulated"), (3, "simulated")]
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=[f"np{n}-{lau}" for n, lau in JOBS])
@@ -144,7 +145,8 @@ def flush_runs(request):
 
 
 # 2 ranks: a sum of two is the same in any order, so the backends agree to the bit; 3 ranks:
-# Horovod's ring and c10d's Gloo allreduce add in different orders (float32 rounding)
+# Horovod's ring, c10d's Gloo allreduce and the simulation add in different orders (float32
+# rounding)
 BACKEND_TOL = {2: 0.0, 3: 1e-5}
 
 
@@ -155,12 +157,15 @@ REPRODUCIBLE = [c for c in CASES if "delay" not in c]
 
 
 @pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("other", ["torchrun", "simulated"])
 @pytest.mark.parametrize("case", REPRODUCIBLE)
-def test_same_parameters_on_both_backends(np_, case):
+def test_same_parameters_on_every_backend(np_, other, case):
+    """torch.distributed and the simulated ranks (which sum in rank order) give Horovod's
+    parameters."""
     on_horovod = _flush_runs(np_, "horovodrun")[case][0]
-    on_torch = _flush_runs(np_, "torchrun")[case][0]
+    on_other = _flush_runs(np_, other)[case][0]
     for key in ("first", "second"):
-        np.testing.assert_allclose(on_torch[key], on_horovod[key], rtol=0,
+        np.testing.assert_allclose(on_other[key], on_horovod[key], rtol=0,
                                    atol=BACKEND_TOL[np_], err_msg=f"{case} {key}")
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hvdsync import LowRankConfig
-from tests.models import MLP, assert_construction_fails, run_cases, teacher_batches
+from tests.models import LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails, run_cases, teacher_batches
 
 HIDDEN = 32
 
@@ -104,9 +104,10 @@ CASES = {
 TRAINED = ["rank2", "rank2_fp16", "clip", "threshold", "select"]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
 def runs(request):
-    return run_cases(lowrank_body, request.param, CASES, timeout=400)
+    np_, launcher = request.param
+    return run_cases(lowrank_body, np_, CASES, timeout=400, launcher=launcher)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith(("full", "feedback"))]

@@ -19,7 +19,7 @@ from torch import nn
 from hvdsync import DelayConfig
 from hvdsync.outer import INT8_CHUNK, fragment_layers, start_offsets
 from hvdsync.testing import run_ranks
-from tests.models import MLP, assert_construction_fails, run_cases, teacher_batches
+from tests.models import LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails, run_cases, teacher_batches
 
 STEPS = 13
 
@@ -32,8 +32,8 @@ class Reference:
 
     def __init__(self, layers: list[list[torch.Tensor]], cfg: DelayConfig,
                  fragments: list[list[int]]):
-        import horovod.torch as horovod
-        self.hvd, self.cfg = horovod, cfg
+        import hvdsync.torch as hvd  # Horovod's blocking allreduce, on the job's backend
+        self.hvd, self.cfg = hvd, cfg
         self.frags = [[p for li in f for p in layers[li]] for f in fragments]
         self.anchor = [[p.detach().clone().requires_grad_() for p in f] for f in self.frags]
         self.outer = [torch.optim.SGD(a, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
@@ -126,9 +126,10 @@ REFERENCE_CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
 def reference_runs(request):
-    return run_cases(reference_body, request.param, REFERENCE_CASES, timeout=300)
+    np_, launcher = request.param
+    return run_cases(reference_body, np_, REFERENCE_CASES, timeout=300, launcher=launcher)
 
 
 @pytest.mark.parametrize("case", list(REFERENCE_CASES))
@@ -243,9 +244,10 @@ COMPRESSED = {
 }
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
 def compressed_runs(request):
-    return run_cases(compressed_body, request.param, COMPRESSED, timeout=300)
+    np_, launcher = request.param
+    return run_cases(compressed_body, np_, COMPRESSED, timeout=300, launcher=launcher)
 
 
 @pytest.mark.parametrize("case", list(COMPRESSED))

@@ -41,8 +41,10 @@ DISAGREEMENTS = {"select_k": "select=", "threshold": "threshold=", "staleness": 
                  "op": "horovod options"}
 
 
-# the Horovod backend on 2 and 3 ranks, torch.distributed (torchrun) on 2
-JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun")]
+# the Horovod backend on 2 and 3 ranks, torch.distributed (torchrun) on 2, and the same logic
+# on simulated ranks (threads of this process, 2 and 3)
+JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun"), (2, "simulated"),
+        (3, "simulated")]
 JOB_IDS = [f"np{n}-{launcher}" for n, launcher in JOBS]
 
 
@@ -254,8 +256,8 @@ AMP_CASES = {f"{case}/{variant}": (case, scale, bad) for case in TECHNIQUES
 def amp_runs(request):
     np_, launcher = request.param
     # bit for bit across runs needs Horovod's summation order fixed (3+ ranks: fusion timing)
-    return np_, run_cases(amp_body, np_, AMP_CASES, timeout=600, launcher=launcher,
-                          env={"HOROVOD_FUSION_THRESHOLD": "0"})
+    env = {"HOROVOD_FUSION_THRESHOLD": "0"} if launcher == "horovodrun" else None
+    return np_, run_cases(amp_body, np_, AMP_CASES, timeout=600, launcher=launcher, env=env)
 
 
 def _same(a: dict, b: dict) -> bool:

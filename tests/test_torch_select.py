@@ -11,7 +11,7 @@ from torch import nn
 from hvdsync import SelectConfig
 from hvdsync.select import SelectPolicy
 from hvdsync.testing import run_ranks
-from tests.models import assert_construction_fails, check_pushes, run_cases, teacher_batches
+from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, check_pushes, run_cases, teacher_batches
 
 DEPTH = 6  # linear layers in the test model
 
@@ -97,9 +97,10 @@ def layer_bytes() -> dict[str, int]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
 def runs(request):
-    return run_cases(select_body, request.param, CASES, timeout=300)
+    np_, launcher = request.param
+    return run_cases(select_body, np_, CASES, timeout=300, launcher=launcher)
 
 
 @pytest.mark.parametrize("case", list(CASES))

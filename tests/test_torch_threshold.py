@@ -9,7 +9,7 @@ import torch
 import hvdsync.torch as hvd
 from hvdsync import ThresholdConfig
 from hvdsync.testing import run_ranks
-from tests.models import MLP, assert_construction_fails, run_cases, teacher_batches
+from tests.models import LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails, run_cases, teacher_batches
 
 
 def threshold_body(cfg: dict, opt_name: str, steps: int) -> dict:
@@ -57,9 +57,10 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
 def runs(request):
-    return run_cases(threshold_body, request.param, CASES, timeout=300)
+    np_, launcher = request.param
+    return run_cases(threshold_body, np_, CASES, timeout=300, launcher=launcher)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -18,6 +18,8 @@ How the simulation keeps the ranks apart and honest:
   of the others; a different kind, shape, dtype, reduce op or root on one rank is an error
   on every rank (naming what differed), never a silent mix.
 * **Results are exact and deterministic**: reductions sum in rank order.
+* **The network takes time**: a rank's first poll of a collective finds it in flight (a later
+  poll gives the other ranks the turn and sees it complete once they all started it).
 * **Nothing hangs**: a wait longer than the world's ``timeout`` raises (naming the collective
   and the ranks that never started it), and a rank that raises ends every other rank's wait.
 """
@@ -53,6 +55,7 @@ class _Slot:
         self.first_rank = -1
         self.inputs: dict[int, Any] = {}  # rank -> (tensors, outputs), until computed
         self.arrived: set[int] = set()
+        self.polled_by: set[int] = set()
         self.complete = False
         self.done = threading.Event()
         self.error: Optional[str] = None
@@ -149,7 +152,12 @@ class World:
             raise SimulationError(slot.error or self.failed or "the collective was abandoned")
 
     def poll(self, slot: _Slot) -> bool:
-        """Whether ``slot`` completes within a moment, the turn given up meanwhile."""
+        """Whether ``slot`` completes within a moment, the turn given up meanwhile. A rank's
+        first look always finds it in flight, as a network that takes time would: what is
+        folded in when it arrives (``delay=``) is not decided by the simulation's schedule."""
+        if self.rank() not in slot.polled_by:
+            slot.polled_by.add(self.rank())
+            return False
         self.give_turn()
         try:
             slot.done.wait(0.002)
@@ -201,7 +209,7 @@ class World:
             random.setstate(saved[2])
         from hvdsync.testing import RanksFailed
         if errors:
-            raise RanksFailed("simulated ranks failed:\n" + "\n".join(
+            raise RanksFailed(f"simulated ranks failed: {self.failed}\n" + "\n".join(
                 f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
         return results
 
