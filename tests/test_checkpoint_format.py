@@ -10,7 +10,7 @@ import copy
 import numpy as np
 import pytest
 
-from tests.models import run_cases
+from tests.models import LOGIC_IDS, LOGIC_JOBS, run_cases
 
 OPTIONS = {
     "clip": dict(clip=dict(ema=(0.9, 2.0), warmup=1)),
@@ -166,13 +166,13 @@ RESUME = {
 }
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_restored_run_continues_exactly(np_):
+@pytest.mark.parametrize("np_,launcher", LOGIC_JOBS, ids=LOGIC_IDS)
+def test_restored_run_continues_exactly(np_, launcher):
     # Bit for bit needs the same summation order in both runs: with 3+ ranks Horovod's ring
     # sums an element in an order set by its place in the fusion buffer, which depends on
     # which tensors are ready together (timing); without fusion across requests it is fixed.
-    results = run_cases(resume_body, np_, RESUME, timeout=300,
-                        env={"HOROVOD_FUSION_THRESHOLD": "0"})
+    env = {"HOROVOD_FUSION_THRESHOLD": "0"} if launcher == "horovodrun" else None
+    results = run_cases(resume_body, np_, RESUME, timeout=300, env=env, launcher=launcher)
     for case, ranks in results.items():
         for rank, r in enumerate(ranks):
             assert r["diff"] == 0.0, f"{case} rank {rank}: differs by {r['diff']}"

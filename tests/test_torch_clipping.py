@@ -13,8 +13,8 @@ import torch
 
 import hvdsync.torch as hvd
 from hvdsync import ClipConfig
-from hvdsync.testing import run_ranks
-from tests.models import assert_construction_fails
+from hvdsync.testing import run_ranks, run_threads
+from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails
 
 SHAPES = {"a.weight": (3, 4), "a.bias": (3,), "b.weight": (2, 3), "b.bias": (2,)}
 LAYERS = {"a": ["a.weight", "a.bias"], "b": ["b.weight", "b.bias"]}
@@ -143,14 +143,16 @@ CASES = {**{k: (v, 3, BIG) for k, v in FIXED_CASES.items()},
 
 
 @functools.lru_cache(maxsize=None)
-def results_for(np_: int) -> dict[str, list[dict]]:
-    per_rank = run_ranks(clip_bodies, np=np_, args=(list(CASES.values()),), timeout=180)
+def results_for(np_: int, launcher: str) -> dict[str, list[dict]]:
+    args = (list(CASES.values()),)
+    per_rank = (run_threads(clip_bodies, np_, args=args) if launcher == "simulated"
+                else run_ranks(clip_bodies, np=np_, args=args, timeout=180))
     return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
 
 
-def check_against_reference(name, np_):
+def check_against_reference(name, np_, launcher):
     cfg, steps, scales = CASES[name]
-    results = results_for(np_)[name]
+    results = results_for(np_, launcher)[name]
     expected = reference(cfg, np_, steps, scales, results[0]["params"])
     for rank, res in enumerate(results):
         for t in range(steps):
@@ -160,17 +162,17 @@ def check_against_reference(name, np_):
     return results
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_,launcher", LOGIC_JOBS, ids=LOGIC_IDS)
 @pytest.mark.parametrize("name", list(FIXED_CASES))
-def test_fixed_rules_match_reference(np_, name):
-    results = check_against_reference(name, np_)
+def test_fixed_rules_match_reference(np_, launcher, name):
+    results = check_against_reference(name, np_, launcher)
     assert sum(sum(r["clipped"]) for r in results) > 0  # the case does exercise clipping
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_,launcher", LOGIC_JOBS, ids=LOGIC_IDS)
 @pytest.mark.parametrize("name", list(ADAPTIVE_CASES))
-def test_adaptive_rules_match_reference(np_, name):
-    results = check_against_reference(name, np_)
+def test_adaptive_rules_match_reference(np_, launcher, name):
+    results = check_against_reference(name, np_, launcher)
     assert results[1]["clipped"][4] >= 1  # the spike
     warmup = ADAPTIVE_CASES[name]["warmup"]
     assert all(c == 0 for r in results for c in r["clipped"][:warmup])
