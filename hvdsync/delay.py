@@ -47,7 +47,7 @@ from typing import Any, Optional
 from hvdsync.config import coerce_config
 from hvdsync.outer import CODECS, OuterSync, start_offsets
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, Transport
+from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, Technique, Transport
 
 STATE_MODES = ("local", "average")
 
@@ -282,6 +282,7 @@ class DelayedGradients(Transport):
 
     name = "delay"
     checks_own = True  # a non-finite local gradient becomes zeros on its rank (start, flush)
+    carries = ("lowrank",)  # with lowrank=, each step's exchange is the compressed one
     #: each rank's own memory: the outer exchange's error-feedback residuals, and its
     #: parameters and optimizer state (they differ between ranks between synchronizations)
     per_rank = ("outer_residual", "outer_local")
@@ -451,6 +452,11 @@ class DelayedGradients(Transport):
         if n:
             self.stats.count("discarded", n)
         return n
+
+    def carry(self, other: Technique) -> None:
+        """``lowrank=``: each step's exchange is its compressed one (it owns nothing itself)."""
+        other.delayed = True
+        self.compressor = other
 
     def forget(self) -> None:
         self.discard()

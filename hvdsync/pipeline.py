@@ -55,9 +55,10 @@ def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOp
     }
     techniques = [make[name](configs.get(name)) for name in rules.pipeline_order(configs)]
     by_name = {t.name: t for t in techniques}
-    if "lowrank" in by_name and "delay" in by_name:  # delay runs the compressed exchange
-        by_name["lowrank"].delayed = True
-        by_name["delay"].compressor = by_name["lowrank"]
+    for t in techniques:  # compositions the techniques declare (Technique.carries)
+        for name in t.carries:
+            if name in by_name:
+                t.carry(by_name[name])
     return techniques
 
 
@@ -255,8 +256,7 @@ class StepPipeline:
         self.grads.before_optimizer_step(self.step_ok)
         for t in self.techniques:
             t.end_step(self.step_ok)
-        self.local_nonfinite = any(getattr(t, "local_nonfinite", False)
-                                   for t in self.techniques)
+        self.local_nonfinite = any(t.local_nonfinite for t in self.techniques)
         self.stats.end_step()
         self._new_step()
 

@@ -253,6 +253,8 @@ class Communicator(Protocol):
     def allgather_async(self, name: str, tensors: list) -> Pending:
         """Start gathering every rank's 1-d ``tensors`` (same length on every rank); the
         pending's ``wait()`` gives, per tensor, the ranks' pieces concatenated in rank order."""
+    def gather_json(self, obj: Any, name: str) -> list:
+        """Every rank's ``obj`` (JSON data), in rank order (a blocking exchange)."""
 
 
 # -- the roles -------------------------------------------------------------------------------
@@ -271,6 +273,17 @@ class Technique:
     #: whether its result depends on the gradients' scale (it reads their values, or keeps
     #: them across steps): under loss scaling it must see them unscaled (``scaler=``)
     scale_sensitive: bool = True
+    #: set by :meth:`end_step`: this rank's own gradients were non-finite this step and the
+    #: technique kept them to this rank (``delay=``: zeros sent, the step not skipped), so a
+    #: loss scaler on this rank should back off
+    local_nonfinite: bool = False
+    #: the techniques whose exchange it runs when both are enabled (``delay=`` carries
+    #: ``lowrank=``'s compressed exchange): :meth:`carry` is given each one present
+    carries: tuple[str, ...] = ()
+
+    def carry(self, other: "Technique") -> None:
+        """Run ``other``'s exchange inside this technique's (a name in :attr:`carries`)."""
+        raise NotImplementedError(f"{self.name} declares no technique it carries")
 
     def layer_ready(self, li: int, ks: list[int]) -> None:
         """Layer ``li``'s local gradient is final (its missing gradients filled)."""
