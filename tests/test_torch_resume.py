@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdsync.testing import run_ranks
+from hvdsync.testing import run_ranks, run_threads
 from tests.models import MLP, teacher_batches
 
 STEPS = 8  # before and after the checkpoint
@@ -107,7 +107,8 @@ def second_job(directory: str, how: str, cases: dict = CASES) -> dict:
 
 
 # Horovod on 2 and 3 ranks, torch.distributed (torchrun) on 2
-JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun")]
+JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun"), (2, "simulated"),
+        (3, "simulated")]
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=[f"np{n}-{lau}" for n, lau in JOBS])
@@ -115,11 +116,13 @@ def jobs(request, tmp_path_factory):
     np_, launcher = request.param
     directory = str(tmp_path_factory.mktemp(f"ckpt{np_}"))
     env = {"HOROVOD_FUSION_THRESHOLD": "0"}  # the same summation order in both jobs
-    uninterrupted = run_ranks(first_job, np=np_, args=(directory,), timeout=300, env=env,
-                              launcher=launcher)
-    resumed = {how: run_ranks(second_job, np=np_, args=(directory, how), timeout=300, env=env,
-                              launcher=launcher)
-               for how in ("helper", "own", "rank0")}
+
+    def run(fn, *args):  # simulated: fresh objects in this process, not fresh processes
+        if launcher == "simulated":
+            return run_threads(fn, np_, args=args)
+        return run_ranks(fn, np=np_, args=args, timeout=300, env=env, launcher=launcher)
+    uninterrupted = run(first_job, directory)
+    resumed = {how: run(second_job, directory, how) for how in ("helper", "own", "rank0")}
     return np_, uninterrupted, resumed
 
 
