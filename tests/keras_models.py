@@ -10,6 +10,13 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+#: rank counts of the Keras adapter's matrices: real ranks are the only way to run Keras, and a
+#: 3-rank job of TensorFlow processes on this 2-core machine costs minutes. 3 ranks stay where
+#: the rank count is the point -- the flush matrix (every technique and pair), Horovod parity,
+#: the callbacks -- and the core's 3-rank logic runs on simulated ranks (docs/testing.md)
+KERAS_NP = [2]
+KERAS_NP_IDS = [f"np{n}" for n in KERAS_NP]
+
 IN, HIDDEN, CLASSES = 12, 16, 4
 
 

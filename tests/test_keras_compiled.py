@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.keras_models import KERAS_NP, KERAS_NP_IDS
 from tests.models import run_cases
 
 MODES = ("compiled", "run_eagerly", "pipeline")
@@ -54,7 +55,7 @@ def compiled_case(options: dict, opt_name: str, lr: float) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
 def runs(request):
     return run_cases(compiled_case, request.param, CASES, timeout=900)
 

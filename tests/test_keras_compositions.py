@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hvdsync.testing import run_ranks
-from tests.keras_models import fit_body
+from tests.keras_models import KERAS_NP, KERAS_NP_IDS, fit_body
 
 F64 = dict(dtype="float64")
 EMB = dict(model="emb_mlp", vocab=500)
@@ -71,7 +71,7 @@ def compositions_rank() -> list:
     return [case_rank(*case) for case in CASES.values()]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
 def runs(request):
     ranks = run_ranks(compositions_rank, np=request.param, timeout=600)
     return request.param, {name: [r[i] for r in ranks] for i, name in enumerate(CASES)}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hvdsync.testing import run_ranks
-from tests.keras_models import fit_body, teacher_data
+from tests.keras_models import KERAS_NP, fit_body, teacher_data
 
 STREAMING = dict(exchange_gradients=False, average_every=4, fragments=2, overlap=1, mix=0.5,
                  outer_lr=0.7, outer_momentum=0.9)
@@ -55,7 +55,7 @@ def keras_body(cfg: dict, **kw) -> dict:
                     dtype="float64", **kw)
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", KERAS_NP)
 def test_keras_equals_torch_on_the_same_float64_model(np_):
     keras_runs = run_ranks(keras_body, np=np_, args=(STREAMING,), timeout=300)
     torch_runs = run_ranks(torch_body, np=np_, args=(keras_runs[0]["start"], STREAMING),
@@ -68,7 +68,7 @@ def test_keras_equals_torch_on_the_same_float64_model(np_):
         assert k["stats"]["total"]["bytes_sent"] > 0
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", KERAS_NP)
 def test_compressed_exchange_and_flush_callback(np_):
     """int8 streaming through fit, FlushCallback at the end: replicas identical, the bytes
     are int8's (one byte per value plus a scale per 1024), and it learns."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hvdsync.testing import run_ranks
-from tests.keras_models import fit_body
+from tests.keras_models import KERAS_NP, KERAS_NP_IDS, fit_body
 
 
 def disagreeing_rank() -> dict:
@@ -29,7 +29,7 @@ def disagreeing_rank() -> dict:
     return out
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", KERAS_NP)
 def test_ranks_that_disagree_all_raise_the_same_error(np_):
     ranks = run_ranks(disagreeing_rank, np=np_, timeout=300)
     for kind, field in (("select_k", "select="), ("technique", "select="),
@@ -164,7 +164,7 @@ def keras_second_job(directory: str, which: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
 def keras_jobs(request, tmp_path_factory):
     np_ = request.param
     directory = str(tmp_path_factory.mktemp(f"keras_ckpt{np_}"))
@@ -226,7 +226,7 @@ def amp_rank() -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
 def amp_runs(request):
     ranks = run_ranks(amp_rank, np=request.param, timeout=600,
                       env={"HOROVOD_FUSION_THRESHOLD": "0"})

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hvdsync.testing import run_ranks
-from tests.keras_models import fit_body
+from tests.keras_models import KERAS_NP, KERAS_NP_IDS, fit_body
 from tests.models import apply_each, check_pushes
 
 F64 = dict(dtype="float64")
@@ -74,7 +74,7 @@ def techniques_rank() -> list:
     return apply_each(fit_case, list(CASES.values()))
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
 def runs(request):
     ranks = run_ranks(techniques_rank, np=request.param, timeout=600)
     return {name: [r[i] for r in ranks] for i, name in enumerate(CASES)}
