@@ -107,8 +107,9 @@ def second_job(directory: str, how: str, cases: dict = CASES) -> dict:
 
 
 # Horovod on 2 and 3 ranks, torch.distributed (torchrun) on 2
-JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun"), (2, "simulated"),
-        (3, "simulated")]
+# real ranks: 2 on each backend (fresh processes, the file format); 3 ranks' per-rank memory
+# mapping on simulated ranks (fresh objects in the test process)
+JOBS = [(2, "horovodrun"), (2, "torchrun"), (2, "simulated"), (3, "simulated")]
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=[f"np{n}-{lau}" for n, lau in JOBS])
