@@ -37,12 +37,17 @@ _thread = threading.local()  # .engine: (name, module) for this thread only
 def on_this_thread(name: str, module: ModuleType) -> Iterator[None]:
     """Within the block, this thread's collectives run on ``module`` (Horovod's torch API),
     reported as ``name``; other threads and the process's own choice are unaffected."""
-    outer = getattr(_thread, "engine", None)
+    outer = _own()
     _thread.engine = (name, module)
     try:
         yield
     finally:
         _thread.engine = outer
+
+
+def _own() -> Optional[tuple[str, ModuleType]]:
+    """This thread's own engine (:func:`on_this_thread`), if any."""
+    return getattr(_thread, "engine", None)
 
 
 def horovod_installed() -> bool:
@@ -72,7 +77,7 @@ def default_backend() -> str:
 def select(backend: Optional[str] = None) -> ModuleType:
     """Fix this process's backend (``None``: :func:`default_backend`) and return its module.
     Choosing a different one later is an error: tensors already sent went one way."""
-    own = getattr(_thread, "engine", None)
+    own = _own()
     if own is not None:
         if backend is not None and str(backend).strip().lower() != own[0]:
             raise RuntimeError(f"this thread runs on the {own[0]!r} engine; it cannot use "
@@ -96,7 +101,7 @@ def select(backend: Optional[str] = None) -> ModuleType:
 
 def ops() -> ModuleType:
     """The active backend's module (Horovod's torch API, or :mod:`hvdsync.torch.c10d`)."""
-    own = getattr(_thread, "engine", None)
+    own = _own()
     if own is not None:
         return own[1]
     if _chosen:
@@ -106,7 +111,7 @@ def ops() -> ModuleType:
 
 def active_name() -> str:
     """``"horovod"`` or ``"torch"``: the backend :func:`ops` gives."""
-    own = getattr(_thread, "engine", None)
+    own = _own()
     if own is not None:
         return own[0]
     ops()

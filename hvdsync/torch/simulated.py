@@ -180,8 +180,8 @@ class World:
         kwargs = kwargs or {}
         results: list[Any] = [None] * self.size
         errors: dict[int, str] = {}
-        start_rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-        self.rng = [start_rng] * self.size  # as processes started alike
+        saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        self.rng = [saved] * self.size  # as processes started alike
 
         def body(r: int) -> None:
             self.local.rank = r
@@ -195,7 +195,6 @@ class World:
                 finally:
                     self.give_turn()
 
-        saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
         threads = [threading.Thread(target=body, args=(r,), name=f"hvdsync-rank{r}",
                                     daemon=True) for r in range(self.size)]
         try:
