@@ -84,26 +84,21 @@ class World:
             raise ValueError(f"a world needs at least one rank, got {size}")
         self.size, self.timeout = size, float(timeout)
         self.turn = threading.Lock()
-        self.local = threading.local()  # .rank
         self.slots: dict[int, _Slot] = {}
         self.next_seq = [0] * size
         self.failed: Optional[str] = None
-        self.rng: list[Optional[tuple]] = [None] * size
+        self.rng: list[tuple] = []  # per rank, while it does not hold the turn (run sets it)
 
     # -- the turn and each rank's random state -------------------------------------------
     def rank(self) -> int:
-        return self.local.rank
+        return _CURRENT.rank
 
     def take_turn(self) -> None:
         self.turn.acquire()
-        saved = self.rng[self.rank()]
-        if saved is not None:
-            torch.set_rng_state(saved[0])
-            np.random.set_state(saved[1])
-            random.setstate(saved[2])
+        _set_rng_state(self.rng[self.rank()])
 
     def give_turn(self) -> None:
-        self.rng[self.rank()] = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        self.rng[self.rank()] = _rng_state()
         self.turn.release()
 
     # -- collectives ----------------------------------------------------------------------
@@ -180,11 +175,11 @@ class World:
         kwargs = kwargs or {}
         results: list[Any] = [None] * self.size
         errors: dict[int, str] = {}
-        saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        saved = _rng_state()
         self.rng = [saved] * self.size  # as processes started alike
 
         def body(r: int) -> None:
-            self.local.rank = r
+            _CURRENT.world, _CURRENT.rank = self, r
             with engine.on_this_thread(NAME, OPS):
                 self.take_turn()
                 try:
@@ -203,14 +198,23 @@ class World:
             for t in threads:  # every wait is bounded by the timeout: no join hangs on one
                 t.join()
         finally:
-            torch.set_rng_state(saved[0])
-            np.random.set_state(saved[1])
-            random.setstate(saved[2])
+            _set_rng_state(saved)
         from hvdsync.testing import RanksFailed
         if errors:
             raise RanksFailed(f"simulated ranks failed: {self.failed}\n" + "\n".join(
                 f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
         return results
+
+
+def _rng_state() -> tuple:
+    """This process's random state: torch's, numpy's and :mod:`random`'s."""
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    np.random.set_state(state[1])
+    random.setstate(state[2])
 
 
 def _describe(kind: Optional[tuple]) -> str:
@@ -294,7 +298,9 @@ class _Dist:
 
 
 class _Current(threading.local):
+    """A rank thread's world and rank (set when :meth:`World.run` starts the thread)."""
     world: Optional[World] = None
+    rank: int = -1
 
 
 _CURRENT = _Current()
@@ -321,13 +327,4 @@ OPS = _backend_over(_Dist())
 def run(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: Optional[dict] = None,
         timeout: float = 60.0) -> list[Any]:
     """Run ``fn`` on ``np`` simulated ranks; see :func:`hvdsync.testing.run_threads`."""
-    world = World(np, timeout)
-    outer = _CURRENT.world
-
-    def in_world(*a: Any, **k: Any) -> Any:
-        _CURRENT.world = world
-        return fn(*a, **k)
-    try:
-        return world.run(in_world, args, kwargs)
-    finally:
-        _CURRENT.world = outer
+    return World(np, timeout).run(fn, args, kwargs)
