@@ -71,6 +71,17 @@ def apply_each(body: Callable[..., Any], cases: list[tuple]) -> list:
     return [body(*case) for case in cases]
 
 
+def run_job(fn: Callable[..., Any], np: int, args: tuple = (), timeout: float = 300,
+            env: dict[str, str] | None = None, launcher: str = "horovodrun") -> list:
+    """``fn(*args)`` on ``np`` ranks: real ones started by ``launcher`` (``horovodrun`` or
+    ``torchrun``), or ``"simulated"`` ones (threads of this process,
+    :func:`hvdsync.testing.run_threads`, which share its environment: no ``env``)."""
+    if launcher == "simulated":
+        assert not env, "simulated ranks share this process's environment"
+        return run_threads(fn, np, args=args)
+    return run_ranks(fn, np=np, args=args, timeout=timeout, env=env, launcher=launcher)
+
+
 def run_cases(body: Callable[..., Any], np: int, cases: dict[str, tuple],
               timeout: float, env: dict[str, str] | None = None,
               launcher: str = "horovodrun") -> dict[str, list]:
@@ -78,12 +89,7 @@ def run_cases(body: Callable[..., Any], np: int, cases: dict[str, tuple],
     started by ``launcher`` (the backend: ``horovodrun`` or ``torchrun``; ``"simulated"``:
     threads of this process, :func:`hvdsync.testing.run_threads`, for the core's logic); per
     case name, every rank's result."""
-    if launcher == "simulated":
-        assert not env, "simulated ranks share this process's environment"
-        per_rank = run_threads(apply_each, np, args=(body, list(cases.values())))
-    else:
-        per_rank = run_ranks(apply_each, np=np, args=(body, list(cases.values())),
-                             timeout=timeout, env=env, launcher=launcher)
+    per_rank = run_job(apply_each, np, (body, list(cases.values())), timeout, env, launcher)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
 
 

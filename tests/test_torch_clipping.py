@@ -13,8 +13,8 @@ import torch
 
 import hvdsync.torch as hvd
 from hvdsync import ClipConfig
-from hvdsync.testing import run_ranks, run_threads
-from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails
+from hvdsync.testing import run_ranks
+from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, run_job
 
 SHAPES = {"a.weight": (3, 4), "a.bias": (3,), "b.weight": (2, 3), "b.bias": (2,)}
 LAYERS = {"a": ["a.weight", "a.bias"], "b": ["b.weight", "b.bias"]}
@@ -144,9 +144,8 @@ CASES = {**{k: (v, 3, BIG) for k, v in FIXED_CASES.items()},
 
 @functools.lru_cache(maxsize=None)
 def results_for(np_: int, launcher: str) -> dict[str, list[dict]]:
-    args = (list(CASES.values()),)
-    per_rank = (run_threads(clip_bodies, np_, args=args) if launcher == "simulated"
-                else run_ranks(clip_bodies, np=np_, args=args, timeout=180))
+    per_rank = run_job(clip_bodies, np_, (list(CASES.values()),), timeout=180,
+                       launcher=launcher)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
 
 

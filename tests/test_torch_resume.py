@@ -12,8 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdsync.testing import run_ranks, run_threads
-from tests.models import MLP, teacher_batches
+from tests.models import MLP, run_job, teacher_batches
 
 STEPS = 8  # before and after the checkpoint
 
@@ -116,12 +115,12 @@ JOBS = [(2, "horovodrun"), (2, "torchrun"), (2, "simulated"), (3, "simulated")]
 def jobs(request, tmp_path_factory):
     np_, launcher = request.param
     directory = str(tmp_path_factory.mktemp(f"ckpt{np_}"))
-    env = {"HOROVOD_FUSION_THRESHOLD": "0"}  # the same summation order in both jobs
+    # real: the same summation order in both jobs; simulated: fresh objects in this process,
+    # not fresh processes (sums in rank order)
+    env = {"HOROVOD_FUSION_THRESHOLD": "0"} if launcher != "simulated" else None
 
-    def run(fn, *args):  # simulated: fresh objects in this process, not fresh processes
-        if launcher == "simulated":
-            return run_threads(fn, np_, args=args)
-        return run_ranks(fn, np=np_, args=args, timeout=300, env=env, launcher=launcher)
+    def run(fn, *args):
+        return run_job(fn, np_, args, timeout=300, env=env, launcher=launcher)
     uninterrupted = run(first_job, directory)
     resumed = {how: run(second_job, directory, how) for how in ("helper", "own", "rank0")}
     return np_, uninterrupted, resumed

@@ -14,8 +14,8 @@ import torch
 
 from hvdsync import SparseConfig
 from hvdsync.sparse import choose_route, gradient_layouts
-from hvdsync.testing import run_ranks, run_threads
-from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails
+from hvdsync.testing import run_ranks
+from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, run_job
 
 # (rows, dim, kind) per table; kind "emb" is nn.Embedding, "bag" nn.EmbeddingBag(mode="sum").
 ONE_TABLE = [(64, 4, "emb")]
@@ -198,9 +198,7 @@ ROUTE_COUNTERS = ("sparse_gather", "sparse_dense", "sparse_none")
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
 def exchanges(request):
     np_, launcher = request.param
-    if launcher == "simulated":
-        return np_, run_threads(exchange_cases, np_, args=(CASES,))
-    return np_, run_ranks(exchange_cases, np=np_, args=(CASES,), timeout=240)
+    return np_, run_job(exchange_cases, np_, (CASES,), timeout=240, launcher=launcher)
 
 
 @pytest.mark.parametrize("case", list(CASES))
