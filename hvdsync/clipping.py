@@ -191,6 +191,7 @@ class LayerClip(Transform):
     per step, in :meth:`end_step`."""
 
     name = "clip"
+    traceable = True
 
     def __init__(self, config: ClipConfig, grads: Gradients, ops: TensorOps,
                  clip_layer: ClipLayer, layer_names: list[str], stats: SyncStats):
@@ -218,8 +219,7 @@ class LayerClip(Transform):
         ks = range(self.grads.size(li))
         grads = [self.grads.get(li, k) for k in ks]
         params = [self.grads.value(li, k) for k in ks] if self.config.ratio is not None else []
-        new, norm, clipped = self.clip_layer(grads, params, self.config,
-                                             self.policy.norm_limit(li))
+        new, norm, clipped = self.clip_layer(grads, params, self.config, self.norm_limit(li))
         if norm is None:  # an empty layer
             return
         for k, g in zip(ks, new):
@@ -233,14 +233,20 @@ class LayerClip(Transform):
         records = [(li, host[2 * i], bool(host[2 * i + 1]))
                    for i, (li, _, _) in enumerate(self._step)]
         self._step.clear()
-        if ok:
-            self.observe(records)
-        else:  # a skipped step teaches the running statistics nothing
-            self.stats.count("nonfinite", sum(not math.isfinite(n) for _, n, _ in records))
+        self.record_step(records, ok)
 
-    def observe(self, records: Sequence[tuple[int, float, bool]]) -> None:
+    def norm_limit(self, li: int) -> float:
+        """Layer ``li``'s limit for this step (``max_norm`` and the adaptive limits)."""
+        return self.policy.norm_limit(li)
+
+    def record_step(self, records: Sequence[tuple[int, float, bool]], ok: bool) -> None:
         """Fold a step's ``(layer, pre-clip norm, clipped?)`` into the running statistics and
-        the stats counters (also called by the Keras graph path)."""
+        the stats counters (a tracing adapter reads them on the host and calls this too);
+        ``ok``: the step was finite everywhere (a skipped step teaches the running statistics
+        nothing: only its non-finite layers are counted)."""
+        if not ok:
+            self.stats.count("nonfinite", sum(not math.isfinite(n) for _, n, _ in records))
+            return
         for li, norm, was_clipped in records:
             self.policy.observe(li, norm)
             if was_clipped:

@@ -50,6 +50,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
 from hvdsync.config import coerce_config
 from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, Transport
 from hvdsync.watchdog import guard
@@ -455,9 +457,10 @@ class LowRankCompression(Transport):
         """The matrix's last Q, or the seeded first one (the same on every rank)."""
         q = self.q.get(key)
         if q is None:
-            q = self.q[key] = self.ops.random_matrix(
-                self.ops.matrix_shape(m)[1], self.rank_for(li, k),
-                (self.config.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**31, m)
+            # drawn on the host: the same numbers in every adapter, on every rank
+            seed = (self.config.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**31
+            q = self.q[key] = self.ops.from_host(np.random.default_rng(seed).standard_normal(
+                (self.ops.matrix_shape(m)[1], self.rank_for(li, k))), m)
         return q
 
     # -- state -----------------------------------------------------------------------------

@@ -21,45 +21,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any, Optional
 
-from hvdsync import checkpoint, rules
+from hvdsync import checkpoint
 from hvdsync.agreement import RanksDisagree
-from hvdsync.clipping import ClipLayer, LayerClip
-from hvdsync.delay import DelayedGradients
-from hvdsync.lowrank import LowRankCompression
-from hvdsync.plain import PlainAllreduce
-from hvdsync.select import SelectedPushes
 from hvdsync.stats import SyncStats
 from hvdsync.technique import (DECIDER, TRANSFORM, TRANSPORT, Communicator, Decider, Gradients,
                                Pending, TensorOps, Technique, Transport)
-from hvdsync.threshold import AccumulationThreshold
-
-
-def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOps,
-                     comm: Communicator, clip_layer: ClipLayer,
-                     sparse_exchange: Callable[[Any], Transport], layer_names: list[str],
-                     stats: SyncStats) -> list[Technique]:
-    """The techniques of one wrapped optimizer, in the rulebook's order, on an adapter's
-    gradients, arithmetic and communicator (``sparse_exchange(config)``: the adapter's
-    sparse transport)."""
-    make = {
-        "clip": lambda c: LayerClip(c, grads, ops, clip_layer, layer_names, stats),
-        "threshold": lambda c: AccumulationThreshold(c, grads, ops, comm, len(layer_names)),
-        "select": lambda c: SelectedPushes(c, grads, ops, comm, layer_names, stats),
-        "sparse": sparse_exchange,
-        "lowrank": lambda c: LowRankCompression(c, grads, ops, comm, layer_names),
-        "delay": lambda c: DelayedGradients(c, grads, ops, comm, layer_names, stats),
-        "plain": lambda _: PlainAllreduce(grads, comm, layer_names),
-    }
-    techniques = [make[name](configs.get(name)) for name in rules.pipeline_order(configs)]
-    by_name = {t.name: t for t in techniques}
-    for t in techniques:  # compositions the techniques declare (Technique.carries)
-        for name in t.carries:
-            if name in by_name:
-                t.carry(by_name[name])
-    return techniques
 
 
 class StepPipeline:

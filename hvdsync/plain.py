@@ -12,6 +12,7 @@ from hvdsync.technique import Communicator, Gradients, Pending, Transport
 
 class PlainAllreduce(Transport):
     name = "plain"
+    traceable = True
     scale_sensitive = False  # a sum is linear: Horovod's AMP recipe unscales it afterwards
 
     def __init__(self, grads: Gradients, comm: Communicator, layer_names: list[str]):

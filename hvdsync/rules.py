@@ -1,5 +1,6 @@
 """The rulebook: which techniques combine, and why not where they do not -- in one place, for
-both adapters (their ``DistributedOptimizer`` factories call :func:`configure`).
+both adapters (their ``DistributedOptimizer`` factories call :func:`configure`, then
+:func:`build_techniques`).
 
 Roles (see :mod:`hvdsync.technique`): ``clip`` transforms a layer's gradient; ``threshold``
 and ``select`` decide which layers go; ``sparse``, ``lowrank`` and ``delay`` are transports
@@ -11,16 +12,20 @@ shows the exclusions as a table.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hvdsync.clipping import ClipConfig
+from hvdsync.clipping import ClipConfig, ClipLayer, LayerClip
 from hvdsync.config import check_bool, check_reduce_op, positive_float, positive_int
-from hvdsync.delay import DelayConfig
-from hvdsync.lowrank import LowRankConfig
-from hvdsync.select import SelectConfig
+from hvdsync.delay import DelayConfig, DelayedGradients
+from hvdsync.lowrank import LowRankCompression, LowRankConfig
+from hvdsync.plain import PlainAllreduce
+from hvdsync.select import SelectConfig, SelectedPushes
 from hvdsync.sparse import SparseConfig
-from hvdsync.threshold import ThresholdConfig
+from hvdsync.stats import SyncStats
+from hvdsync.technique import Communicator, Gradients, TensorOps, Technique, Transport
+from hvdsync.threshold import AccumulationThreshold, ThresholdConfig
 
 #: every technique keyword, in role order
 TECHNIQUES = ("clip", "threshold", "select", "sparse", "lowrank", "delay")
@@ -77,6 +82,12 @@ _OP_WHY = {
     "lowrank": "lowrank= reduces the factors of a product (P, then Q), so it supports "
                "op=Average or op=Sum only",
 }
+
+
+def given(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The technique keywords among a factory's arguments (its ``locals()``), as given: the
+    factories spell each keyword once, in their signatures."""
+    return {name: arguments[name] for name in TECHNIQUES}
 
 
 def coerce(**given: Any) -> dict[str, Any]:
@@ -160,3 +171,28 @@ def _kw(name: str) -> str:
 def enabled(configs: dict[str, Optional[Any]]) -> list[str]:
     """The keywords that are on, in role order."""
     return [name for name in TECHNIQUES if configs.get(name) is not None]
+
+
+def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOps,
+                     comm: Communicator, clip_layer: ClipLayer,
+                     sparse_exchange: Callable[[Any], Transport], layer_names: list[str],
+                     stats: SyncStats) -> list[Technique]:
+    """The techniques of one wrapped optimizer, in the rulebook's order, on an adapter's
+    gradients, arithmetic and communicator (``sparse_exchange(config)``: the adapter's
+    sparse transport)."""
+    make = {
+        "clip": lambda c: LayerClip(c, grads, ops, clip_layer, layer_names, stats),
+        "threshold": lambda c: AccumulationThreshold(c, grads, ops, comm, len(layer_names)),
+        "select": lambda c: SelectedPushes(c, grads, ops, comm, layer_names, stats),
+        "sparse": sparse_exchange,
+        "lowrank": lambda c: LowRankCompression(c, grads, ops, comm, layer_names),
+        "delay": lambda c: DelayedGradients(c, grads, ops, comm, layer_names, stats),
+        "plain": lambda _: PlainAllreduce(grads, comm, layer_names),
+    }
+    techniques = [make[name](configs.get(name)) for name in pipeline_order(configs)]
+    by_name = {t.name: t for t in techniques}
+    for t in techniques:  # compositions the techniques declare (Technique.carries)
+        for name in t.carries:
+            if name in by_name:
+                t.carry(by_name[name])
+    return techniques

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -56,8 +56,8 @@ import numpy as np
 
 from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
-from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps, refill,
-                               shared_ok)
+from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps,
+                               control_part, refill, shared_ok)
 
 SELECTORS = ("hypernet", "norm", "random", "round_robin")
 OBJECTIVES = ("first_order", "second_order")
@@ -353,6 +353,7 @@ class SelectedPushes(Decider):
     name = "select"
     reads_values = True  # <g, theta> and the values a withheld layer returns to
     per_rank = ("residual",)
+    traceable = True
 
     def __init__(self, config: SelectConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats):
@@ -362,9 +363,13 @@ class SelectedPushes(Decider):
         self.comm = comm
         self.layer_names = layer_names
         self.stats = stats
-        self.residual: dict[str, Any] = {}
+        self.residual: Any = {}  # a dict, or the Keras compiled path's variables (use_memory)
         self._second_order = (self.policy.hypernet is not None
                               and config.objective == "second_order")
+        #: the shared statistics: the dot products if the hypernet scores, the residual
+        #: norms, their squares with the second-order objective
+        self.control = ((("dot",) if self.policy.hypernet is not None else ()) + ("held",)
+                        + (("dot_squared",) if self._second_order else ()))
         n = len(layer_names)
         self._dots: list[Any] = [None] * n
         self._eligible = [True] * n
@@ -427,12 +432,12 @@ class SelectedPushes(Decider):
         dots = ([d if d is not None else self.ops.zero() for d in self._dots]
                 if self.policy.hypernet is not None else [])
         host = self.ops.to_host(dots + norms + [local_bad])  # one device read
-        m = len(dots) + len(norms)
-        self._local = host[:m]
+        values = host[:-1]
         if self._second_order:  # the rank average of the squares: a curvature estimate
-            host = host[:m] + [d * d for d in host[:len(dots)]] + host[m:]
+            values += [d * d for d in host[:len(dots)]]
+        self._local = values
         self._dots = [None] * n
-        self._control = self.comm.control_async(host, "hvdsync.select.stats")
+        self._control = self.comm.control_async(values + host[-1:], self.control_name)
 
     def settle(self, data_ok: bool) -> bool:
         """Take the next step's layers from the shared statistics; a non-finite step puts
@@ -447,27 +452,26 @@ class SelectedPushes(Decider):
                 else:
                     self.residual[key] = r
             return False
-        self.choose_next(shared, local)
+        self.plan_from(shared, local)
         return True
 
-    def control_layout(self) -> tuple[bool, bool]:
-        """What the control vector carries before the flag: (the dot products, their
-        squares) -- then always the residual norms between them (see :meth:`share`)."""
-        return self.policy.hypernet is not None, self._second_order
+    def use_memory(self, held: Any, sync_points: Any) -> None:
+        self.residual = held
 
-    def choose_next(self, shared: list[float], local: list[float]) -> None:
-        """The next step's layers from a finite step's shared control vector (dot products
-        if the hypernet scores, residual norms, squares with the second-order objective,
-        then the flag) and this rank's own ``local`` dots and norms (for the stats)."""
+    def plan_from(self, shared: Sequence[float], local: Sequence[float]) -> None:
+        """The next step's layers from the shared statistics (:attr:`control`); this rank's
+        own residual norms go to the stats."""
         n = len(self.layer_names)
-        nd = n if self.policy.hypernet is not None else 0
-        m = len(local)
-        curvature = shared[m:m + n] if self._second_order else None
-        shared_dots, shared_norms = (shared[:n] if nd else [0.0] * n), shared[nd:m]
+
+        def part(values: Sequence[float], name: str) -> Optional[list[float]]:
+            return control_part(values, self.control, name, n) if name in self.control else None
+        dots = part(shared, "dot")
+        shared_dots = dots if dots is not None else [0.0] * n
+        shared_norms = part(shared, "held")
         self.policy.pushed(list(self.policy.selected))  # round_robin scores by the waits
-        scores = self.policy.scores(shared_dots, shared_norms, curvature)
+        scores = self.policy.scores(shared_dots, shared_norms, part(shared, "dot_squared"))
         self.policy.choose(scores, list(self._eligible), self._bytes)
-        self.stats.count("residual_norm", sum(x * x for x in local[nd:]) ** 0.5)
+        self.stats.count("residual_norm", sum(x * x for x in part(local, "held")) ** 0.5)
         self.last = {"scores": scores, "residual_norms": shared_norms}
         if self.policy.hypernet is not None:
             self.last["dots"] = shared_dots

@@ -127,6 +127,13 @@ class Pending:
         return p
 
 
+def control_part(values: Sequence[float], control: Sequence[str], name: str,
+                 num_layers: int) -> list[float]:
+    """Statistic ``name``'s per-layer values in a control vector laid out as ``control``."""
+    i = control.index(name) * num_layers
+    return list(values[i:i + num_layers])
+
+
 def shared_ok(shared: Sequence[float]) -> bool:
     """Whether a decider's shared control vector says the step was finite everywhere: its
     last entry (the ranks' non-finite flags, averaged) is 0 and every statistic is finite."""
@@ -214,9 +221,8 @@ class TensorOps(Protocol):
                transpose_b: bool = False) -> Any: ...
     def orthonormal(self, p: Any) -> Any:
         """An orthonormal basis of ``p``'s columns (QR's Q, same shape); deterministic."""
-    def random_matrix(self, rows: int, cols: int, seed: int, like: Any) -> Any:
-        """Standard normal, the same for the same ``seed`` on every rank; ``like``'s dtype
-        and device."""
+    def from_host(self, values: Any, like: Any) -> Any:
+        """``values`` (a numpy array) as a tensor with ``like``'s dtype and device."""
     # the outer synchronization (delay=, hvdsync/outer.py)
     def add_scaled(self, acc: Any, x: Any, alpha: float) -> Any:
         """``acc + alpha * x``, in place where the framework allows (the caller owns ``acc``)."""
@@ -277,6 +283,9 @@ class Technique:
     #: technique kept them to this rank (``delay=``: zeros sent, the step not skipped), so a
     #: loss scaler on this rank should back off
     local_nonfinite: bool = False
+    #: whether a tracing adapter builds it into the traced step itself (Keras' compiled train
+    #: function, :mod:`hvdsync.keras.graph`; else the step pipeline runs eagerly inside it)
+    traceable: bool = False
     #: the techniques whose exchange it runs when both are enabled (``delay=`` carries
     #: ``lowrank=``'s compressed exchange): :meth:`carry` is given each one present
     carries: tuple[str, ...] = ()
@@ -332,8 +341,58 @@ class Transform(Technique):
         """Layer ``li``'s reduced gradient has arrived."""
 
 
+#: The per-layer statistics a decider's control vector can carry (:attr:`Decider.control`),
+#: each one value per layer of the model, computed alike by both adapters:
+#:
+#: * ``"held"``: the norm of what the layer holds after the step (its accumulation or
+#:   residual with this step's gradient when kept back; 0 when sent);
+#: * ``"expected"``: ``"held"`` plus the norm of this step's gradient (the size of one more);
+#: * ``"sync_norm"``: the norm of the layer's parameters as of its last sync point;
+#: * ``"dot"``: ``<g, theta>``, this step's gradient against the parameters;
+#: * ``"dot_squared"``: the square of this rank's ``"dot"`` (averaged: a curvature estimate).
+CONTROL_STATISTICS = ("held", "expected", "sync_norm", "dot", "dot_squared")
+
+#: what a layer the plan keeps back does in the step (:attr:`Decider.kept_layers`)
+LOCAL_STEP, WITHHELD = "local step", "withheld"
+
+
 class Decider(Technique):
+    """Chooses which layers go each step. Besides the step's moments it declares the parts of
+    its control plane an adapter builds itself when it traces the step (Keras' compiled
+    train function, :mod:`hvdsync.keras.compiled`): the statistics it shares
+    (:attr:`control`), what a kept-back layer does (:attr:`kept_layers`), where its
+    per-parameter memory lives (:meth:`use_memory`), and the next plan from the shared
+    vector (:meth:`plan_from`)."""
+
     role = DECIDER
+    #: the statistics of its control vector, in order (names from :data:`CONTROL_STATISTICS`):
+    #: one value per layer each, then the ranks' non-finite flag; averaged over ranks
+    control: tuple[str, ...] = ()
+    #: :data:`LOCAL_STEP` (a kept-back layer is updated with this rank's own gradient from a
+    #: sync point it returns to before its next send) or :data:`WITHHELD` (it does not move)
+    kept_layers: str = WITHHELD
+
+    @property
+    def control_name(self) -> str:
+        """The name of its control-plane collective (the same in every adapter)."""
+        return f"hvdsync.control.{self.name}"
+
+    def use_memory(self, held: Any, sync_points: Any) -> None:
+        """Keep the per-parameter memory in these mappings (by :meth:`Gradients.key`) instead
+        of dicts: ``held``, what kept-back layers hold (an accumulation, a residual);
+        ``sync_points``, with :data:`LOCAL_STEP`, each skipping parameter and its optimizer
+        state as at its last sync (:meth:`Gradients.snapshot`)."""
+        raise NotImplementedError(f"{self.name} declares no per-parameter memory")
+
+    def layer_seen(self, li: int, present: bool, nbytes: Callable[[], int]) -> None:
+        """Whether layer ``li`` has gradients in the step (``nbytes()``: its dense bytes);
+        :meth:`layer_ready` tells it already in an eager step, a tracing adapter tells it
+        once."""
+
+    def plan_from(self, shared: Sequence[float], local: Sequence[float]) -> None:
+        """The next step's plan from a step finite everywhere: ``shared``, the control vector
+        averaged over ranks (:attr:`control`'s statistics, then the flag); ``local``, this
+        rank's own values of the same statistics."""
 
     def decision(self, li: int) -> bool:
         """Whether layer ``li`` is sent this step: planned at the end of the last step from

@@ -40,12 +40,13 @@ sends every layer every step: exactly Horovod's behaviour.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.config import coerce_config
-from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps, refill,
-                               shared_ok)
+from hvdsync.technique import (LOCAL_STEP, Communicator, Decider, Gradients, Pending,
+                               TensorOps, control_part, refill, shared_ok)
 
 SCOPES = ("layer", "global")
 
@@ -149,6 +150,8 @@ class AccumulationThreshold(Decider):
     name = "threshold"
     reads_values = True  # sync points snapshot the parameters
     per_rank = ("acc", "anchor", "local")
+    kept_layers = LOCAL_STEP  # provisional local steps from a sync point
+    traceable = True
 
     def __init__(self, config: ThresholdConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, num_layers: int):
@@ -157,8 +160,11 @@ class AccumulationThreshold(Decider):
         self.ops = ops
         self.comm = comm
         self.num_layers = num_layers
-        self.acc: dict[str, Any] = {}
-        self.anchor: dict[str, Any] = {}
+        self.acc: Any = {}  # dicts, or the Keras compiled path's variables (use_memory)
+        self.anchor: Any = {}
+        #: the shared statistics: expected accumulation norms (with ``relative``, the
+        #: parameter norms at the last sync too)
+        self.control = ("expected", "sync_norm") if config.relative else ("expected",)
         # step 1: nothing accumulated yet (only a threshold of 0 or sync_every=1 sends)
         self.plan = self.policy.decide([0.0] * num_layers,
                                        [1.0] * num_layers if config.relative else None)
@@ -169,6 +175,7 @@ class AccumulationThreshold(Decider):
         self._synced: list[str] = []  # sent this step: acc goes, the anchor is restored
         self._grad_norm: dict[int, Any] = {}  # layer -> norm of this step's gradient
         self._control: Optional[Pending] = None
+        self._local: list[float] = []
 
     def decision(self, li: int) -> bool:
         return self.plan[li]
@@ -218,14 +225,15 @@ class AccumulationThreshold(Decider):
                                              else g.value(li, k)
                                              for k, key in enumerate(keys)]))
         host = ops.to_host(expected + param_norms + [local_bad])  # one device read
-        self._control = self.comm.control_async(host, "hvdsync.control.threshold")
+        self._local = host[:-1]
+        self._control = self.comm.control_async(host, self.control_name)
 
     def settle(self, data_ok: bool) -> bool:
         """If the step was finite on every rank: synced layers drop their accumulation and
         return to their sync point (before the optimizer step applies the averaged sum),
         skipped ones keep their new accumulation, and the next step's plan is taken from the
         shared norms. If not: nothing of the step is kept and the plan stands."""
-        shared = self._control.wait()
+        shared, local = self._control.wait(), self._local
         ok = data_ok and shared_ok(shared)
         if ok:
             g = self.grads
@@ -238,17 +246,21 @@ class AccumulationThreshold(Decider):
                 self.acc[key] = cand
                 if key not in self.anchor:  # the first local-only update is next
                     self.anchor[key] = g.snapshot(key)
-            self.plan_next(shared)
+            self.plan_from(shared, local)
         self._new_step()
         return ok
 
-    def plan_next(self, shared: list[float]) -> None:
-        """The next step's plan from a finite step's shared control vector: every layer's
-        expected accumulation norm, with ``relative`` the parameter norms, then the flag
-        (the layout :meth:`share` sends; the Keras compiled path sends the same)."""
+    def use_memory(self, held: Any, sync_points: Any) -> None:
+        self.acc, self.anchor = held, sync_points
+
+    def plan_from(self, shared: Sequence[float], local: Sequence[float]) -> None:
+        """The next plan from the shared expected accumulation norms (and, ``relative``,
+        parameter norms)."""
         n = self.num_layers
-        relative = self.policy.config.relative
-        self.plan = self.policy.decide(shared[:n], shared[n:-1] if relative else None)
+        self.plan = self.policy.decide(
+            control_part(shared, self.control, "expected", n),
+            control_part(shared, self.control, "sync_norm", n)
+            if self.policy.config.relative else None)
 
     def flush_replicas(self) -> int:
         """Synchronize every layer that is skipping now, as its due sync would: the ranks'

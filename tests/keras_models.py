@@ -53,17 +53,18 @@ def mlp(seed: int = 0, dtype: str = "float32"):
     ])
 
 
-def embedding_model(seed: int = 0, vocab: int = 40, hidden: bool = False):
+def embedding_model(seed: int = 0, vocab: int = 40, hidden: bool = False,
+                    dtype: str = "float32"):
     """An Embedding (IndexedSlices gradient) averaged over the bag, then a Dense head (with
     ``hidden``: a Dense ``fc`` layer before it, so a decider has two dense layers)."""
     import keras
     keras.utils.set_random_seed(seed)
     inp = keras.Input((6,), dtype="int32")
-    e = keras.layers.Embedding(vocab, 8, name="emb")(inp)
-    x = keras.layers.GlobalAveragePooling1D()(e)
+    e = keras.layers.Embedding(vocab, 8, name="emb", dtype=dtype)(inp)
+    x = keras.layers.GlobalAveragePooling1D(dtype=dtype)(e)
     if hidden:
-        x = keras.layers.Dense(8, activation="tanh", name="fc")(x)
-    out = keras.layers.Dense(2, name="head")(x)
+        x = keras.layers.Dense(8, activation="tanh", name="fc", dtype=dtype)(x)
+    out = keras.layers.Dense(2, name="head", dtype=dtype)(x)
     return keras.Model(inp, out)
 
 
@@ -71,6 +72,8 @@ def make_optimizer(name: str, lr: float):
     import keras
     return {"sgd": lambda: keras.optimizers.SGD(lr),
             "momentum": lambda: keras.optimizers.SGD(lr, momentum=0.9),
+            # exact in float32, the precision Keras casts a momentum through
+            "momentum_exact": lambda: keras.optimizers.SGD(lr, momentum=0.875),
             "adam": lambda: keras.optimizers.Adam(lr)}[name]()
 
 
@@ -123,7 +126,7 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
         m = mlp(seed=hvd.rank() if seed_by_rank else 0, dtype=dtype)
         x, y = teacher_data(hvd.rank() if data_rank is None else data_rank, steps * batch)
     else:
-        m = embedding_model(vocab=vocab, hidden=model == "emb_mlp")
+        m = embedding_model(vocab=vocab, hidden=model == "emb_mlp", dtype=dtype)
         x, y = token_data(hvd.rank() if data_rank is None else data_rank, steps * batch,
                           vocab=vocab)
     if nan_rank is not None and hvd.rank() == nan_rank:
@@ -139,8 +142,9 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
             base = keras.optimizers.LossScaleOptimizer(base, initial_scale=loss_scale,
                                                        dynamic_growth_steps=10 ** 6)
         opt = hvd.DistributedOptimizer(base, **options)
-    m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-              metrics=["accuracy"])
+    # the loss in the model's dtype (Keras computes a loss in float32 unless told)
+    m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, dtype=dtype), metrics=["accuracy"])
     rec = Recorder.make(record_weights and not horovod_peer)
     cbs = [rec]
     if "broadcast" in callbacks:
@@ -211,12 +215,12 @@ def emulate(size: int, opt_name: str, lr: float, steps: int, batch: int, model: 
     import tensorflow as tf
     import horovod.tensorflow as htf
     m = (mlp(dtype=dtype) if model == "mlp"
-         else embedding_model(vocab=vocab, hidden=model == "emb_mlp"))
+         else embedding_model(vocab=vocab, hidden=model == "emb_mlp", dtype=dtype))
     opt = make_optimizer(opt_name, lr)
     n = steps * batch * passes
     data = [teacher_data(r, n) if model == "mlp" else token_data(r, n, vocab=vocab)
             for r in (range(size) if data_rank is None else [data_rank] * size)]
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype=dtype)
     variables = m.trainable_variables
     layer_of = [v.path.rsplit("/", 1)[0] for v in variables]
     for s in range(steps):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hvdsync.testing import RanksFailed, processes_of, run_ranks
-from tests.models import MLP, run_cases, teacher_batches
+from tests.models import MLP, run_cases, run_job, teacher_batches
 
 
 # -- ranks that disagree fail loudly, on every rank -------------------------------------------
@@ -55,6 +55,49 @@ def test_ranks_that_disagree_all_raise_the_same_error(np_, launcher):
         messages = results[kind]
         assert all(m == messages[0] for m in messages), messages  # the same, everywhere
         assert f"-- {field}:" in messages[0] and "rank 1:" in messages[0], messages[0]
+
+
+def restore_different_points_body() -> str:
+    """Two points of one run kept (``clip=`` global with adaptive limits: its policy is
+    shared), rank 0 restoring the first and the others the second: the first step after the
+    restore raises the same error on every rank, naming which ranks agree."""
+    import copy
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    model = MLP()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   clip=dict(ema=(0.9, 1.0), warmup=1, mode="global"))
+    points = []
+    batches = teacher_batches(hvd.rank(), 5)
+    for i, (x, y) in enumerate(batches[:4]):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if i % 2 == 1:
+            points.append(copy.deepcopy((model.state_dict(), opt.state_dict())))
+    state = points[min(hvd.rank(), 1)]
+    model.load_state_dict(state[0])
+    opt.load_state_dict(state[1])
+    x, y = batches[4]
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    try:
+        opt.step()
+        return "no error"
+    except hvd.RanksDisagree as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("np_,launcher", JOBS, ids=JOB_IDS)
+def test_ranks_restoring_different_points_all_raise(np_, launcher):
+    messages = run_job(restore_different_points_body, np_, timeout=240, launcher=launcher)
+    assert all(m == messages[0] for m in messages), messages
+    others = list(range(1, np_))
+    assert "restored different technique state" in messages[0], messages[0]
+    assert f"ranks [0] / {others} agree among themselves" in messages[0], messages[0]
 
 
 # -- a call made on one rank only: bounded, with a message ------------------------------------

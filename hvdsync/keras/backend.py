@@ -21,10 +21,20 @@ from hvdsync.keras.comm import payload_bytes
 
 def norm_of(tensors: Sequence) -> tf.Tensor:
     """L2 norm of all ``tensors`` together as a float32 scalar (``IndexedSlices``: their
-    values, so coalesce them first if rows repeat)."""
-    parts = [tf.reduce_sum(tf.square(tf.cast(t.values if isinstance(t, tf.IndexedSlices) else t,
-                                             tf.float32))) for t in tensors]
-    return tf.sqrt(tf.add_n(parts)) if parts else _zero()
+    values, so coalesce them first if rows repeat): each tensor's norm in its precision (at
+    least float32), their norm, rounded once at the end -- as the torch adapter computes it,
+    so both give the same float32 (docs/design.md)."""
+    values = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
+    if not values:
+        return _zero()
+    wide = _wide(values)
+    norms = tf.stack([tf.sqrt(tf.reduce_sum(tf.square(tf.cast(v, wide)))) for v in values])
+    return tf.cast(tf.sqrt(tf.reduce_sum(tf.square(norms))), tf.float32)
+
+
+def _wide(tensors: Sequence) -> tf.DType:
+    """The precision hvdsync's statistics are computed in: the tensors', at least float32."""
+    return tf.float64 if any(t.dtype == tf.float64 for t in tensors) else tf.float32
 
 
 _ZERO: list = []
@@ -74,8 +84,9 @@ class KerasOps:
 
     @staticmethod
     def dot(pairs: Sequence) -> tf.Tensor:
-        return tf.add_n([tf.reduce_sum(tf.cast(a, tf.float32) * tf.cast(b, tf.float32))
-                         for a, b in pairs])
+        wide = _wide([x for pair in pairs for x in pair])
+        return tf.cast(tf.add_n([tf.reduce_sum(tf.cast(a, wide) * tf.cast(b, wide))
+                                 for a, b in pairs]), tf.float32)
 
     @staticmethod
     def zero() -> tf.Tensor:
@@ -124,13 +135,13 @@ class KerasOps:
         return tf.linalg.qr(p).q
 
     @staticmethod
-    def random_matrix(rows: int, cols: int, seed: int, like):
-        return tf.random.stateless_normal([rows, cols], seed=[seed, 0], dtype=like.dtype)
+    def from_host(values, like):
+        return tf.constant(values, dtype=like.dtype)
 
     # -- the outer synchronization (delay=): parameters are Keras variables
     @staticmethod
     def add_scaled(acc, x, alpha: float):
-        return acc + tf.cast(alpha, acc.dtype) * x
+        return acc + tf.constant(alpha, acc.dtype) * x  # (a cast would go through float32)
 
     @staticmethod
     def zeros_like(t):

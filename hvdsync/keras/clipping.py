@@ -23,7 +23,7 @@ def clip_layer(grads: list, params: list, c: ClipConfig, limit) -> tuple[list, t
     grads = [coalesce(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     raw_norm = norm_of(grads)
     if c.value is not None:
-        grads = [_map_values(g, lambda v: tf.clip_by_value(v, *(tf.cast(x, v.dtype)
+        grads = [_map_values(g, lambda v: tf.clip_by_value(v, *(tf.constant(x, v.dtype)
                                                                   for x in c.value)))
                  for g in grads]
     norm = norm_of(grads) if c.value is not None else raw_norm
@@ -32,7 +32,8 @@ def clip_layer(grads: list, params: list, c: ClipConfig, limit) -> tuple[list, t
         limit = tf.minimum(limit, c.ratio * tf.maximum(norm_of(params), c.eps))
     finite = tf.math.is_finite(raw_norm)
     # Scale only down (a zero norm gives inf -> 1); leave non-finite alone.
-    scale = tf.where(finite, tf.minimum(limit / norm, 1.0), 1.0)
+    # (1 / norm) * limit in float32, as the torch adapter computes it: the same scale
+    scale = tf.where(finite, tf.minimum(tf.math.reciprocal(norm) * limit, 1.0), 1.0)
     grads = [_map_values(g, lambda v: v * tf.cast(scale, v.dtype)) for g in grads]
     clipped = tf.logical_and(tf.logical_or(scale < 1.0, tf.not_equal(norm, raw_norm)), finite)
     return grads, raw_norm, clipped

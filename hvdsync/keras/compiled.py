@@ -1,6 +1,6 @@
-"""``threshold=`` and ``select=`` inside Keras' compiled train function.
+"""A decider (``threshold=``, ``select=``) inside Keras' compiled train function.
 
-Both deciders plan each step one step ahead (:mod:`hvdsync.threshold`, :mod:`hvdsync.select`),
+Deciders plan each step one step ahead (:mod:`hvdsync.threshold`, :mod:`hvdsync.select`),
 so a step's plan exists before its backward. The compiled function reads it as a boolean
 tensor (one ``tf.py_function`` per step) and wraps each layer's exchange in
 ``tf.cond(plan[li], send, keep)``: the send branch is a Horovod graph op named after the layer,
@@ -10,19 +10,22 @@ between the gradients and the update.
 
 What a decider keeps between steps lives in ``tf.Variable``s (:class:`VariableMemory`):
 
-* ``held``: threshold's accumulation / select's residual per parameter, zero while its layer
-  holds nothing (a flag per layer says whether it does);
-* ``copies``: threshold's sync points (a skipping layer's parameters and optimizer slots as at
-  its last sync, put back right before its next sync); select's withheld layers (parameters and
-  slots copied before the update and put back after it, so they do not move).
+* ``held``: what a kept-back layer holds per parameter (threshold's accumulation, select's
+  residual), zero while its layer holds nothing (a flag per layer says whether it does);
+* ``copies``: for a decider whose kept-back layers take a local step
+  (:data:`~hvdsync.technique.LOCAL_STEP`), the sync points (a skipping layer's parameters and
+  optimizer slots as at its last sync, put back right before its next sync); for one that
+  withholds them (:data:`~hvdsync.technique.WITHHELD`), the withheld layers (copied before the
+  update and put back after it, so they do not move).
 
-The core technique objects keep their policy (plan, scores, hypernet, counters) in Python and
-see this memory through :class:`VariableMemory`, which has the dict interface they use in the
-eager pipeline: ``state_dict``/``load_state_dict``/``forget``/``status`` and the checkpoint
-format are unchanged. After the data, the step's statistics -- the control vector of the eager
-pipeline, same layout and name -- are averaged in one graph allreduce; the step counts only if
-they are finite on every rank (else nothing is committed and the optimizer does not step), and
-the next plan is taken from them on the host by the core's own ``plan_next``/``choose_next``.
+Only what :class:`hvdsync.technique.Decider` declares is used: the decider keeps its policy
+(plan, scores, hypernet, counters) in Python and is handed this memory (``use_memory``) as
+mappings with the dict interface it uses in the eager pipeline, so ``state_dict`` /
+``load_state_dict`` / ``forget`` / ``status`` and the checkpoint format are unchanged. After the
+data, the step's statistics -- the decider's declared ``control`` layout, the eager pipeline's
+vector -- are averaged in one graph allreduce; the step counts only if they are finite on every
+rank (else nothing is committed and the optimizer does not step), and the next plan comes from
+them on the host (``plan_from``).
 """
 
 from __future__ import annotations
@@ -37,12 +40,7 @@ from horovod.tensorflow.mpi_ops import Average
 
 from hvdsync.keras.backend import KerasGradients, KerasOps, norm_of
 from hvdsync.keras.comm import KerasCommunicator
-from hvdsync.select import SelectedPushes
-from hvdsync.technique import Decider
-from hvdsync.threshold import AccumulationThreshold
-
-#: the deciders that have a compiled form
-COMPILED_DECIDERS = (AccumulationThreshold, SelectedPushes)
+from hvdsync.technique import LOCAL_STEP, Decider
 
 
 class VariableMemory(MutableMapping):
@@ -111,7 +109,8 @@ class CompiledDecider:
     def __init__(self, decider: Decider, grads: KerasGradients, comm: KerasCommunicator,
                  layer_names: list[str]):
         self.decider = decider
-        self.threshold = isinstance(decider, AccumulationThreshold)
+        #: kept-back layers take a local step (else they are withheld)
+        self.local_step = decider.kept_layers == LOCAL_STEP
         self.comm = comm
         self.layer_names = layer_names
         self.held = VariableMemory(grads, with_slots=False, name="held")
@@ -119,21 +118,15 @@ class CompiledDecider:
         #: per key, the model variable and its optimizer slots (what ``copies`` mirror)
         self.targets = {grads.key_of(v): [v, *grads.slots.of[v.path]]
                         for vs in grads.layer_vars for v in vs}
-        if self.threshold:
-            decider.acc, decider.anchor = self.held, self.copies
-            self.control_name = "hvdsync.control.threshold"
-        else:
-            decider.residual = self.held
-            self.control_name = "hvdsync.select.stats"
+        decider.use_memory(self.held, self.copies if self.local_step else None)
 
     # -- before backward ---------------------------------------------------------------------
     def trace(self, layers: list[tuple[int, int]]) -> None:
         """At trace time: the layers in the step and their dense bytes (select's eligibility
         and byte budget; every traced step has the same layers)."""
-        if not self.threshold:
-            present = dict(layers)
-            for li in range(len(self.layer_names)):
-                self.decider.layer_seen(li, li in present, lambda li=li: present[li])
+        present = dict(layers)
+        for li in range(len(self.layer_names)):
+            self.decider.layer_seen(li, li in present, lambda li=li: present[li])
 
     def plan(self, before: Callable[[], None]) -> tf.Tensor:
         """This step's plan, a boolean per layer (``before()`` runs first, on the host)."""
@@ -154,9 +147,8 @@ class CompiledDecider:
         (of the parameters ``keys``).
 
         Send: the held tensor joins the gradient and ``send(xs) -> (reduced, extras)`` runs
-        (``extras``: ``n_extra`` float32 scalars, zeros when kept). Keep: threshold updates the
-        layer locally with its own gradient, select withholds it (zeros; put back after the
-        update). Returns the gradients to apply, the extras, and -- apart from the data, so the
+        (``extras``: ``n_extra`` float32 scalars, zeros when kept). Keep: a local step with the
+        layer's own gradient, or withheld (zeros; put back after the update). Returns the gradients to apply, the extras, and -- apart from the data, so the
         control round can start while the data is still in flight -- the norm of what the
         layer holds after the step (its candidate, committed by :meth:`commit`; 0 when sent)
         and whether its local gradient is non-finite where it is kept (sent data is checked
@@ -171,7 +163,7 @@ class CompiledDecider:
             return [*out, *extras]
 
         def keep():
-            out = (list(layer) if self.threshold  # the local update with its own gradient
+            out = (list(layer) if self.local_step  # the local update with its own gradient
                    else [tf.zeros_like(g) for g in layer])  # withheld (put back anyway)
             return [*out, *[tf.zeros([], tf.float32)] * n_extra]
         res = tf.cond(send_plan, go, keep)
@@ -197,25 +189,29 @@ class CompiledDecider:
         zero = tf.zeros([], tf.float32)
         at = {li: i for i, (li, _) in enumerate(layers)}
         held = [held_norms[at[li]] if li in at else zero for li in range(n)]
-        if self.threshold:
-            grad = [norm_of(layers[at[li]][1]) if li in at else zero for li in range(n)]
-            values = [h + g for h, g in zip(held, grad)]
-            if self.decider.policy.config.relative:
-                values += [self._sync_norm(li, params[li]) if li in at else zero
-                           for li in range(n)]
-            local = tf.zeros([0], tf.float64)
-        else:
-            with_dots, squares = self.decider.control_layout()
-            dots = ([KerasOps.dot(list(zip(layers[at[li]][1], params[li]))) if li in at else zero
-                     for li in range(n)] if with_dots else [])
-            values = dots + held
-            local = tf.cast(tf.stack(values), tf.float64) if values else tf.zeros([0], tf.float64)
+
+        def per_layer(name: str) -> list:
+            if name == "held":
+                return held
+            if name == "expected":
+                return [h + norm_of(layers[at[li]][1]) if li in at else h
+                        for li, h in enumerate(held)]
+            if name == "sync_norm":
+                return [self._sync_norm(li, params[li]) if li in at else zero
+                        for li in range(n)]
+            if name == "dot":
+                return [KerasOps.dot(list(zip(layers[at[li]][1], params[li]))) if li in at
+                        else zero for li in range(n)]
+            raise ValueError(f"hvdsync: no compiled form of the control statistic {name!r}")
+        blocks: dict[str, tf.Tensor] = {}
+        for name in self.decider.control:  # squares in float64, as the eager host computes
+            blocks[name] = (tf.square(blocks["dot"]) if name == "dot_squared"
+                            else tf.cast(tf.stack(per_layer(name)), tf.float64))
+        local = (tf.concat([blocks[name] for name in self.decider.control], 0)
+                 if blocks else tf.zeros([0], tf.float64))
         bad = tf.reduce_max(tf.stack(bads)) if bads else zero
-        vector = tf.cast(tf.stack(values + [bad]), tf.float64)
-        if not self.threshold and squares:
-            d = vector[:n]
-            vector = tf.concat([vector[:-1], d * d, vector[-1:]], 0)
-        shared = (mpi_ops._allreduce(vector, name=self.control_name, op=Average,
+        vector = tf.concat([local, tf.reshape(tf.cast(bad, tf.float64), [1])], 0)
+        shared = (mpi_ops._allreduce(vector, name=self.decider.control_name, op=Average,
                                      process_set=self.comm.process_set)
                   if self.comm.size > 1 else vector)
         ok = tf.logical_and(tf.equal(shared[-1], 0.0),
@@ -223,7 +219,7 @@ class CompiledDecider:
         return shared, local, tf.logical_and(ok, tf.equal(KerasOps.bad(applied), 0.0))
 
     def _sync_norm(self, li: int, params: list) -> tf.Tensor:
-        """Threshold ``relative``: the layer's parameter norm as of its last sync."""
+        """``"sync_norm"``: the layer's parameter norm as of its last sync."""
         anchored = [self.copies.store[k][0] for k in self.copies.layer_keys[li]]
         return tf.cond(self.copies.flags[li], lambda: norm_of([tf.identity(a) for a in anchored]),
                        lambda: norm_of(params))
@@ -231,8 +227,8 @@ class CompiledDecider:
     def commit(self, layers: list[tuple[int, list[str], list]], plan: tf.Tensor,
                ok: tf.Tensor) -> Callable[[], None]:
         """Before the update, on a step finite everywhere: sent layers drop what they held
-        (threshold: and return to their sync point), kept ones add their gradient to it
-        (threshold: taking a sync point before their first local update; select: copying the
+        (local steps: and return to their sync point), kept ones add their gradient to it
+        (local steps: taking a sync point before their first one; withheld: copying the
         layer aside). ``layers``: (li, the layer's keys in the step, its local gradients).
         Returns what to build after the update (select: put withheld layers back). One
         ``tf.cond`` around it all: a step that sends everything with nothing held does no
@@ -241,7 +237,7 @@ class CompiledDecider:
         flags = [f.read_value() for f in self.held.flags + self.copies.flags]
         busy = tf.logical_or(kept_any, tf.logical_and(ok, tf.reduce_any(tf.stack(flags))))
         _when(busy, lambda: self._commit(layers, plan, ok))
-        if self.threshold:
+        if self.local_step:
             return lambda: None
         return lambda: _when(kept_any, lambda: self._put_back_withheld(layers, plan, ok))
 
@@ -260,7 +256,7 @@ class CompiledDecider:
             sent = tf.logical_and(ok, plan[li])
             kept = tf.logical_and(ok, tf.logical_not(plan[li]))
             copies = [self.copies.store[k] for k in keys]
-            if self.threshold:
+            if self.local_step:
                 anchored = self.copies.flags[li].read_value()
                 _when(tf.logical_and(sent, anchored), lambda c=copies, v=variables, li=li: (
                     _put_back(c, v), self.copies.flags[li].assign(False)))
@@ -280,13 +276,8 @@ class CompiledDecider:
     # -- on the host, after the step ----------------------------------------------------------
     def settle(self, ok: bool, shared: np.ndarray, local: np.ndarray) -> None:
         """The next plan, from a step finite everywhere (else the plan stands)."""
-        if not ok:
-            return
-        shared_l, local_l = shared.tolist(), local.tolist()
-        if self.threshold:
-            self.decider.plan_next(shared_l)
-        else:
-            self.decider.choose_next(shared_l, local_l)
+        if ok:
+            self.decider.plan_from(shared.tolist(), local.tolist())
 
 
 def _when(cond: tf.Tensor, fn: Callable[[], Any]) -> None:

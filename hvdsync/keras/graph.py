@@ -1,7 +1,8 @@
 """The compiled train function's side of hvdsync.keras: the plain graph path, and the bridge
 that runs the step pipeline eagerly inside it.
 
-* **Graph path** (no technique, or ``clip=`` only): Horovod's ops are built into the train
+* **Graph path** (every technique declared ``traceable``: the plain exchange, ``clip=``, and
+  a decider, :mod:`hvdsync.keras.compiled`): Horovod's ops are built into the train
   function, one grouped allreduce per layer, each fed only by its own layer's (clipped)
   gradient, so the graph executor clips and sends a layer as soon as backward has produced it.
   Statistics go to the host once per step through one ``tf.numpy_function``.
@@ -22,20 +23,15 @@ import tensorflow as tf
 from hvdsync.clipping import LayerClip
 from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.comm import KerasCommunicator, payload_bytes
-from hvdsync.keras.compiled import COMPILED_DECIDERS, CompiledDecider
+from hvdsync.keras.compiled import CompiledDecider
 from hvdsync.pipeline import StepPipeline
 from hvdsync.technique import Technique
-
-#: what the graph path builds itself: the plain exchange and the clip transform
-_GRAPH_TECHNIQUES = (LayerClip,)
 
 
 def graph_runs(techniques: list[Technique]) -> bool:
     """Whether the compiled graph path can run these techniques (else: the pipeline path):
-    the plain exchange, ``clip=``, and one decider with a compiled form
-    (:mod:`hvdsync.keras.compiled`)."""
-    return all(t.name == "plain" or isinstance(t, _GRAPH_TECHNIQUES + COMPILED_DECIDERS)
-               for t in techniques)
+    every one declares a traced form (:attr:`hvdsync.technique.Technique.traceable`)."""
+    return all(t.traceable for t in techniques)
 
 
 def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
@@ -47,7 +43,7 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     (global); then ``apply(grads, variables)`` and record the step's statistics. With a
     ``decider`` (``keys``: each variable's key), each layer's reduce runs only where the
     step's plan sends it, and the decider's memory and control round are built around."""
-    clip = next((t for t in pipeline.transforms if isinstance(t, LayerClip)), None)
+    clip = pipeline.by_name.get("clip")
     stats, layer_names = pipeline.stats, pipeline.layer_names
     grads = list(grads)
     records, clipped, sent, dense, collectives = [], [], [], [], []
@@ -57,6 +53,9 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         decider.trace([(li, sum(payload_bytes(_dense(grads[p], comm)) for p in positions))
                        for li, positions in layers])
         plan = decider.plan(pipeline.check_load)
+    else:  # after a restore: every rank restored the same state (a collective on the host)
+        tf.numpy_function(lambda: (pipeline.check_load(), np.int32(0))[1], [], tf.int32,
+                          stateful=True)
     held_norms, bads, steps, params_of = [], [], [], {}
     for li, positions in layers:
         layer = [grads[p] for p in positions]
@@ -120,10 +119,10 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 stats.sent(name, int(nbytes) if comm.size > 1 else 0, c)
         if decider is not None and comm.size > 1:
             stats.control(shared.nbytes)
-        if clip is not None and ok:
-            clip.observe([(li, float(n), bool(w))
-                          for li, (n, w) in zip(clipped, np.asarray(record).reshape(-1, 2))
-                          if mode == "local" or sends[li]])
+        if clip is not None:
+            clip.record_step([(li, float(n), bool(w)) for li, (n, w)
+                              in zip(clipped, np.asarray(record).reshape(-1, 2))
+                              if mode == "local" or sends[li]], bool(ok))
         if decider is not None:
             decider.settle(bool(ok), shared, local)
         if not ok:
@@ -150,7 +149,7 @@ def _limit(clip: LayerClip, li: int) -> tf.Tensor:
     c = clip.config
     if c.ema is None and c.variance is None:
         return tf.constant(c.max_norm if c.max_norm is not None else np.inf, tf.float32)
-    limit = tf.numpy_function(lambda: np.float32(clip.policy.norm_limit(li)), [], tf.float32,
+    limit = tf.numpy_function(lambda: np.float32(clip.norm_limit(li)), [], tf.float32,
                               stateful=True)
     return tf.reshape(limit, [])
 

@@ -38,7 +38,8 @@ from hvdsync.keras.sparse import SparseExchange
 from hvdsync.keras.state import KerasCheckpointing
 from hvdsync.layers import Grouping, Layer, build_layers
 from hvdsync.lowrank import LowRankConfig
-from hvdsync.pipeline import StepPipeline, build_techniques
+from hvdsync.pipeline import StepPipeline
+from hvdsync.rules import build_techniques
 from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
@@ -243,6 +244,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
             :func:`hvdsync.torch.DistributedOptimizer` (config objects, dicts of their fields,
             or a number); see docs/ and, for which combine, :mod:`hvdsync.rules`.
     """
+    techniques = rules.given(locals())
     reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers",) + rules.TECHNIQUES,
                           "DistributedOptimizer")
     if isinstance(optimizer, LossScaleOptimizer):  # wrap what it wraps; it decides for all
@@ -250,8 +252,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
             optimizer.inner_optimizer, name, device_dense, device_sparse, compression,
             sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
             average_aggregated_gradients, num_groups, groups, process_set,
-            scale_local_gradients, layers=layers, clip=clip, threshold=threshold,
-            select=select, sparse=sparse, lowrank=lowrank, delay=delay)
+            scale_local_gradients, layers=layers, **techniques)
         return LossScaleOptimizer(inner, initial_scale=optimizer.initial_scale,
                                   dynamic_growth_steps=optimizer.dynamic_growth_steps,
                                   name=optimizer.name)
@@ -273,8 +274,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
         mpi_ops, compression=compression, backward_passes_per_step=backward_passes_per_step,
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
-        groups=groups, layers=layers, clip=clip, threshold=threshold, select=select,
-        sparse=sparse, lowrank=lowrank, delay=delay)
+        groups=groups, layers=layers, **techniques)
     grouping = layers if layers is not None else groups_to_names(groups)
 
     base = type(optimizer)

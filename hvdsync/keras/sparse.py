@@ -96,7 +96,7 @@ class SparseExchange(Transport):
                 g = grads[j]
                 merged = coalesce(_unpack(t, g))
                 self.grads.set(*items[j], tf.IndexedSlices(
-                    merged.values * tf.cast(scale, g.values.dtype), merged.indices,
+                    merged.values * tf.constant(scale, g.values.dtype), merged.indices,
                     g.dense_shape))
             sends[items[js[0]][0]][1] += 1
         if dense:
@@ -113,7 +113,7 @@ class SparseExchange(Transport):
             for b, j in zip(summed, dense):
                 g = grads[j]
                 present = tf.cast(tf.where(b[:, -1] > 0)[:, 0], g.indices.dtype)
-                rows = tf.gather(b[:, :-1], present) * tf.cast(scale, g.values.dtype)
+                rows = tf.gather(b[:, :-1], present) * tf.constant(scale, g.values.dtype)
                 self.grads.set(*items[j], tf.IndexedSlices(
                     tf.reshape(rows, [-1, *g.values.shape[1:]]), present, g.dense_shape))
             sends[items[dense[0]][0]][1] += 1

@@ -14,10 +14,18 @@ from hvdsync.torch.comm import payload_bytes
 
 
 def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all ``tensors`` together, as a float32 0-d tensor on their device."""
+    """L2 norm of all ``tensors`` together, as a float32 0-d tensor on their device:
+    computed in the tensors' precision (at least float32) and rounded once at the end, as
+    the Keras adapter computes it, so both give the same float32 (docs/design.md)."""
     if not tensors:
         return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors))).float())
+    norms = torch.stack(torch._foreach_norm(list(tensors)))
+    return torch.linalg.vector_norm(norms.to(_wide(norms.dtype))).float()
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The precision hvdsync's statistics are computed in: the tensors', at least float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _nonfinite(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -75,8 +83,9 @@ class TorchOps:
 
     @staticmethod
     def dot(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        return torch.stack([torch.vdot(a.flatten().float(), b.flatten().float())
-                            for a, b in pairs]).sum()
+        wide = _wide(torch.promote_types(pairs[0][0].dtype, pairs[0][1].dtype))
+        return torch.stack([torch.vdot(a.flatten().to(wide), b.flatten().to(wide))
+                            for a, b in pairs]).sum().float()
 
     @staticmethod
     def zero() -> torch.Tensor:
@@ -120,9 +129,8 @@ class TorchOps:
         return torch.linalg.qr(p).Q
 
     @staticmethod
-    def random_matrix(rows: int, cols: int, seed: int, like: torch.Tensor) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randn(rows, cols, generator=gen).to(like.device, like.dtype)
+    def from_host(values: Any, like: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(values).to(like.device, like.dtype)
 
     @staticmethod
     def dtype_key(t: torch.Tensor) -> str:

@@ -38,7 +38,8 @@ def clip_layer(grads: list[torch.Tensor], params: list[torch.Tensor], c: ClipCon
     finite = torch.isfinite(raw_norm)
     if math.isfinite(limit) or c.ratio is not None:
         # Scale only down (a zero norm gives inf, clamped to 1); leave non-finite alone.
-        scale = torch.where(finite, (bound / norm).clamp(max=1.0), 1.0)
+        # (1 / norm) * bound in float32, as the Keras adapter computes it: the same scale
+        scale = torch.where(finite, (norm.reciprocal() * bound).clamp(max=1.0), 1.0)
         torch._foreach_mul_(views, scale)
     else:
         scale = torch.ones((), device=norm.device)

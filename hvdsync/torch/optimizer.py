@@ -25,7 +25,8 @@ from hvdsync.config import positive_int, reject_unknown_kwargs
 from hvdsync.delay import DelayConfig
 from hvdsync.layers import Grouping, Layer, build_layers
 from hvdsync.lowrank import LowRankConfig
-from hvdsync.pipeline import StepPipeline, build_techniques
+from hvdsync.pipeline import StepPipeline
+from hvdsync.rules import build_techniques
 from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
@@ -307,6 +308,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     Each technique takes its config object (``hvd.ClipConfig`` ...), a dict of its fields, or
     a number (its main field). Which techniques combine: :mod:`hvdsync.rules`.
     """
+    techniques = rules.given(locals())
     reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers", "scaler") + rules.TECHNIQUES,
                           "DistributedOptimizer")
     if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in
@@ -327,8 +329,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ops, compression=compression, backward_passes_per_step=backward_passes_per_step,
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
-        groups=groups, layers=layers, clip=clip, threshold=threshold, select=select,
-        sparse=sparse, lowrank=lowrank, delay=delay)
+        groups=groups, layers=layers, **techniques)
 
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
