@@ -45,11 +45,12 @@ exclusive).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.config import coerce_config
+from hvdsync.stats import SyncStats
 
 #: Layout codes shared in the counts collective (a count >= 0 means "sparse, that many rows").
 DENSE = -1
@@ -147,3 +148,92 @@ def choose_route(counts: Sequence[int], gathered_row_bytes: int, dense_bytes: in
     else:
         route = "gather"
     return SparseRoute(route, counts, gathered, dense_bytes)
+
+
+class SparseProtocol:
+    """What the sparse exchange decides alike in every adapter, on parameter positions ``i``
+    (the fixed order of the wrapped optimizer's parameters): each rank's layout codes, the
+    shared layouts and counts, every gradient's route -- from this step's counts, or with
+    ``one_round`` predicted from the last step's --, the counters and the last step's routes.
+    The adapter moves the tensors (packing, the grouped allgather with the codes as its
+    first tensor, the dense route's "present" column) and calls it at these moments:
+    :meth:`begin` (this rank's codes), :meth:`absorb` (every rank's, once shared),
+    :meth:`take` (a gradient's route this step), :meth:`end_step`."""
+
+    def __init__(self, config: SparseConfig, names: Sequence[str], stats: SyncStats):
+        self.config = config
+        self.names = list(names)
+        self.stats = stats
+        #: this step's shared layouts, once known: i -> (layout, per-rank counts, sparse_dim)
+        self.layout: dict[int, tuple[str, list[int], int]] = {}
+        #: the last layout seen with a gradient somewhere: i -> (layout, sparse_dim)
+        self.known: dict[int, tuple[str, int]] = {}
+        #: ``one_round``: this step's route per sparse parameter, from the last step's counts
+        self.predicted: dict[int, str] = {}
+        self.taken: dict[int, str] = {}  # this step's route per parameter
+        self.codes: list[int] = []  # this rank's codes this step (count or layout, sparse_dim)
+        #: the last step's route, per-rank row counts and rows handed to the optimizer (after
+        #: summing duplicates across ranks) per sparse parameter name, for logging and tests
+        self.last_routes: dict[str, tuple[str, tuple[int, ...], int]] = {}
+
+    def begin(self, local: Sequence[tuple[int, int]]) -> list[int]:
+        """A new step: per parameter this rank's code (distinct rows, :data:`DENSE` or
+        :data:`ABSENT`) and sparse dimensions; returns the codes every rank must share
+        (flat: code, sparse_dim per parameter)."""
+        self.layout = {}
+        self.codes = [x for code_and_dim in local for x in code_and_dim]
+        return self.codes
+
+    def absorb(self, rows: Sequence[Sequence[int]]) -> None:
+        """Every rank's codes (``rows[rank]``, as :meth:`begin` returned them), shared."""
+        layouts = gradient_layouts([r[0::2] for r in rows], self.names)
+        for i, (name, layout) in enumerate(zip(self.names, layouts)):
+            sparse_dims = {r[2 * i + 1] for r in rows if r[2 * i] >= 0}
+            if len(sparse_dims) > 1:
+                raise RuntimeError(f"the sparse gradient of {name!r} has different sparse_dim "
+                                   f"on different ranks: {sorted(sparse_dims)}")
+            sdim = sparse_dims.pop() if sparse_dims else 0
+            self.layout[i] = (layout, [max(r[2 * i], 0) for r in rows], sdim)
+            if layout != "absent":
+                self.known[i] = (layout, sdim)
+
+    def is_sparse(self, i: int) -> bool:
+        """Whether parameter ``i``'s gradient travels sparse this step: some rank has it
+        sparse (once shared), else as last seen."""
+        if i in self.layout:
+            return self.layout[i][0] == "sparse"
+        return self.known.get(i, ("dense",))[0] == "sparse"
+
+    def sparse_dim(self, i: int) -> int:
+        return self.layout[i][2] if i in self.layout else self.known[i][1]
+
+    def holds(self, i: int, has_gradient: bool) -> bool:
+        """``one_round``: a parameter with no gradient here that was never seen with one
+        anywhere (sparse or dense is unknown) waits for the shared layouts."""
+        return self.config.one_round and not has_gradient and i not in self.known
+
+    def route(self, i: int, gathered_row_bytes: int, dense_bytes: int) -> SparseRoute:
+        """This step's route for parameter ``i`` from the shared counts (the adapter gives
+        what a gathered row and the dense tensor cost on the wire)."""
+        return choose_route(self.layout[i][1], gathered_row_bytes, dense_bytes,
+                            self.config.dense_ratio)
+
+    def take(self, i: int, route: str) -> None:
+        """Parameter ``i`` goes by ``route`` this step (counted as ``sparse_<route>``)."""
+        self.taken[i] = route
+        self.stats.count(f"sparse_{route}")
+
+    def count_equal(self, i: int) -> None:
+        """A gather whose counts turned out equal on every rank (a fixed-shape gather)."""
+        if len(set(self.layout[i][1])) == 1:
+            self.stats.count("sparse_gather_equal")
+
+    def end_step(self, route_of: Callable[[int], str], rows_of: Callable[[int], int]) -> None:
+        """``one_round``: next step's routes (``route_of(i)``: by this step's shared counts);
+        the routes of this step for :attr:`last_routes` (``rows_of(i)``: rows handed to the
+        optimizer)."""
+        self.predicted = {i: route_of(i) for i, (layout, _, _) in self.layout.items()
+                          if layout == "sparse"}
+        self.last_routes = {self.names[i]: (route, tuple(self.layout[i][1]), rows_of(i))
+                            for i, route in self.taken.items()}
+        self.taken = {}

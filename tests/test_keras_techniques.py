@@ -42,6 +42,9 @@ CASES = {
     "sparse_equal": (dict(sparse=True), "sgd", 0.5, 6, 8,
                      dict(model="emb", vocab=500, reference=True, record_weights=False,
                           data_rank=0)),
+    "sparse_gather_counts_first": (dict(sparse=dict(one_round=False)), "sgd", 0.5, 10, 8,
+                                   dict(model="emb", vocab=500, reference=True,
+                                        record_weights=False)),
     "sparse_dense_switch": (dict(sparse=True), "sgd", 0.5, 10, 16,
                             dict(model="emb", vocab=40, reference=True, record_weights=False)),
     "sparse_always_gather": (dict(sparse=dict(dense_ratio=float("inf"))), "sgd", 0.5, 6, 16,
@@ -205,6 +208,19 @@ def test_sparse_rows_summed_and_routes_shared(runs, case, route):
         assert counters["bytes_sent"] < counters["bytes_dense"]
     for other in ranks[1:]:
         assert _weights_equal(ranks[0]["final"], other["final"])
+
+
+def test_sparse_one_round_saves_a_collective_per_step(runs):
+    """The codes travel with the rows (one round) from step 2 on, as in torch; counts first
+    costs an allgather more per step; the two give the same result (same routes)."""
+    for one, first in zip(runs["sparse_gather"], runs["sparse_gather_counts_first"]):
+        assert one["routes"] == first["routes"]
+        for name, w in one["final"].items():
+            np.testing.assert_array_equal(w, first["final"][name])
+        per_step = [(a["collectives"], b["collectives"])
+                    for a, b in zip(one["steps"], first["steps"])]
+        assert per_step[0][0] == per_step[0][1]  # step 1: no history, the codes go first
+        assert all(a == b - 1 for a, b in per_step[1:]), per_step
 
 
 # -- delay= ----------------------------------------------------------------------------

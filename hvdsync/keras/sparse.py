@@ -1,21 +1,26 @@
 """``sparse=`` for Keras ``IndexedSlices`` gradients: the sparse grouped allgather as a
-transport (the rules live in :mod:`hvdsync.sparse`).
+transport. The protocol -- layouts, shared counts, routes, one round or counts first -- is
+:class:`hvdsync.sparse.SparseProtocol`, the same as torch's; this file moves Keras' tensors.
 
-Per step: each rank sums its duplicate rows, then **one** small allgather shares every sparse
-gradient's distinct-row count from every rank; from those (identical everywhere) each
-gradient takes the same route on every rank: ``gather`` (the indices and values of all such
-gradients in **one** grouped allgather per value dtype; equal counts give a fixed-shape
-gather, unequal ones Horovod's uneven-size allgather; each row carries its index bit-cast
-into extra value columns), ``dense`` (scattered into a dense buffer with a "present" column
-and allreduced, when gathering would cost more) or ``none`` (no rank has a row). Duplicate
-rows across ranks are summed (divided by the number of ranks for ``Average``). These
-variables go every step; deciders govern the dense ones.
+Per step each rank sums its duplicate rows; every variable's layout code (its distinct-row
+count, dense or absent) is shared with every rank, and from those (identical everywhere) each
+gradient takes the same route on every rank: ``gather`` (indices and values of all such
+gradients in **one** grouped allgather per value dtype; each row carries its index bit-cast
+into extra value columns; unequal counts use Horovod's uneven-size allgather), ``dense``
+(scattered into a dense buffer with a "present" column and allreduced, when gathering would
+cost more) or ``none`` (no rank has a row). Duplicate rows across ranks are summed (divided by
+the number of ranks for ``Average``). These variables go every step; deciders govern the dense
+ones.
 
-In Keras the counts always travel first, in a collective of their own (torch's
-``one_round`` routes by the previous step's counts to save that round; not built here yet).
+With ``one_round`` (the default) the codes travel bit-cast as the first tensor of the rows'
+allgather, and each gradient takes the route the last step's counts chose: one collective
+round per step; a variable with no history yet (the first step) waits for this step's codes
+(a second round). ``one_round=False`` shares the codes first, in an allgather of their own.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -23,7 +28,7 @@ from horovod.tensorflow.mpi_ops import Average
 
 from hvdsync.keras.backend import KerasGradients
 from hvdsync.keras.comm import KerasCommunicator, coalesce, payload_bytes
-from hvdsync.sparse import SparseConfig, choose_route
+from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseProtocol
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Pending, Transport
 
@@ -41,10 +46,12 @@ class SparseExchange(Transport):
         self.grads = grads
         self.comm = comm
         self.stats = stats
+        #: every model variable in layer order: the protocol's parameter positions
+        self._vars = [v for vs in grads.layer_vars for v in vs]
+        self.protocol = SparseProtocol(config, [v.path for v in self._vars], stats)
         self._queue: list[tuple[int, int]] = []
-        #: the last step's route, per-rank row counts and rows handed to the optimizer (after
-        #: summing duplicates across ranks) per sparse variable path, for logging and tests
-        self.last_routes: dict[str, tuple[str, tuple[int, ...], int]] = {}
+        self._at: dict[int, tuple[int, int]] = {}  # position -> (layer, k) this step
+        self._done: set[int] = set()  # positions sent with the codes (one round)
 
     def owns(self, li: int, k: int) -> bool:
         return self.grads.is_row_sparse(li, k)
@@ -60,38 +67,102 @@ class SparseExchange(Transport):
     def start(self, li: int, ks: list[int]) -> None:
         self._queue += [(li, k) for k in ks]
 
-    def flush(self) -> dict[int, Pending]:
-        items, self._queue = sorted(self._queue), []
-        if not items:
-            return {}
-        grads = [self.grads.get(li, k) for li, k in items]
-        local = np.array([[int(tf.shape(g.indices)[0]) for g in grads]], dtype=np.int64)
+    def backward_done(self) -> None:
+        """Every variable's layout code (a Keras variable is in every step of its train
+        function or in none); counts first: share them now."""
+        self._at, self._done = {}, set()
+        local = [(ABSENT, 0)] * len(self._vars)
+        for li in range(len(self.grads.layer_vars)):
+            for k in range(self.grads.size(li)):
+                i = int(self.grads.key(li, k))
+                self._at[i] = (li, k)
+                g = self.grads.get(li, k)  # (summed in layer_ready, after the step's stats)
+                local[i] = ((int(tf.size(tf.unique(g.indices).y)), 1)
+                            if isinstance(g, tf.IndexedSlices) else (DENSE, 0))
+        codes = self.protocol.begin(local)
+        if not self.config.one_round:
+            self._absorb(self.comm.allgather([tf.constant([codes], tf.int64)],
+                                             "hvdsync.sparse.layouts")[0], codes)
+
+    def _absorb(self, gathered, codes: list[int], own_collective: bool = True) -> None:
+        """Every rank's codes, gathered (in their own collective, or with the rows)."""
         if self.comm.size > 1:
-            self.stats.control(local.nbytes)
-        counts = self.comm.allgather([tf.constant(local)], "hvdsync.sparse.counts")[0]
-        counts = np.asarray(counts)
-        routes = []
-        for j, g in enumerate(grads):
-            row = int(np.prod(g.values.shape[1:])) * g.values.dtype.size
-            dense_bytes = int(np.prod(g.dense_shape)) * g.values.dtype.size
-            routes.append(choose_route(counts[:, j], row + _INDEX_BYTES, dense_bytes,
-                                       self.config.dense_ratio))
+            self.stats.control(8 * len(codes), collectives=int(own_collective))
+        self.protocol.absorb(np.asarray(gathered).reshape(self.comm.size, -1).tolist())
+        for i, (layout, _, _) in self.protocol.layout.items():
+            if layout == "sparse" and i not in self._at:
+                raise RuntimeError(f"the gradient of {self._vars[i].path!r} is sparse on some "
+                                   "rank but this rank's train function has none: every rank "
+                                   "must train the same variables")
+
+    def start_early(self) -> dict[int, Pending]:
+        """One round: the codes, with the rows of every variable routed as the last step's
+        counts chose, in one grouped allgather (and one allreduce for those routed dense)."""
+        if not self.config.one_round:
+            return {}
+        missing = [self._vars[i].path for i in self.protocol.predicted if i not in self._at]
+        if missing:
+            raise RuntimeError(f"the gradients of {missing} were sparse last step but this "
+                               "rank's train function has none now")
+        positions = sorted(self.protocol.predicted)
+        routes = ["dense" if self.protocol.predicted[i] == "dense" else "gather"
+                  for i in positions]
+        sends = self._send(positions, routes, header=self.protocol.codes)
+        self._done = set(positions)
+        for i, route in zip(positions, routes):
+            if route == "gather":
+                self.protocol.count_equal(i)
+        return sends
+
+    def flush(self) -> dict[int, Pending]:
+        queued, self._queue = self._queue, []
+        positions = sorted(i for i in (int(self.grads.key(li, k)) for li, k in queued)
+                           if i not in self._done)
+        if not positions:
+            return {}
+        routes = [self._route(i) for i in positions]
+        for i, route in zip(positions, routes):
+            if route == "gather":
+                self.protocol.count_equal(i)
+        return self._send(positions, routes)
+
+    def _route(self, i: int) -> str:
+        """This step's route for variable ``i`` from the shared counts."""
+        v = self._vars[i]
+        shape, size = [int(d) for d in v.shape], tf.as_dtype(v.dtype).size
+        row = int(np.prod(shape[1:])) * size
+        return self.protocol.route(i, row + _INDEX_BYTES, int(np.prod(shape)) * size).route
+
+    def _send(self, positions: list[int], routes: list[str],
+              header: Optional[list[int]] = None) -> dict[int, Pending]:
+        """Send the gradients at ``positions`` by ``routes`` (eager: done on return); with
+        ``header`` (this rank's codes), share it bit-cast as the first tensor of the first
+        value dtype's allgather (alone, if nothing is gathered) and absorb every rank's."""
         scale = 1.0 / self.comm.size if self.comm.op == Average else 1.0
         sends: dict[int, list[int]] = {}  # layer -> [bytes, collectives]
-        for r in routes:
-            self.stats.count(f"sparse_{r.route}")
-            if r.route == "gather" and r.equal_counts:
-                self.stats.count("sparse_gather_equal")
-        gather = [j for j, r in enumerate(routes) if r.route == "gather"]
-        dense = [j for j, r in enumerate(routes) if r.route == "dense"]
+        items = [self._at[i] for i in positions]
+        grads = [self.grads.get(li, k) for li, k in items]
+        for i, route in zip(positions, routes):
+            self.protocol.take(i, route)
+        gather = [j for j, r in enumerate(routes) if r == "gather"]
+        dense = [j for j, r in enumerate(routes) if r == "dense"]
         by_dtype: dict[tf.DType, list[int]] = {}
         for j in gather:  # one grouped allgather per value dtype (a group has one dtype)
             by_dtype.setdefault(grads[j].values.dtype, []).append(j)
-        for dtype, js in by_dtype.items():
+        if header is not None and not by_dtype:
+            self._absorb(self.comm.allgather([tf.constant([header], tf.int64)],
+                                             "hvdsync.sparse.layouts")[0], header)
+            header = None
+        for dtype, js in sorted(by_dtype.items(), key=lambda item: item[0].name):
             packed = [_pack(grads[j]) for j in js]
             for j, t in zip(js, packed):
                 sends.setdefault(items[j][0], [0, 0])[0] += payload_bytes(t)
-            gathered = self.comm.allgather(packed, f"hvdsync.sparse.rows.{dtype.name}")
+            first = [] if header is None else [_as_values(header, dtype)]
+            gathered = self.comm.allgather(first + packed, f"hvdsync.sparse.rows.{dtype.name}")
+            if header is not None:
+                self._absorb(_from_values(gathered[0], self.comm.size), header,
+                             own_collective=False)
+                header, gathered = None, gathered[1:]
             for j, t in zip(js, gathered):
                 g = grads[j]
                 merged = coalesce(_unpack(t, g))
@@ -117,16 +188,31 @@ class SparseExchange(Transport):
                 self.grads.set(*items[j], tf.IndexedSlices(
                     tf.reshape(rows, [-1, *g.values.shape[1:]]), present, g.dense_shape))
             sends[items[dense[0]][0]][1] += 1
-        self.last_routes = {}
-        for (li, k), r in zip(items, routes):
-            rows = (int(tf.shape(self.grads.get(li, k).indices)[0]) if r.route != "none" else 0)
-            self.last_routes[self.grads.name(li, k)] = (r.route, r.counts, rows)
         if self.comm.size == 1:
             return {}
         return {li: Pending(nbytes=b, collectives=c) for li, (b, c) in sends.items()}
 
+    def end_step(self, ok: bool) -> None:
+        def rows(i: int) -> int:
+            g = self.grads.get(*self._at[i]) if i in self._at else None
+            return int(tf.shape(g.indices)[0]) if isinstance(g, tf.IndexedSlices) else 0
+        self.protocol.end_step(self._route, rows)
+
     def status(self) -> dict:
-        return dict(self.last_routes)
+        return dict(self.protocol.last_routes)
+
+
+def _as_values(codes: list[int], dtype: tf.DType) -> tf.Tensor:
+    """``[1, w]``: the int64 codes bit-cast into the value dtype (an allgather copies bytes)."""
+    bits = tf.bitcast(tf.constant(codes, tf.int64), dtype)
+    return tf.reshape(bits, [1, -1])
+
+
+def _from_values(gathered: tf.Tensor, size: int) -> np.ndarray:
+    """Inverse of :func:`_as_values` on the gathered ``[size, w]``: ``[size, codes]``."""
+    k = 8 // gathered.dtype.size
+    bits = tf.reshape(gathered, [size, -1] if k == 1 else [size, -1, k])
+    return tf.bitcast(bits, tf.int64).numpy()
 
 
 def _pack(g: tf.IndexedSlices) -> tf.Tensor:

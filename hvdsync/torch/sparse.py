@@ -1,5 +1,6 @@
-"""``sparse=`` for torch: the sparse grouped allgather as a transport (the rules live in
-:mod:`hvdsync.sparse`).
+"""``sparse=`` for torch: the sparse grouped allgather as a transport (the protocol -- layouts,
+shared counts, routes, one round or counts first -- is :class:`hvdsync.sparse.SparseProtocol`;
+this file moves torch's tensors).
 
 Row-sparse gradients are torch sparse COO tensors (``nn.Embedding(sparse=True)``,
 ``nn.EmbeddingBag(sparse=True)``). A gradient with ``c`` distinct rows travels as one
@@ -17,8 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseRoute, choose_route, \
-    gradient_layouts
+from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseProtocol, SparseRoute
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Pending, Transport
 from hvdsync.torch.backend import TorchGradients
@@ -64,19 +64,9 @@ class SparseExchange(Transport):
             item for layer in grads.layer_params for item in layer]
         self._layer_of = {p: li for li, layer in enumerate(grads.layer_params) for _, p in layer}
         self._position = {p: i for i, (_, p) in enumerate(self._params)}
-        self._taken: dict[torch.Tensor, str] = {}  # this step's route per parameter
-        #: the last step's route, per-rank row counts and rows handed to the optimizer (after
-        #: summing duplicates across ranks) per sparse parameter name, for logging and tests
-        self.last_routes: dict[str, tuple[str, tuple[int, ...], int]] = {}
+        self.protocol = SparseProtocol(config, [n for n, _ in self._params], stats)
         self._queue: list[tuple[int, torch.Tensor]] = []
         self._done: set[torch.Tensor] = set()
-        # This step's shared layouts: p -> (layout, per-rank counts, sparse_dim).
-        self._layout: dict[torch.Tensor, tuple[str, list[int], int]] = {}
-        # Last shared layout seen with a gradient somewhere: p -> (layout, sparse_dim).
-        self._known: dict[torch.Tensor, tuple[str, int]] = {}
-        # One-round protocol: this step's route per sparse parameter, from the last step.
-        self.predicted: dict[torch.Tensor, str] = {}
-        self._codes: list[int] = []
 
     # -- the transport's moments ----------------------------------------------------------------
     def owns(self, li: int, k: int) -> bool:
@@ -100,13 +90,14 @@ class SparseExchange(Transport):
     def holds(self, li: int) -> bool:
         """One-round protocol: a parameter with no gradient here that was never seen with one
         anywhere (sparse or dense is unknown) waits for the shared layouts."""
-        return self.config.one_round and any(
-            p.grad is None and p not in self._known for _, p in self.grads.layer_params[li])
+        return any(self.protocol.holds(self._position[p], p.grad is not None)
+                   for _, p in self.grads.layer_params[li])
 
     def start_early(self) -> dict[int, Pending]:
         if not self.config.one_round:
             return {}
-        items = [(self._layer_of[p], p) for _, p in self._params if p in self.predicted]
+        items = [(self._layer_of[p], p) for i, (_, p) in enumerate(self._params)
+                 if i in self.protocol.predicted]
         sends = self.start_predicted(items)
         self._done = {p for _, p in items}
         return {li: s.pending() for li, s in sends.items()}
@@ -124,28 +115,27 @@ class SparseExchange(Transport):
     def begin(self) -> None:
         """Sum local duplicate rows and take every parameter's layout code. Counts-first
         protocol: share them now (one collective)."""
-        params = self._params
-        self._layout = {}
-        codes: list[int] = []
-        for _, p in params:
+        local = []
+        for _, p in self._params:
             g = p.grad
             if g is None:
-                codes += [ABSENT, 0]
+                local.append((ABSENT, 0))
             elif g.is_sparse:
                 g = self.coalesce(p)
-                codes += [g._nnz(), g.sparse_dim()]
+                local.append((g._nnz(), g.sparse_dim()))
             else:
-                codes += [DENSE, 0]
-        self._codes = codes
+                local.append((DENSE, 0))
+        codes = self.protocol.begin(local)
         if not self.config.one_round:
-            local = torch.tensor([codes], dtype=torch.int64)
+            local_codes = torch.tensor([codes], dtype=torch.int64)
             if self.size == 1:
-                self._absorb(local.tolist())
+                self.protocol.absorb(local_codes.tolist())
             else:
                 with guard("the sparse layouts allgather 'hvdsync.sparse.layouts'"):
-                    self._absorb(self.dense.ops.allgather(local, name="hvdsync.sparse.layouts",
-                                           process_set=self.dense.process_set).tolist())
-                self.stats.control(local.numel() * _INDEX_BYTES)
+                    self.protocol.absorb(self.dense.ops.allgather(
+                        local_codes, name="hvdsync.sparse.layouts",
+                        process_set=self.dense.process_set).tolist())
+                self.stats.control(local_codes.numel() * _INDEX_BYTES)
 
     def coalesce(self, p: torch.Tensor) -> torch.Tensor:
         """Sum ``p``'s duplicate gradient rows (counted in ``sparse_duplicate_rows``)."""
@@ -156,29 +146,12 @@ class SparseExchange(Transport):
             self.stats.count("sparse_duplicate_rows", before - g._nnz())
         return g
 
-    def _absorb(self, rows: list[list[int]]) -> None:
-        """Take the shared layout codes of every rank (``rows[rank]``)."""
-        names = [n for n, _ in self._params]
-        layouts = gradient_layouts([r[0::2] for r in rows], names)
-        for i, ((name, p), layout) in enumerate(zip(self._params, layouts)):
-            sparse_dims = {r[2 * i + 1] for r in rows if r[2 * i] >= 0}
-            if len(sparse_dims) > 1:
-                raise RuntimeError(f"the sparse gradient of {name!r} has different sparse_dim "
-                                   f"on different ranks: {sorted(sparse_dims)}")
-            sdim = sparse_dims.pop() if sparse_dims else 0
-            self._layout[p] = (layout, [max(r[2 * i], 0) for r in rows], sdim)
-            if layout != "absent":
-                self._known[p] = (layout, sdim)
-
     def is_sparse(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s gradient travels sparse this step: some rank has it sparse (once the
-        layouts are shared), else as last seen."""
-        if p in self._layout:
-            return self._layout[p][0] == "sparse"
-        return self._known.get(p, ("dense",))[0] == "sparse"
+        """Whether ``p``'s gradient travels sparse this step (:meth:`SparseProtocol.is_sparse`)."""
+        return self.protocol.is_sparse(self._position[p])
 
     def _sparse_dim(self, p: torch.Tensor) -> int:
-        return self._layout[p][2] if p in self._layout else self._known[p][1]
+        return self.protocol.sparse_dim(self._position[p])
 
     def empty_gradient(self, p: torch.Tensor) -> torch.Tensor:
         """A sparse gradient with no rows, for a rank on which ``p`` was not used while others
@@ -190,23 +163,19 @@ class SparseExchange(Transport):
 
     def end_step(self, ok: bool) -> None:
         """One-round protocol: next step's routes from this step's shared counts."""
-        self.predicted = {p: self._route(p).route for p, (layout, _, _) in self._layout.items()
-                          if layout == "sparse"}
+        def rows(i: int) -> int:
+            g = self._params[i][1].grad
+            return g._nnz() if g is not None and g.is_sparse else 0
+        self.protocol.end_step(lambda i: self._route(self._params[i][1]).route, rows)
         self._done = set()
-        names = {p: n for n, p in self._params}
-        self.last_routes = {names[p]: (route, tuple(self._layout[p][1]),
-                                       p.grad._nnz() if p.grad is not None and p.grad.is_sparse
-                                       else 0)
-                            for p, route in self._taken.items()}
-        self._taken = {}
 
     def status(self) -> dict:
-        return dict(self.last_routes)
+        return dict(self.protocol.last_routes)
 
     # -- stages 2 and 3 ---------------------------------------------------------------------
     def start_predicted(self, items: Sequence[tuple[int, torch.Tensor]]) -> dict[int, _Sends]:
         """One-round protocol: send this rank's layout codes together with the gradients of
-        ``items`` (every parameter in :attr:`predicted`, in a fixed order) in **one** grouped
+        ``items`` (every parameter the protocol predicted, in a fixed order) in **one** grouped
         allgather, routed as predicted from the last step's counts; gradients predicted dense
         go in one grouped allreduce at the same time. Returns when the layouts are shared."""
         pendings: dict[int, _Sends] = {}
@@ -217,22 +186,21 @@ class SparseExchange(Transport):
                 p.grad = self.empty_gradient(p)
             elif not p.grad.is_sparse:  # dense here, sparse elsewhere: raises after the gather
                 p.grad = p.grad.to_sparse(self._sparse_dim(p))
-            route = "dense" if self.predicted[p] == "dense" else "gather"
-            self._taken[p] = route
-            self.stats.count(f"sparse_{route}")
+            i = self._position[p]
+            route = "dense" if self.protocol.predicted[i] == "dense" else "gather"
+            self.protocol.take(i, route)
             (dense if route == "dense" else gather).append((li, p))
-        codes = torch.tensor([self._codes], dtype=torch.int64)
+        codes = torch.tensor([self.protocol.codes], dtype=torch.int64)
         if self.size == 1:
-            self._absorb(codes.tolist())
+            self.protocol.absorb(codes.tolist())
             return pendings
         if dense:
             self._start_dense(dense, pendings)
         wait = self._start_gather(gather, pendings, header=codes)
         with guard("the sparse rows allgather 'hvdsync.sparse.gather'"):
-            self._absorb(wait()[0].tolist())
+            self.protocol.absorb(wait()[0].tolist())
         for _, p in gather:
-            if len(set(self._layout[p][1])) == 1:
-                self.stats.count("sparse_gather_equal")
+            self.protocol.count_equal(self._position[p])
         return pendings
 
     def _start_routed(self, items: Sequence[tuple[int, torch.Tensor]]) -> dict[int, _Sends]:
@@ -245,10 +213,9 @@ class SparseExchange(Transport):
         for li, p in items:
             pendings.setdefault(li, _Sends())
             route = self._route(p)
-            self._taken[p] = route.route
-            self.stats.count(f"sparse_{route.route}")
-            if route.route == "gather" and route.equal_counts:
-                self.stats.count("sparse_gather_equal")
+            self.protocol.take(self._position[p], route.route)
+            if route.route == "gather":
+                self.protocol.count_equal(self._position[p])
             if route.route == "gather":
                 gather.append((li, p))
             elif route.route == "dense":
@@ -263,11 +230,12 @@ class SparseExchange(Transport):
         return pendings
 
     def _route(self, p: torch.Tensor) -> SparseRoute:
-        _, counts, s = self._layout[p]
+        i = self._position[p]
+        s = self.protocol.sparse_dim(i)
         esize = self._wire_dtype(p).itemsize
         row = math.prod(p.shape[s:])
-        return choose_route(counts, (row + self._index_columns(s, esize)) * esize,
-                            p.numel() * esize, self.config.dense_ratio)
+        return self.protocol.route(i, (row + self._index_columns(s, esize)) * esize,
+                                   p.numel() * esize)
 
     def _wire_dtype(self, p: torch.Tensor) -> torch.dtype:
         return self.dense.compression.compress(p.new_empty(0))[0].dtype
