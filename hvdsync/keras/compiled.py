@@ -119,6 +119,16 @@ class CompiledDecider:
         self.targets = {grads.key_of(v): [v, *grads.slots.of[v.path]]
                         for vs in grads.layer_vars for v in vs}
         decider.use_memory(self.held, self.copies if self.local_step else None)
+        #: the step's plan, written on the host whenever the decider's plan may change (after
+        #: each step, after a restore), so the compiled step reads it without a host call
+        self.plan_now = tf.Variable(self._decisions(), trainable=False, name="hvdsync_plan")
+
+    def _decisions(self) -> list[bool]:
+        return [bool(self.decider.decision(li)) for li in range(len(self.layer_names))]
+
+    def refresh(self) -> None:
+        """The decider's plan changed on the host (a step settled, a checkpoint restored)."""
+        self.plan_now.assign(self._decisions())
 
     # -- before backward ---------------------------------------------------------------------
     def trace(self, layers: list[tuple[int, int]]) -> None:
@@ -128,16 +138,9 @@ class CompiledDecider:
         for li in range(len(self.layer_names)):
             self.decider.layer_seen(li, li in present, lambda li=li: present[li])
 
-    def plan(self, before: Callable[[], None]) -> tf.Tensor:
-        """This step's plan, a boolean per layer (``before()`` runs first, on the host)."""
-        n = len(self.layer_names)
-
-        def read():
-            before()
-            return tf.constant([bool(self.decider.decision(li)) for li in range(n)])
-        plan = tf.py_function(read, [], tf.bool)
-        plan.set_shape([n])
-        return plan
+    def plan(self) -> tf.Tensor:
+        """This step's plan, a boolean per layer."""
+        return self.plan_now.read_value()
 
     # -- per layer, as backward produces it ---------------------------------------------------
     def exchange(self, li: int, keys: list[str], layer: list, send_plan: tf.Tensor,
@@ -275,9 +278,11 @@ class CompiledDecider:
 
     # -- on the host, after the step ----------------------------------------------------------
     def settle(self, ok: bool, shared: np.ndarray, local: np.ndarray) -> None:
-        """The next plan, from a step finite everywhere (else the plan stands)."""
+        """The next plan, from a step finite everywhere (else the plan stands); eager (the
+        step's host function)."""
         if ok:
             self.decider.plan_from(shared.tolist(), local.tolist())
+            self.refresh()
 
 
 def _when(cond: tf.Tensor, fn: Callable[[], Any]) -> None:

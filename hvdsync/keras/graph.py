@@ -36,13 +36,15 @@ def graph_runs(techniques: list[Technique]) -> bool:
 
 def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                layers: list[tuple[int, list[int]]], grads: list, variables: list,
-               apply: Callable[[list, list], None],
+               apply: Callable[[list, list], None], restored: tf.Variable,
                decider: Optional[CompiledDecider] = None, keys: Optional[list[str]] = None
                ) -> None:
     """Build one step of the graph path: per layer (fixed order) clip (local), reduce, clip
     (global); then ``apply(grads, variables)`` and record the step's statistics. With a
     ``decider`` (``keys``: each variable's key), each layer's reduce runs only where the
-    step's plan sends it, and the decider's memory and control round are built around."""
+    step's plan sends it, and the decider's memory and control round are built around.
+    ``restored``: set when a checkpoint was restored; the step then first runs the
+    pipeline's after-restore agreement check (on the host) and clears it."""
     clip = pipeline.by_name.get("clip")
     stats, layer_names = pipeline.stats, pipeline.layer_names
     grads = list(grads)
@@ -52,10 +54,8 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     if decider is not None:
         decider.trace([(li, sum(payload_bytes(_dense(grads[p], comm)) for p in positions))
                        for li, positions in layers])
-        plan = decider.plan(pipeline.check_load)
-    else:  # after a restore: every rank restored the same state (a collective on the host)
-        tf.numpy_function(lambda: (pipeline.check_load(), np.int32(0))[1], [], tf.int32,
-                          stateful=True)
+        plan = decider.plan()
+    _when_restored(restored, pipeline)
     held_norms, bads, steps, params_of = [], [], [], {}
     for li, positions in layers:
         layer = [grads[p] for p in positions]
@@ -108,7 +108,9 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     sends = plan if plan is not None else tf.ones([len(layer_names)], tf.bool)
     order = [li for li, _ in layers]
 
-    def finish(sent, dense, record, ok, sends, shared, local):
+    def finish(sent, dense, record, ok, sends, shared, local):  # eager (decider.settle assigns)
+        sent, dense, record, ok, sends, shared, local = (
+            x.numpy() for x in (sent, dense, record, ok, sends, shared, local))
         sends = sends.tolist()
         for li, name, nbytes, d, c in zip(order, names, sent.tolist(), dense.tolist(),
                                           collectives):
@@ -129,8 +131,20 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             pipeline.note_nonfinite()
         stats.end_step()
         return np.int32(0)
-    tf.numpy_function(finish, [tf.stack(sent), tf.stack(dense), record, ok, sends, shared,
-                               local], tf.int32, stateful=True)
+    tf.py_function(finish, [tf.stack(sent), tf.stack(dense), record, ok, sends, shared, local],
+                   tf.int32)
+
+
+def _when_restored(restored: tf.Variable, pipeline: StepPipeline) -> None:
+    """After a restore only (no host call otherwise): the pipeline's agreement check, a
+    collective on the host, then clear ``restored``."""
+    def check():
+        done = tf.numpy_function(lambda: (pipeline.check_load(), np.int32(0))[1], [],
+                                 tf.int32, stateful=True)
+        with tf.control_dependencies([done]):
+            restored.assign(False)
+        return tf.constant(True)
+    tf.cond(restored, check, lambda: tf.constant(False))
 
 
 def _dense(g, comm: KerasCommunicator):

@@ -99,6 +99,8 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             decider = hv.pipeline.decider
             hv.compiled = (CompiledDecider(decider, hv.grads, hv.comm, names)
                            if hv.graph_path and decider is not None else None)
+            #: a checkpoint was restored: the next compiled step runs the agreement check
+            hv.restored = tf.Variable(False, trainable=False, name="hvdsync_restored")
             if hv.process_set.included():
                 agreement.require(hv.comm, [(name, [checkpoint.signature(v.shape, v.dtype)
                                                     for v in vs])
@@ -158,7 +160,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             return
         if hv.graph_path:
             graph_step(hv.comm, hv.pipeline, hv.grads.layer_positions(variables), grads,
-                       variables, self._apply_update, hv.compiled,
+                       variables, self._apply_update, hv.restored, hv.compiled,
                        [hv.grads.key_of(v) for v in variables])
             return
         if hv.sparse_as_dense:

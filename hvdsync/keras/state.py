@@ -33,6 +33,9 @@ class KerasCheckpointing:
         restored = checkpoint.load_into(self._configured, state, hv.signatures,
                                         hv.process_set.rank(), hv.process_set.size())
         hv.pipeline.after_load(restored)
+        hv.restored.assign(True)  # the compiled step checks it (the eager one by itself)
+        if hv.compiled is not None:
+            hv.compiled.refresh()  # the restored plan
 
     def load_own_variables(self, store) -> None:
         keys = list(store.keys())
