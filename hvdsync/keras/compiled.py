@@ -1,8 +1,8 @@
 """A decider (``threshold=``, ``select=``) inside Keras' compiled train function.
 
 Deciders plan each step one step ahead (:mod:`hvdsync.threshold`, :mod:`hvdsync.select`),
-so a step's plan exists before its backward. The compiled function reads it as a boolean
-tensor (one ``tf.py_function`` per step) and wraps each layer's exchange in
+so a step's plan exists before its backward. The compiled function reads it from a boolean
+variable (written on the host after each step) and wraps each layer's exchange in
 ``tf.cond(plan[li], send, keep)``: the send branch is a Horovod graph op named after the layer,
 which the graph executor starts as soon as backward has produced that layer's gradient, and
 every rank takes the same branch (the plan comes from shared values only). No Python runs
@@ -151,8 +151,8 @@ class CompiledDecider:
 
         Send: the held tensor joins the gradient and ``send(xs) -> (reduced, extras)`` runs
         (``extras``: ``n_extra`` float32 scalars, zeros when kept). Keep: a local step with the
-        layer's own gradient, or withheld (zeros; put back after the update). Returns the gradients to apply, the extras, and -- apart from the data, so the
-        control round can start while the data is still in flight -- the norm of what the
+        layer's own gradient, or withheld (zeros; put back after the update). Returns the
+        gradients to apply, the extras, and -- apart from the data, so the control round can start while the data is still in flight -- the norm of what the
         layer holds after the step (its candidate, committed by :meth:`commit`; 0 when sent)
         and whether its local gradient is non-finite where it is kept (sent data is checked
         once reduced: identical everywhere)."""

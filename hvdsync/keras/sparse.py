@@ -81,8 +81,12 @@ class SparseExchange(Transport):
                             if isinstance(g, tf.IndexedSlices) else (DENSE, 0))
         codes = self.protocol.begin(local)
         if not self.config.one_round:
-            self._absorb(self.comm.allgather([tf.constant([codes], tf.int64)],
-                                             "hvdsync.sparse.layouts")[0], codes)
+            self._share_codes(codes)
+
+    def _share_codes(self, codes: list[int]) -> None:
+        """The codes in an allgather of their own (counts first, or nothing to gather)."""
+        self._absorb(self.comm.allgather([tf.constant([codes], tf.int64)],
+                                         "hvdsync.sparse.layouts")[0], codes)
 
     def _absorb(self, gathered, codes: list[int], own_collective: bool = True) -> None:
         """Every rank's codes, gathered (in their own collective, or with the rows)."""
@@ -107,12 +111,8 @@ class SparseExchange(Transport):
         positions = sorted(self.protocol.predicted)
         routes = ["dense" if self.protocol.predicted[i] == "dense" else "gather"
                   for i in positions]
-        sends = self._send(positions, routes, header=self.protocol.codes)
         self._done = set(positions)
-        for i, route in zip(positions, routes):
-            if route == "gather":
-                self.protocol.count_equal(i)
-        return sends
+        return self._send(positions, routes, header=self.protocol.codes)
 
     def flush(self) -> dict[int, Pending]:
         queued, self._queue = self._queue, []
@@ -120,11 +120,7 @@ class SparseExchange(Transport):
                            if i not in self._done)
         if not positions:
             return {}
-        routes = [self._route(i) for i in positions]
-        for i, route in zip(positions, routes):
-            if route == "gather":
-                self.protocol.count_equal(i)
-        return self._send(positions, routes)
+        return self._send(positions, routes=[self._route(i) for i in positions])
 
     def _route(self, i: int) -> str:
         """This step's route for variable ``i`` from the shared counts."""
@@ -150,8 +146,7 @@ class SparseExchange(Transport):
         for j in gather:  # one grouped allgather per value dtype (a group has one dtype)
             by_dtype.setdefault(grads[j].values.dtype, []).append(j)
         if header is not None and not by_dtype:
-            self._absorb(self.comm.allgather([tf.constant([header], tf.int64)],
-                                             "hvdsync.sparse.layouts")[0], header)
+            self._share_codes(header)
             header = None
         for dtype, js in sorted(by_dtype.items(), key=lambda item: item[0].name):
             packed = [_pack(grads[j]) for j in js]
@@ -188,6 +183,8 @@ class SparseExchange(Transport):
                 self.grads.set(*items[j], tf.IndexedSlices(
                     tf.reshape(rows, [-1, *g.values.shape[1:]]), present, g.dense_shape))
             sends[items[dense[0]][0]][1] += 1
+        for j in gather:  # the codes are shared by now
+            self.protocol.count_equal(positions[j])
         if self.comm.size == 1:
             return {}
         return {li: Pending(nbytes=b, collectives=c) for li, (b, c) in sends.items()}
