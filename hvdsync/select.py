@@ -461,17 +461,16 @@ class SelectedPushes(Decider):
     def plan_from(self, shared: Sequence[float], local: Sequence[float]) -> None:
         """The next step's layers from the shared statistics (:attr:`control`); this rank's
         own residual norms go to the stats."""
-        n = len(self.layer_names)
-
-        def part(values: Sequence[float], name: str) -> Optional[list[float]]:
-            return control_part(values, self.control, name, n) if name in self.control else None
-        dots = part(shared, "dot")
+        n, control = len(self.layer_names), self.control
+        dots = control_part(shared, control, "dot", n)
         shared_dots = dots if dots is not None else [0.0] * n
-        shared_norms = part(shared, "held")
+        shared_norms = control_part(shared, control, "held", n)
         self.policy.pushed(list(self.policy.selected))  # round_robin scores by the waits
-        scores = self.policy.scores(shared_dots, shared_norms, part(shared, "dot_squared"))
+        scores = self.policy.scores(shared_dots, shared_norms,
+                                    control_part(shared, control, "dot_squared", n))
         self.policy.choose(scores, list(self._eligible), self._bytes)
-        self.stats.count("residual_norm", sum(x * x for x in part(local, "held")) ** 0.5)
+        own = control_part(local, control, "held", n)
+        self.stats.count("residual_norm", sum(x * x for x in own) ** 0.5)
         self.last = {"scores": scores, "residual_norms": shared_norms}
         if self.policy.hypernet is not None:
             self.last["dots"] = shared_dots

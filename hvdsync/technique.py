@@ -128,8 +128,11 @@ class Pending:
 
 
 def control_part(values: Sequence[float], control: Sequence[str], name: str,
-                 num_layers: int) -> list[float]:
-    """Statistic ``name``'s per-layer values in a control vector laid out as ``control``."""
+                 num_layers: int) -> Optional[list[float]]:
+    """Statistic ``name``'s per-layer values in a control vector laid out as ``control``
+    (``None`` if it carries no such statistic)."""
+    if name not in control:
+        return None
     i = control.index(name) * num_layers
     return list(values[i:i + num_layers])
 

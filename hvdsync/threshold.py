@@ -175,7 +175,6 @@ class AccumulationThreshold(Decider):
         self._synced: list[str] = []  # sent this step: acc goes, the anchor is restored
         self._grad_norm: dict[int, Any] = {}  # layer -> norm of this step's gradient
         self._control: Optional[Pending] = None
-        self._local: list[float] = []
 
     def decision(self, li: int) -> bool:
         return self.plan[li]
@@ -225,7 +224,6 @@ class AccumulationThreshold(Decider):
                                              else g.value(li, k)
                                              for k, key in enumerate(keys)]))
         host = ops.to_host(expected + param_norms + [local_bad])  # one device read
-        self._local = host[:-1]
         self._control = self.comm.control_async(host, self.control_name)
 
     def settle(self, data_ok: bool) -> bool:
@@ -233,7 +231,7 @@ class AccumulationThreshold(Decider):
         return to their sync point (before the optimizer step applies the averaged sum),
         skipped ones keep their new accumulation, and the next step's plan is taken from the
         shared norms. If not: nothing of the step is kept and the plan stands."""
-        shared, local = self._control.wait(), self._local
+        shared = self._control.wait()
         ok = data_ok and shared_ok(shared)
         if ok:
             g = self.grads
@@ -246,7 +244,7 @@ class AccumulationThreshold(Decider):
                 self.acc[key] = cand
                 if key not in self.anchor:  # the first local-only update is next
                     self.anchor[key] = g.snapshot(key)
-            self.plan_from(shared, local)
+            self.plan_from(shared, ())  # (the plan reads shared values only)
         self._new_step()
         return ok
 
@@ -257,10 +255,8 @@ class AccumulationThreshold(Decider):
         """The next plan from the shared expected accumulation norms (and, ``relative``,
         parameter norms)."""
         n = self.num_layers
-        self.plan = self.policy.decide(
-            control_part(shared, self.control, "expected", n),
-            control_part(shared, self.control, "sync_norm", n)
-            if self.policy.config.relative else None)
+        self.plan = self.policy.decide(control_part(shared, self.control, "expected", n),
+                                       control_part(shared, self.control, "sync_norm", n))
 
     def flush_replicas(self) -> int:
         """Synchronize every layer that is skipping now, as its due sync would: the ranks'
