@@ -25,18 +25,17 @@ killed, and every wait is bounded.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import pickle
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 
@@ -49,13 +48,23 @@ class RanksFailed(AssertionError):
         self.workdir = workdir
 
 
-def _horovodrun() -> str:
-    here = Path(sys.executable).parent / "horovodrun"
-    found = str(here) if here.exists() else shutil.which("horovodrun")
-    if not found:
-        raise RuntimeError("horovodrun not found next to the Python interpreter or on PATH; "
-                           "install Horovod with scripts/install_horovod.sh")
-    return found
+@functools.cache
+def _check_horovod_gloo() -> None:
+    """Fail clearly unless Horovod is installed with Gloo -- once per process.
+
+    ``horovodrun`` asks the same at every launch by forking a process that imports
+    ``horovod.tensorflow`` (all of TensorFlow: ~5 s of CPU per job, most of a small job's
+    time); :func:`run_ranks` asks once, in a fresh interpreter, and its launches skip it."""
+    check = ("from horovod.common.util import gloo_built; import sys; "
+             "sys.exit(0 if gloo_built() else 3)")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          env=rank_env(), timeout=300)
+    if done.returncode == 3:
+        raise RuntimeError("Horovod was built without Gloo, which hvdsync's launches use; "
+                           "reinstall it with scripts/install_horovod.sh")
+    if done.returncode != 0:
+        raise RuntimeError("Horovod is not importable here (install it with "
+                           f"scripts/install_horovod.sh):\n{done.stderr[-2000:]}")
 
 
 #: how :func:`run_ranks` starts ranks: Horovod's launcher (the Horovod backend) or torch's
@@ -66,9 +75,10 @@ LAUNCHERS = ("horovodrun", "torchrun")
 def launch_command(launcher: str, np: int, tmp: str) -> list[str]:
     """The command line that starts ``np`` ranks on this host, each running the call written
     into ``tmp``."""
-    if launcher == "horovodrun":
-        return [_horovodrun(), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-                *rank_command(tmp)]
+    if launcher == "horovodrun":  # horovodrun's own code, less its per-launch Gloo check
+        _check_horovod_gloo()
+        return [sys.executable, "-m", "hvdsync.testing", "--horovodrun", "-np", str(np),
+                "-H", f"localhost:{np}", "--gloo", *rank_command(tmp)]
     if launcher == "torchrun":  # --tee 3: every line prefixed with its rank, as horovodrun's
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={np}", "--tee=3", "--no-python", *rank_command(tmp)]
@@ -260,5 +270,16 @@ def _rank_main(tmp: str) -> None:
     os.replace(os.path.join(tmp, f"rank{rank}.pkl.tmp"), os.path.join(tmp, f"rank{rank}.pkl"))
 
 
+def _horovodrun_main(argv: list[str]) -> None:
+    """``horovodrun argv...``, trusting :func:`_check_horovod_gloo`'s answer."""
+    from horovod.runner import launch
+    launch.gloo_built = lambda verbose=False: True  # checked once by the caller
+    sys.argv = ["horovodrun", *argv]
+    sys.exit(launch.run_commandline())
+
+
 if __name__ == "__main__":
-    _rank_main(sys.argv[1])
+    if sys.argv[1] == "--horovodrun":
+        _horovodrun_main(sys.argv[2:])
+    else:
+        _rank_main(sys.argv[1])
