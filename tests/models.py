@@ -71,6 +71,11 @@ def apply_each(body: Callable[..., Any], cases: list[tuple]) -> list:
     return [body(*case) for case in cases]
 
 
+def call(fn: Callable[..., Any], *args: Any) -> Any:
+    """On a rank: ``fn(*args)`` -- :func:`run_cases`' body where cases differ in body."""
+    return fn(*args)
+
+
 def run_job(fn: Callable[..., Any], np: int, args: tuple = (), timeout: float = 300,
             env: dict[str, str] | None = None, launcher: str = "horovodrun") -> list:
     """``fn(*args)`` on ``np`` ranks: real ones started by ``launcher`` (``horovodrun`` or

@@ -13,8 +13,8 @@ import torch
 
 import hvdsync.torch as hvd
 from hvdsync import ClipConfig
-from hvdsync.testing import run_ranks
-from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, run_job
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, call, run_cases,
+                          run_job)
 
 SHAPES = {"a.weight": (3, 4), "a.bias": (3,), "b.weight": (2, 3), "b.bias": (2,)}
 LAYERS = {"a": ["a.weight", "a.bias"], "b": ["b.weight", "b.bias"]}
@@ -177,13 +177,18 @@ def test_adaptive_rules_match_reference(np_, launcher, name):
     assert all(c == 0 for r in results for c in r["clipped"][:warmup])
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_nan_gradient_on_one_rank_voids_the_step_everywhere(np_):
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def horovod_runs(request):
+    """A NaN on one rank, and parity with Horovod: one job per rank count."""
+    return run_cases(call, request.param, {
+        "nan": (clip_body, dict(max_norm=100.0), 3, {}, (1, 1, "a.weight")),
+        "parity": (parity_and_overlap_body, 5)}, timeout=300)
+
+
+def test_nan_gradient_on_one_rank_voids_the_step_everywhere(horovod_runs):
     """Rank 1's NaN at step 1: every rank's gradients of that step are NaN after synchronize
     (the step is skipped everywhere: docs/failures.md); the steps around it are untouched."""
-    steps = 3
-    results = run_ranks(clip_body, np=np_, args=(dict(max_norm=100.0), steps, {}, (1, 1, "a.weight")),
-                        timeout=120)
+    results = horovod_runs["nan"]
     for rank, res in enumerate(results):
         assert all(np.isnan(g).all() for g in res["grads"][1].values()), rank
         assert all(np.isfinite(g).all() for t in (0, 2) for g in res["grads"][t].values())
@@ -225,9 +230,8 @@ def parity_and_overlap_body(steps: int) -> dict:
     return dict(diff=diff, overlap=overlap, clipped=o_ours.stats.total.counters.get("clipped", 0))
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_no_clip_needed_equals_horovod_and_sends_overlap_backward(np_):
-    for res in run_ranks(parity_and_overlap_body, np=np_, args=(5,), timeout=120):
+def test_no_clip_needed_equals_horovod_and_sends_overlap_backward(horovod_runs):
+    for res in horovod_runs["parity"]:
         assert res["diff"] <= 1e-6 and res["clipped"] == 0
         for before, total in res["overlap"]:
             # 8 layers: every layer but the first (whose gradient is computed last) is clipped

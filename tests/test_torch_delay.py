@@ -204,18 +204,25 @@ def parity_body(cfg: dict, opt_name: str, steps: int, fp16: bool) -> float:
                for a, b in zip(models[0].parameters(), models[1].parameters()))
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("cfg,opt_name,fp16", [
-    (dict(staleness=0, average_every=4), "momentum", False),
-    (dict(staleness=0, average_every=4), "adam", False),
-    (dict(staleness=2, average_every=1), "momentum", False),
-    (dict(staleness=2, average_every=1), "adam", False),
-    (dict(staleness=0), "momentum", True),
-], ids=["s0-momentum", "s0-adam", "k1-momentum", "k1-adam", "s0-fp16"])
-def test_synchronous_settings_equal_horovod(np_, cfg, opt_name, fp16):
+PARITY = {  # case: (delay, optimizer, steps, fp16 compression)
+    "s0-momentum": (dict(staleness=0, average_every=4), "momentum", 20, False),
+    "s0-adam": (dict(staleness=0, average_every=4), "adam", 20, False),
+    "k1-momentum": (dict(staleness=2, average_every=1), "momentum", 20, False),
+    "k1-adam": (dict(staleness=2, average_every=1), "adam", 20, False),
+    "s0-fp16": (dict(staleness=0), "momentum", 20, True),
+}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def parity_runs(request):
+    return run_cases(parity_body, request.param, PARITY, timeout=300)
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+def test_synchronous_settings_equal_horovod(parity_runs, case):
     # fp16 ring sums depend on where a tensor sits in Horovod's fusion buffer (3 ranks)
-    tol = 5e-4 if fp16 else 1e-6
-    for diff in run_ranks(parity_body, np=np_, args=(cfg, opt_name, 20, fp16), timeout=120):
+    tol = 5e-4 if PARITY[case][3] else 1e-6
+    for diff in parity_runs[case]:
         assert diff <= tol
 
 

@@ -252,10 +252,9 @@ def digits_keras(lowrank: dict | None) -> dict:
 def test_digits_at_a_fraction_of_the_bytes(framework):
     """The examples' MLP (64-128-64-10) with rank 4: every weight matrix goes as factors after
     10 plain steps; the accuracy stays within 2 points of plain averaging."""
-    from hvdsync.testing import run_ranks
     body = digits_torch if framework == "torch" else digits_keras
-    plain = run_ranks(body, np=2, args=(None,), timeout=300)[0]
-    ours = run_ranks(body, np=2, args=(dict(rank=4),), timeout=300)
+    runs = run_cases(body, 2, {"plain": (None,), "lowrank": (dict(rank=4),)}, timeout=400)
+    plain, ours = runs["plain"][0], runs["lowrank"]
     total = ours[0]["stats"]["total"]
     assert total["bytes_sent"] < 0.35 * total["bytes_dense"], total
     assert ours[0]["accuracy"] >= plain["accuracy"] - 0.02, (ours[0]["accuracy"],

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import hvdsync.torch as hvd
-from hvdsync.testing import run_ranks
-from tests.models import MLP, assert_construction_fails, teacher_batches
+from tests.models import MLP, assert_construction_fails, call, run_cases, teacher_batches
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -182,10 +181,17 @@ def stats_body(steps: int) -> dict:
                 param_bytes=sum(p.numel() * p.element_size() for p in m.parameters()))
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_stats_count_bytes_collectives_and_layers(np_):
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def multi_rank_runs(request):
+    """This file's multi-rank cases, one job per rank count."""
+    return run_cases(call, request.param, {
+        "stats": (stats_body, 4), "sparse": (sparse_parity_body, False),
+        "sparse_as_dense": (sparse_parity_body, True)}, timeout=300)
+
+
+def test_stats_count_bytes_collectives_and_layers(multi_rank_runs):
     steps = 4
-    for res in run_ranks(stats_body, np=np_, args=(steps,), timeout=120):
+    for res in multi_rank_runs["stats"]:
         s = res["stats"]
         assert s["total"]["step"] == steps
         assert s["last"]["bytes_sent"] == res["param_bytes"] == s["last"]["bytes_dense"]
@@ -230,8 +236,7 @@ def sparse_parity_body(sparse_as_dense: bool) -> float:
     return max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("sparse_as_dense", [False, True])
-def test_sparse_gradients_match_horovod(np_, sparse_as_dense):
-    for diff in run_ranks(sparse_parity_body, np=np_, args=(sparse_as_dense,), timeout=120):
+@pytest.mark.parametrize("case", ["sparse", "sparse_as_dense"])
+def test_sparse_gradients_match_horovod(multi_rank_runs, case):
+    for diff in multi_rank_runs[case]:
         assert diff <= 1e-6

@@ -183,15 +183,22 @@ def horovod_body(cfg: dict, momentum: float, steps: int, passes: int = 1) -> flo
     return max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("momentum,passes", [(0.0, 1), (0.9, 1), (0.9, 2)],
-                         ids=["sgd", "momentum", "momentum_2_passes"])
-def test_k1_outer_lr_1_equals_horovod(np_, momentum, passes):
+K1 = dict(exchange_gradients=False, average_every=1)
+HOROVOD_CASES = {"sgd": (K1, 0.0, 10, 1), "momentum": (K1, 0.9, 10, 1),
+                 "momentum_2_passes": (K1, 0.9, 10, 2)}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def horovod_runs(request):
+    return run_cases(horovod_body, request.param, HOROVOD_CASES, timeout=300)
+
+
+@pytest.mark.parametrize("case", list(HOROVOD_CASES))
+def test_k1_outer_lr_1_equals_horovod(horovod_runs, case):
     """K=1, outer lr 1, no outer momentum, local steps only: the parameter change of one SGD
     step averaged is the averaged gradient's step (momentum too: it is linear); with gradient
     accumulation the local step takes the summed passes, as Horovod's allreduce does."""
-    cfg = dict(exchange_gradients=False, average_every=1)
-    for diff in run_ranks(horovod_body, np=np_, args=(cfg, momentum, 10, passes), timeout=120):
+    for diff in horovod_runs[case]:
         assert diff <= 1e-10, diff
 
 

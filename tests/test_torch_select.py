@@ -11,7 +11,8 @@ from torch import nn
 from hvdsync import SelectConfig
 from hvdsync.select import SelectPolicy
 from hvdsync.testing import run_ranks
-from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, check_pushes, run_cases, teacher_batches
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, call, check_pushes,
+                          run_cases, teacher_batches)
 
 DEPTH = 6  # linear layers in the test model
 
@@ -208,10 +209,20 @@ def parity_body(opt_name: str, steps: int) -> float:
     return max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def exact_runs(request):
+    """The exact-result cases, one job per rank count: parity with Horovod; resuming on 2
+    ranks (on 3, Horovod's ring sums depend on where a tensor sits in its fusion buffer: a
+    matter of timing, so two runs of the same steps may differ in the last bit)."""
+    resume = {"hypernet": (resume_body, "hypernet"), "norm": (resume_body, "norm")}
+    return request.param, run_cases(call, request.param, {
+        "momentum": (parity_body, "momentum", 20), "adam": (parity_body, "adam", 20),
+        **(resume if request.param == 2 else {})}, timeout=300)
+
+
 @pytest.mark.parametrize("opt_name", ["momentum", "adam"])
-def test_all_layers_equals_horovod(np_, opt_name):
-    for diff in run_ranks(parity_body, np=np_, args=(opt_name, 20), timeout=120):
+def test_all_layers_equals_horovod(exact_runs, opt_name):
+    for diff in exact_runs[1][opt_name]:
         assert diff <= 1e-6
 
 
@@ -252,8 +263,11 @@ def resume_body(selector: str) -> float:
 
 
 @pytest.mark.parametrize("selector", ["hypernet", "norm"])
-def test_save_restore_resumes_identically(selector):
-    for diff in run_ranks(resume_body, np=2, args=(selector,), timeout=120):
+def test_save_restore_resumes_identically(exact_runs, selector):
+    np_, runs = exact_runs
+    if np_ != 2:
+        pytest.skip("bit-exact resuming is checked on 2 ranks (see exact_runs)")
+    for diff in runs[selector]:
         assert diff == 0.0
 
 

@@ -8,8 +8,8 @@ import torch
 
 import hvdsync.torch as hvd
 from hvdsync import ThresholdConfig
-from hvdsync.testing import run_ranks
-from tests.models import LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails, run_cases, teacher_batches
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails, call, run_cases,
+                          teacher_batches)
 
 
 def threshold_body(cfg: dict, opt_name: str, steps: int) -> dict:
@@ -130,10 +130,20 @@ def parity_body(opt_name: str, steps: int) -> float:
     return max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+SGD_LR, SGD_STEPS = 0.1, 24
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def exact_runs(request):
+    """The exact-result cases, one job per rank count."""
+    return run_cases(call, request.param, {
+        "momentum": (parity_body, "momentum", 20), "adam": (parity_body, "adam", 20),
+        "sgd": (sgd_exact_body, SGD_STEPS, SGD_LR)}, timeout=300)
+
+
 @pytest.mark.parametrize("opt_name", ["momentum", "adam"])
-def test_threshold_zero_equals_horovod(np_, opt_name):
-    for diff in run_ranks(parity_body, np=np_, args=(opt_name, 20), timeout=120):
+def test_threshold_zero_equals_horovod(exact_runs, opt_name):
+    for diff in exact_runs[opt_name]:
         assert diff <= 1e-6
 
 
@@ -144,9 +154,10 @@ def digits_body(threshold: dict | None, epochs: int, seed: int) -> dict:
 
 
 def test_converges_on_digits_while_skipping_half_the_sends():
-    dense = run_ranks(digits_body, np=2, args=(None, 8, 0), timeout=180)[0]
-    sparse = run_ranks(digits_body, np=2, args=(dict(threshold=0.6, max_skip=8), 8, 0),
-                       timeout=180)[0]
+    runs = run_cases(digits_body, 2, {"dense": (None, 8, 0),
+                                      "sparse": (dict(threshold=0.6, max_skip=8), 8, 0)},
+                     timeout=300)
+    dense, sparse = runs["dense"][0], runs["sparse"][0]
     skipped = sparse["stats"]["total"]["layers_skipped"]
     sent = sparse["stats"]["total"]["layers_sent"]
     assert skipped / (skipped + sent) >= 0.5, (skipped, sent)
@@ -235,13 +246,12 @@ def sgd_exact_body(steps: int, lr: float) -> dict:
     return rec
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_plain_sgd_is_exactly_the_documented_arithmetic(np_):
+def test_plain_sgd_is_exactly_the_documented_arithmetic(exact_runs):
     """After a layer syncs at step t it holds ``theta_0 - lr * sum_{j<=t} mean_r g_j`` (what
     synchronous SGD would hold); between syncs, its last sync value minus ``lr`` times this
     rank's own gradients since (docs/threshold.md)."""
-    lr, steps = 0.1, 24
-    ranks = run_ranks(sgd_exact_body, np=np_, args=(steps, lr), timeout=180)
+    lr, steps = SGD_LR, SGD_STEPS
+    ranks = exact_runs["sgd"]
     sent = ranks[0]["sent"]
     assert 0 < sum(map(len, sent)) < 3 * steps  # a mix of syncs and skips
     for rank, r in enumerate(ranks):
