@@ -11,6 +11,7 @@ import pytest
 
 from hvdsync.testing import run_ranks
 from tests.keras_models import fit_body, key, mlp, teacher_data
+from tests.models import call, run_cases
 
 
 def _parity_cases():
@@ -157,21 +158,41 @@ def save_rank(path: str, options: dict, steps: int) -> dict:
     return fit_body(options, "adam", 0.01, steps, 16, record_weights=False, save_to=path)
 
 
-@pytest.mark.parametrize("options", [{}, dict(threshold=dict(threshold=0.5, max_skip=3)),
-                                     dict(select=dict(k=1)), dict(clip=dict(ema=(0.9, 1.0)))],
-                         ids=["plain", "threshold", "select", "clip"])
-def test_save_and_load_round_trip(tmp_path, options):
+SAVES = {"plain": {}, "threshold": dict(threshold=dict(threshold=0.5, max_skip=3)),
+         "select": dict(select=dict(k=1)), "clip": dict(clip=dict(ema=(0.9, 1.0)))}
+
+
+def example_rank(path: str) -> dict:
+    from examples.keras.train_digits import train
+    return train(epochs=4, verbose=False, save=path)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Models trained and saved on 2 ranks (one job): per case, the file and every rank's
+    result."""
+    where = tmp_path_factory.mktemp("saved")
+    cases = {name: (save_rank, str(where / f"{name}.keras"), options, 7)
+             for name, options in SAVES.items()}
+    cases["unconfigured"] = (save_rank, str(where / "threshold3.keras"), dict(threshold=0.5), 3)
+    cases["example"] = (example_rank, str(where / "digits.keras"))
+    runs = run_cases(call, 2, cases, timeout=600)
+    return {name: (case[1], runs[name]) for name, case in cases.items()}
+
+
+@pytest.mark.parametrize("name", list(SAVES))
+def test_save_and_load_round_trip(saved, name):
     import keras
     import hvdsync.keras as hvd
-    path = str(tmp_path / "model.keras")
-    ranks = run_ranks(save_rank, np=2, args=(path, options, 7), timeout=300)
-    saved = ranks[0]
+    options = SAVES[name]
+    path, ranks = saved[name]
+    result = ranks[0]
     hvd.init()
     model = hvd.load_model(path, **options)
     opt = model.optimizer
     assert isinstance(opt, keras.optimizers.Adam) and hasattr(opt, "stats")
     for v in model.trainable_variables:
-        np.testing.assert_array_equal(v.numpy(), saved["final"][key(v)])
+        np.testing.assert_array_equal(v.numpy(), result["final"][key(v)])
     assert int(opt.iterations.numpy()) == 7
     if options:
         technique = next(iter(options))
@@ -194,15 +215,14 @@ def test_save_and_load_round_trip(tmp_path, options):
         warnings.simplefilter("ignore")
         plain = keras.models.load_model(path)
     for v in plain.trainable_variables:
-        np.testing.assert_array_equal(v.numpy(), saved["final"][key(v)])
+        np.testing.assert_array_equal(v.numpy(), result["final"][key(v)])
     if not options:  # nothing of hvdsync's in the file: the optimizer state loads too
         assert int(plain.optimizer.iterations.numpy()) == 7
 
 
-def test_load_model_refuses_state_of_an_unconfigured_technique(tmp_path):
+def test_load_model_refuses_state_of_an_unconfigured_technique(saved):
     import hvdsync.keras as hvd
-    path = str(tmp_path / "model.keras")
-    run_ranks(save_rank, np=2, args=(path, dict(threshold=0.5), 3), timeout=300)
+    path, _ = saved["unconfigured"]
     hvd.init()
     with pytest.raises(ValueError, match="threshold="):
         hvd.load_model(path)
@@ -263,14 +283,8 @@ def test_single_process_fit_works_and_counts_nothing_sent():
 
 
 # -- the example ---------------------------------------------------------------------------------
-def example_rank(path: str) -> dict:
-    from examples.keras.train_digits import train
-    return train(epochs=4, verbose=False, save=path)
-
-
-def test_keras_example_trains_and_saves(tmp_path):
-    path = str(tmp_path / "digits.keras")
-    ranks = run_ranks(example_rank, np=2, args=(path,), timeout=300)
+def test_keras_example_trains_and_saves(saved):
+    path, ranks = saved["example"]
     assert ranks[0]["accuracy"] >= 0.9, ranks[0]["accuracy"]
     assert ranks[0]["accuracy"] == ranks[1]["accuracy"]  # identical replicas
     assert os.path.exists(path)
