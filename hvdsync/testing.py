@@ -17,6 +17,10 @@ itself); return values must be picklable and come back as a list indexed by rank
 that raises, a non-zero exit, or a job still running after ``timeout`` seconds (a hang: all
 ranks are killed) raises :class:`RanksFailed`, whose message holds every rank's output.
 
+Horovod's launcher runs as ``horovodrun`` does, less its check at every launch that Horovod
+has Gloo (a fork importing all of TensorFlow, ~5 s of CPU): that is asked once per calling
+process (docs/testing.md, "What a job costs").
+
 Whatever ends the call -- success, failure, timeout, an exception or Ctrl-C in the caller --
 no rank process is left behind: Horovod's launcher starts each rank in a session of its own
 (out of reach of a process-group kill), so the ranks are found by their command line and

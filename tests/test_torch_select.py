@@ -211,18 +211,18 @@ def parity_body(opt_name: str, steps: int) -> float:
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
 def exact_runs(request):
-    """The exact-result cases, one job per rank count: parity with Horovod; resuming on 2
-    ranks (on 3, Horovod's ring sums depend on where a tensor sits in its fusion buffer: a
-    matter of timing, so two runs of the same steps may differ in the last bit)."""
-    resume = {"hypernet": (resume_body, "hypernet"), "norm": (resume_body, "norm")}
-    return request.param, run_cases(call, request.param, {
+    """The exact-result cases, one job per rank count: parity with Horovod, resuming. Without
+    tensor fusion: on 3 ranks Horovod's ring sums depend on where a tensor sits in its fusion
+    buffer, a matter of timing, so two runs of the same steps could differ in the last bit."""
+    return run_cases(call, request.param, {
         "momentum": (parity_body, "momentum", 20), "adam": (parity_body, "adam", 20),
-        **(resume if request.param == 2 else {})}, timeout=300)
+        "hypernet": (resume_body, "hypernet"), "norm": (resume_body, "norm")}, timeout=300,
+        env={"HOROVOD_FUSION_THRESHOLD": "0"})
 
 
 @pytest.mark.parametrize("opt_name", ["momentum", "adam"])
 def test_all_layers_equals_horovod(exact_runs, opt_name):
-    for diff in exact_runs[1][opt_name]:
+    for diff in exact_runs[opt_name]:
         assert diff <= 1e-6
 
 
@@ -264,10 +264,7 @@ def resume_body(selector: str) -> float:
 
 @pytest.mark.parametrize("selector", ["hypernet", "norm"])
 def test_save_restore_resumes_identically(exact_runs, selector):
-    np_, runs = exact_runs
-    if np_ != 2:
-        pytest.skip("bit-exact resuming is checked on 2 ranks (see exact_runs)")
-    for diff in runs[selector]:
+    for diff in exact_runs[selector]:
         assert diff == 0.0
 
 
