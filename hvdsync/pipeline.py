@@ -256,10 +256,19 @@ class StepPipeline:
             t.after_optimizer_step()
 
     def abandon_step(self) -> None:
-        """Finish what is in flight and forget the step (before loading a checkpoint)."""
+        """Finish what is in flight and forget the step (before loading a checkpoint).
+
+        A collective that fails here is dropped with the step: it belonged to a world that is
+        gone (Horovod Elastic restores the last commit after a rank died, and the collectives
+        of the interrupted step can only raise)."""
         for ps in self._pending.values():
             for p in ps:
-                p.wait()
+                try:
+                    p.wait()
+                except Exception as e:  # noqa: BLE001 - its results are discarded anyway
+                    warnings.warn(f"hvdsync: a collective of the abandoned step failed ({e}); "
+                                  "its results are dropped with the step", RuntimeWarning,
+                                  stacklevel=2)
         self._new_step()
 
     # -- checkpoints ---------------------------------------------------------------------------

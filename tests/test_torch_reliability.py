@@ -416,3 +416,33 @@ def test_amp_recipe_without_scaler_refuses_or_matches_horovod(np_):
                 assert r["error"] is not None and "scaler=scaler" in r["error"], (name, r)
                 assert f"{case if case != 'outer' else 'delay'}=" in r["error"], (name, r)
                 assert r["moved"] == 0.0, (name, r)
+
+
+# -- a restore after the world changed (Horovod Elastic) ---------------------------------------
+def test_restoring_drops_a_step_whose_collectives_failed():
+    """Horovod Elastic restores the last commit (``load_state_dict``) after a rank died, while
+    the interrupted step's collectives can only raise: the step is dropped with a warning,
+    the state loads and training goes on (one process; the killed-rank job: issue 31)."""
+    import hvdsync.torch as hvd
+    from hvdsync.technique import Pending
+    hvd.init()
+    torch.manual_seed(0)
+    m = MLP()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(), threshold=0.5)
+    (x, y), = teacher_batches(0, 1)
+    opt.zero_grad()
+    nn.functional.cross_entropy(m(x), y).backward()
+    opt.step()
+    saved = opt.state_dict()
+
+    def gone():
+        raise RuntimeError("Horovod has been shut down")
+    opt._pipeline._pending[0] = [Pending(gone, what="an allreduce of a lost world")]
+    with pytest.warns(RuntimeWarning, match="abandoned step failed .*shut down"):
+        opt.load_state_dict(saved)
+    assert not opt._pipeline.busy
+    opt.zero_grad()
+    nn.functional.cross_entropy(m(x), y).backward()
+    opt.step()
+    assert opt.stats.total.step == 2
