@@ -261,14 +261,16 @@ class StepPipeline:
         A collective that fails here is dropped with the step: it belonged to a world that is
         gone (Horovod Elastic restores the last commit after a rank died, and the collectives
         of the interrupted step can only raise)."""
+        failed: list[Exception] = []
         for ps in self._pending.values():
             for p in ps:
                 try:
                     p.wait()
                 except Exception as e:  # noqa: BLE001 - its results are discarded anyway
-                    warnings.warn(f"hvdsync: a collective of the abandoned step failed ({e}); "
-                                  "its results are dropped with the step", RuntimeWarning,
-                                  stacklevel=2)
+                    failed.append(e)
+        if failed:
+            warnings.warn(f"hvdsync: {len(failed)} collective(s) of the abandoned step failed "
+                          f"({failed[0]}); dropped with the step", RuntimeWarning, stacklevel=3)
         self._new_step()
 
     # -- checkpoints ---------------------------------------------------------------------------
