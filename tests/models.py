@@ -62,6 +62,11 @@ def assert_construction_fails(exc: type, pattern: str, **kwargs) -> None:
 #: Horovod's by-name path) and simulated ranks (2 and 3, threads of this process: the same
 #: assertions in a fraction of the time; 3-rank real jobs stay in the flush, parity and
 #: reliability tests). docs/testing.md
+#: the real rank counts of parity and integration jobs (2, and 3 where a ring sum is not a
+#: sum of two), for module-scoped fixtures: ``params=REAL_NP, ids=REAL_NP_IDS``
+REAL_NP = [2, 3]
+REAL_NP_IDS = [f"np{n}" for n in REAL_NP]
+
 LOGIC_JOBS = [(2, "horovodrun"), (2, "simulated"), (3, "simulated")]
 LOGIC_IDS = [f"np{n}-{launcher}" for n, launcher in LOGIC_JOBS]
 

@@ -10,7 +10,7 @@ import pytest
 
 from hvdsync.testing import run_ranks
 from tests.keras_models import fit_body
-from tests.models import apply_each
+from tests.models import REAL_NP, REAL_NP_IDS, apply_each
 from tests.test_torch_flush import OUTER, PAIRS, SINGLES, TECHNIQUES
 
 STEPS = 11  # not a multiple of any K or max_skip here: something is pending at the end
@@ -36,7 +36,7 @@ def flush_rank() -> list:
     return apply_each(flush_case, [(names,) for names in CASES.values()])
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
 def runs(request):
     ranks = run_ranks(flush_rank, np=request.param, timeout=900)
     return {name: [r[i] for r in ranks] for i, name in enumerate(CASES)}

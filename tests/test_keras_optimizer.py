@@ -11,7 +11,7 @@ import pytest
 
 from hvdsync.testing import run_ranks
 from tests.keras_models import fit_body, key, mlp, teacher_data
-from tests.models import call, run_cases
+from tests.models import REAL_NP, REAL_NP_IDS, call, run_cases
 
 
 def _parity_cases():
@@ -53,7 +53,7 @@ def parity_rank(np_: int) -> list:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
 def parity(request):
     return request.param, run_ranks(parity_rank, np=request.param, args=(request.param,),
                                     timeout=400)

@@ -13,8 +13,8 @@ import torch
 
 import hvdsync.torch as hvd
 from hvdsync import ClipConfig
-from tests.models import (LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, call, run_cases,
-                          run_job)
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, REAL_NP, REAL_NP_IDS, assert_construction_fails,
+                          call, run_cases, run_job)
 
 SHAPES = {"a.weight": (3, 4), "a.bias": (3,), "b.weight": (2, 3), "b.bias": (2,)}
 LAYERS = {"a": ["a.weight", "a.bias"], "b": ["b.weight", "b.bias"]}
@@ -177,7 +177,7 @@ def test_adaptive_rules_match_reference(np_, launcher, name):
     assert all(c == 0 for r in results for c in r["clipped"][:warmup])
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
 def horovod_runs(request):
     """A NaN on one rank, and parity with Horovod: one job per rank count."""
     return run_cases(call, request.param, {

@@ -15,7 +15,8 @@ from hvdsync import DelayConfig
 from hvdsync.delay import DelayPolicy, staleness_histogram
 from hvdsync.stats import SyncStats
 from hvdsync.testing import run_ranks
-from tests.models import LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails, run_cases, teacher_batches
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS,
+                          assert_construction_fails, run_cases, teacher_batches)
 
 
 def make_opt(model: nn.Module, opt_name: str) -> torch.optim.Optimizer:
@@ -213,7 +214,7 @@ PARITY = {  # case: (delay, optimizer, steps, fp16 compression)
 }
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
 def parity_runs(request):
     return run_cases(parity_body, request.param, PARITY, timeout=300)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import hvdsync.torch as hvd
-from tests.models import MLP, assert_construction_fails, call, run_cases, teacher_batches
+from tests.models import (MLP, REAL_NP, REAL_NP_IDS, assert_construction_fails, call, run_cases,
+                          teacher_batches)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -181,7 +182,7 @@ def stats_body(steps: int) -> dict:
                 param_bytes=sum(p.numel() * p.element_size() for p in m.parameters()))
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
 def multi_rank_runs(request):
     """This file's multi-rank cases, one job per rank count."""
     return run_cases(call, request.param, {

@@ -19,7 +19,8 @@ from torch import nn
 from hvdsync import DelayConfig
 from hvdsync.outer import INT8_CHUNK, fragment_layers, start_offsets
 from hvdsync.testing import run_ranks
-from tests.models import LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails, run_cases, teacher_batches
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS,
+                          assert_construction_fails, run_cases, teacher_batches)
 
 STEPS = 13
 
@@ -188,7 +189,7 @@ HOROVOD_CASES = {"sgd": (K1, 0.0, 10, 1), "momentum": (K1, 0.9, 10, 1),
                  "momentum_2_passes": (K1, 0.9, 10, 2)}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
 def horovod_runs(request):
     return run_cases(horovod_body, request.param, HOROVOD_CASES, timeout=300)
 

@@ -11,8 +11,8 @@ from torch import nn
 from hvdsync import SelectConfig
 from hvdsync.select import SelectPolicy
 from hvdsync.testing import run_ranks
-from tests.models import (LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, call, check_pushes,
-                          run_cases, teacher_batches)
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, REAL_NP, REAL_NP_IDS, assert_construction_fails,
+                          call, check_pushes, run_cases, teacher_batches)
 
 DEPTH = 6  # linear layers in the test model
 
@@ -209,7 +209,7 @@ def parity_body(opt_name: str, steps: int) -> float:
     return max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
 def exact_runs(request):
     """The exact-result cases, one job per rank count: parity with Horovod, resuming. Without
     tensor fusion: on 3 ranks Horovod's ring sums depend on where a tensor sits in its fusion

@@ -8,8 +8,8 @@ import torch
 
 import hvdsync.torch as hvd
 from hvdsync import ThresholdConfig
-from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails, call, run_cases,
-                          teacher_batches)
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS,
+                          assert_construction_fails, call, run_cases, teacher_batches)
 
 
 def threshold_body(cfg: dict, opt_name: str, steps: int) -> dict:
@@ -133,7 +133,7 @@ def parity_body(opt_name: str, steps: int) -> float:
 SGD_LR, SGD_STEPS = 0.1, 24
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+@pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
 def exact_runs(request):
     """The exact-result cases, one job per rank count."""
     return run_cases(call, request.param, {

@@ -152,10 +152,11 @@ class CompiledDecider:
         Send: the held tensor joins the gradient and ``send(xs) -> (reduced, extras)`` runs
         (``extras``: ``n_extra`` float32 scalars, zeros when kept). Keep: a local step with the
         layer's own gradient, or withheld (zeros; put back after the update). Returns the
-        gradients to apply, the extras, and -- apart from the data, so the control round can start while the data is still in flight -- the norm of what the
-        layer holds after the step (its candidate, committed by :meth:`commit`; 0 when sent)
-        and whether its local gradient is non-finite where it is kept (sent data is checked
-        once reduced: identical everywhere)."""
+        gradients to apply, the extras, and -- apart from the data, so the control round can
+        start while the data is still in flight -- the norm of what the layer holds after the
+        step (its candidate, committed by :meth:`commit`; 0 when sent) and whether its local
+        gradient is non-finite where it is kept (sent data is checked once reduced: identical
+        everywhere)."""
         held = [self.held.store[k][0] for k in keys]
         flag = self.held.flags[li]
 
