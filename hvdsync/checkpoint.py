@@ -116,6 +116,31 @@ def _own(techniques: Sequence[Technique], state: Mapping[str, Any], rank: int,
     return _shared(techniques, states), False
 
 
+def held_per_rank(techniques: Sequence[Technique]) -> list[str]:
+    """The techniques whose per-rank memory holds anything now (a non-zero value: what
+    dropping it would lose), as ``"name: key/key"``."""
+    out = []
+    for t in techniques:
+        state = t.state_dict() if t.per_rank else {}
+        keys = [k for k in t.per_rank if _holds(state.get(k))]
+        if keys:
+            out.append(f"{t.name}: {'/'.join(keys)}")
+    return out
+
+
+def _holds(x: Any) -> bool:
+    if isinstance(x, Mapping):
+        return any(_holds(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_holds(v) for v in x)
+    if hasattr(x, "detach"):  # torch (any dtype, sparse too)
+        x = x.detach()
+        return bool((x.to_dense() if x.is_sparse else x).ne(0).any())
+    if hasattr(x, "shape"):  # numpy, TensorFlow
+        return bool(np.any(np.asarray(x) != 0))
+    return isinstance(x, (int, float)) and x != 0
+
+
 def _names(techniques: Sequence[Technique]) -> str:
     return ", ".join(f"{t.name}: {'/'.join(t.per_rank)}" for t in techniques if t.per_rank)
 

@@ -47,7 +47,8 @@ from typing import Any, Optional
 from hvdsync.config import coerce_config
 from hvdsync.outer import CODECS, OuterSync, start_offsets
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, Technique, Transport
+from hvdsync.technique import (Communicator, Gradients, Pending, TensorOps, Technique, Transport,
+                               finish_dropped)
 
 STATE_MODES = ("local", "average")
 
@@ -443,10 +444,10 @@ class DelayedGradients(Transport):
     def _discard_gradients(self) -> int:
         self._local = []
         n = len(self._in_flight)
-        for part in self._in_flight.values():
-            for layer in part.values():
-                layer.pending.wait()
-                getattr(layer.pending, "discard", _nothing)()
+        layers = [layer for part in self._in_flight.values() for layer in part.values()]
+        for pending in finish_dropped([layer.pending for layer in layers],
+                                      "outstanding global gradients"):
+            getattr(pending, "discard", _nothing)()  # lowrank=: the error feedback comes back
         self._in_flight.clear()
         self._average_after_step = False
         if n:

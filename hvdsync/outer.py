@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Communicator, Gradients, Pending, TensorOps
+from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, finish_dropped
 
 #: how the pseudo-gradients travel: ``none`` (as they are, allreduce), ``fp16`` (allreduce
 #: in half precision), ``bf16`` and ``int8`` (allgather: every rank decodes every rank's
@@ -290,8 +290,8 @@ class OuterSync:
         """Finish and drop every exchange in flight (a checkpoint is being loaded, or the
         technique forgets); returns how many there were."""
         n = len(self._in_flight)
-        for ex in self._in_flight.values():
-            ex.pending.wait()
+        finish_dropped([ex.pending for ex in self._in_flight.values()],
+                       "outer exchanges in flight")
         self._in_flight.clear()
         return n
 

@@ -27,7 +27,7 @@ from hvdsync import checkpoint
 from hvdsync.agreement import RanksDisagree
 from hvdsync.stats import SyncStats
 from hvdsync.technique import (DECIDER, TRANSFORM, TRANSPORT, Communicator, Decider, Gradients,
-                               Pending, TensorOps, Technique, Transport)
+                               Pending, TensorOps, Technique, Transport, finish_dropped)
 
 
 class StepPipeline:
@@ -93,6 +93,8 @@ class StepPipeline:
         """Layer ``li``'s local gradient is final: transform it and send it (or decide) --
         now, or where collectives pair by order, once the layers before it in ``_order`` are
         taken."""
+        if self._after_load is not None:  # before any layer of the step uses the memory
+            self.check_load()
         if self._order is None:
             self._take(li)
             return
@@ -185,7 +187,7 @@ class StepPipeline:
         """Make every layer ready (parameters without a gradient get zeros, as in Horovod),
         send everything queued, start the decider's control exchange, wait for all of it, and
         close the step up to the wrapped optimizer's update."""
-        self.check_load()
+        self.check_load()  # (a step in which no layer became ready in backward)
         n = len(self.layer_names)
         missing = [li for li in range(n) if not self._ready[li]]
         for t in self.transports:
@@ -256,22 +258,19 @@ class StepPipeline:
             t.after_optimizer_step()
 
     def abandon_step(self) -> None:
-        """Finish what is in flight and forget the step (before loading a checkpoint).
-
-        A collective that fails here is dropped with the step: it belonged to a world that is
-        gone (Horovod Elastic restores the last commit after a rank died, and the collectives
-        of the interrupted step can only raise)."""
-        failed: list[Exception] = []
-        for ps in self._pending.values():
-            for p in ps:
-                try:
-                    p.wait()
-                except Exception as e:  # noqa: BLE001 - its results are discarded anyway
-                    failed.append(e)
-        if failed:
-            warnings.warn(f"hvdsync: {len(failed)} collective(s) of the abandoned step failed "
-                          f"({failed[0]}); dropped with the step", RuntimeWarning, stacklevel=3)
+        """Finish what is in flight and forget the step (before loading a checkpoint). A
+        collective that fails here is dropped with the step (:func:`finish_dropped`)."""
+        finish_dropped([p for ps in self._pending.values() for p in ps],
+                       "the abandoned step")
         self._new_step()
+
+    def leave_world(self) -> None:
+        """Horovod is about to shut down and start again with other ranks (an Elastic
+        reset): the step in flight and every technique's exchanges in flight are finished
+        or, where they fail, dropped -- none may outlive the world that started it."""
+        self.abandon_step()
+        for t in self.techniques:
+            t.discard()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def after_load(self, restored_own: bool) -> None:
@@ -298,9 +297,12 @@ class StepPipeline:
                 "load the same checkpoint on every rank, or broadcast it with "
                 "hvd.broadcast_optimizer_state (docs/checkpoints.md)")
         if not all(e["restored"] for e in everyone):
-            if restored:
-                warnings.warn("hvdsync: not every rank restored its own memory from the "
-                              "checkpoint, so none keeps any (docs/checkpoints.md)",
+            held = checkpoint.held_per_rank(self.techniques)
+            if held:
+                warnings.warn("hvdsync: not every rank has its own memory back (a checkpoint "
+                              "restored on some ranks only, of another rank count, or a "
+                              "Horovod Elastic reset), so every rank drops its own; this "
+                              f"rank's held: {'; '.join(held)} (docs/checkpoints.md)",
                               RuntimeWarning, stacklevel=3)
             for t in self.techniques:
                 if t.per_rank:

@@ -51,6 +51,7 @@ from typing import Any, Optional
 
 from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
+from hvdsync.technique import Transport
 
 #: Layout codes shared in the counts collective (a count >= 0 means "sparse, that many rows").
 DENSE = -1
@@ -228,6 +229,21 @@ class SparseProtocol:
         if len(set(self.layout[i][1])) == 1:
             self.stats.count("sparse_gather_equal")
 
+    def state_dict(self) -> dict:
+        """What later steps' collectives depend on, the same on every rank: the layouts seen
+        and the predicted routes (a rank that joins a running job gets them with the shared
+        state, Horovod Elastic)."""
+        return {"known": [[i, layout, sdim] for i, (layout, sdim) in sorted(self.known.items())],
+                "predicted": [[i, route] for i, route in sorted(self.predicted.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.known = {int(i): (str(layout), int(sdim)) for i, layout, sdim in state["known"]}
+        self.predicted = {int(i): str(route) for i, route in state["predicted"]}
+
+    def forget(self) -> None:
+        """Back to no memory: the next step shares the layouts first."""
+        self.known, self.predicted = {}, {}
+
     def end_step(self, route_of: Callable[[int], str], rows_of: Callable[[int], int]) -> None:
         """``one_round``: next step's routes (``route_of(i)``: by this step's shared counts);
         the routes of this step for :attr:`last_routes` (``rows_of(i)``: rows handed to the
@@ -237,3 +253,25 @@ class SparseProtocol:
         self.last_routes = {self.names[i]: (route, tuple(self.layout[i][1]), rows_of(i))
                             for i, route in self.taken.items()}
         self.taken = {}
+
+
+class SparseTransport(Transport):
+    """Both adapters' sparse exchange: what they share (the :class:`SparseProtocol` and its
+    memory in checkpoints); each moves its framework's tensors."""
+
+    name = "sparse"
+    decidable = False  # row-sparse gradients go every step
+    scale_sensitive = False  # rows summed; the memory is of layouts and routes only
+    protocol: SparseProtocol
+
+    def state_dict(self) -> dict:
+        return {"protocol": self.protocol.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "protocol" in state:
+            self.protocol.load_state_dict(state["protocol"])
+        else:
+            self.forget()
+
+    def forget(self) -> None:
+        self.protocol.forget()

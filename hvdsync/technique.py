@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol
 
@@ -125,6 +126,24 @@ class Pending:
                     self.what)
         p._guarded = False  # this one's wait() is guarded already
         return p
+
+
+def finish_dropped(pendings: Sequence[Pending], what: str) -> list[Pending]:
+    """Wait for collectives whose results are thrown away; one that fails is dropped with them
+    (one ``RuntimeWarning`` for all, naming ``what``): it belonged to a world that is gone --
+    Horovod Elastic restores the last commit after a rank died, and the collectives in flight
+    then can only raise. Returns the ones that finished."""
+    finished, failed = [], []
+    for p in pendings:
+        try:
+            p.wait()
+            finished.append(p)
+        except Exception as e:  # noqa: BLE001 - its results are discarded anyway
+            failed.append(e)
+    if failed:
+        warnings.warn(f"hvdsync: {len(failed)} collective(s) of {what} failed ({failed[0]}); "
+                      "dropped with them", RuntimeWarning, stacklevel=3)
+    return finished
 
 
 def control_part(values: Sequence[float], control: Sequence[str], name: str,
@@ -314,6 +333,12 @@ class Technique:
     def flush_replicas(self) -> int:
         """Make the replicas identical now (a collective on every rank); returns how many
         outstanding exchanges this rank dropped. Default: nothing to do."""
+        return 0
+
+    def discard(self) -> int:
+        """Finish and drop every exchange it has in flight across steps (a checkpoint is
+        loaded, or the world is about to change: Horovod Elastic); a failed one is dropped
+        too. Returns how many there were. Default: none."""
         return 0
 
     def state_dict(self) -> dict:

@@ -97,25 +97,98 @@ def run_ranks(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | 
     :class:`RanksFailed` with every rank's output."""
     with tempfile.TemporaryDirectory(prefix="hvdsync-ranks-") as tmp:
         name = write_call(tmp, fn, args, kwargs)
-        cmd = launch_command(launcher, np, tmp)
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=rank_env(env), start_new_session=True, text=True,
-                                errors="replace")
-        hung = False
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            hung = True
-            kill_job(proc, tmp)
-            output, _ = proc.communicate(timeout=_GRACE_S)
-        except BaseException:  # an error or Ctrl-C here: take the ranks down with us
-            kill_job(proc, tmp)
-            raise
-        finally:
-            kill_job(proc, tmp)  # stragglers of a finished launcher
-        return collect_results(tmp, np, name, hung, proc.returncode, timeout,
+        output, returncode, hung = _launch(launch_command(launcher, np, tmp), tmp,
+                                           rank_env(env), timeout)
+        return collect_results(tmp, np, name, hung, returncode, timeout,
                                time.monotonic() - start, output)
+
+
+def _launch(cmd: list[str], tmp: str, env: dict[str, str], timeout: float
+            ) -> tuple[str, int | None, bool]:
+    """Run the launcher ``cmd`` to its end or ``timeout``; (output, exit code, hung). Every
+    process of the job is gone when it returns, however it ends."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, text=True, errors="replace")
+    hung = False
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        hung = True
+        kill_job(proc, tmp)
+        output, _ = proc.communicate(timeout=_GRACE_S)
+    except BaseException:  # an error or Ctrl-C here: take the ranks down with us
+        kill_job(proc, tmp)
+        raise
+    finally:
+        kill_job(proc, tmp)  # stragglers of a finished launcher
+    return output, proc.returncode, hung
+
+
+#: the names under which this machine is each "host" of :func:`run_elastic` (Horovod runs a
+#: host locally when its address is one of the machine's; a failure blacklists the whole host,
+#: so a rank lost or added is a host lost or added: one slot per name)
+def elastic_host_names() -> list[str]:
+    import socket
+    return ["localhost", "127.0.0.1", socket.gethostname()]
+
+
+#: set in the ranks of :func:`run_elastic`: the file its discovery script prints (one
+#: ``host:1`` line per host; a body may rewrite it to add or remove hosts)
+HOSTS_ENV = "HVDSYNC_ELASTIC_HOSTS"
+
+
+def run_elastic(fn: Callable[..., Any], np: int, min_np: int, max_np: int | None = None,
+                hosts: int | None = None, args: tuple = (), kwargs: dict | None = None,
+                timeout: float = 300, env: dict[str, str] | None = None,
+                cooldown_s: tuple[int, int] | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` under ``horovodrun``'s elastic mode on this machine
+    (``--min-np``/``--max-np``, a host discovery script; ranks come and go): ``np`` ranks
+    to start, one per host name (:func:`elastic_host_names`), the first ``hosts`` of them
+    (default ``np``) listed at the start. The body finds the hosts file in
+    ``os.environ[HOSTS_ENV]`` and may rewrite it; ``cooldown_s``: a failed host comes back
+    after that many seconds (``--blacklist-cooldown-range``), else it stays out.
+
+    Returns the results of every process that returned (a killed one has none; one that joined
+    later has one), in no particular order: put the rank in the result. A process that
+    raises, a non-zero exit of the job, or a job running past ``timeout`` seconds raises
+    :class:`RanksFailed` with every process's output; nothing is left behind."""
+    names = elastic_host_names()
+    max_np = np if max_np is None else max_np
+    if max_np > len(names):
+        raise ValueError(f"run_elastic runs at most {len(names)} ranks here (one per host name)")
+    _check_horovod_gloo()
+    with tempfile.TemporaryDirectory(prefix="hvdsync-ranks-") as tmp:
+        name = write_call(tmp, fn, args, kwargs)
+        hosts_file = os.path.join(tmp, "hosts")
+        with open(hosts_file, "w") as f:
+            f.write("".join(f"{h}:1\n" for h in names[:hosts or np]))
+        discover = os.path.join(tmp, "discover.sh")
+        with open(discover, "w") as f:
+            f.write(f"#!/bin/sh\ncat {hosts_file}\n")
+        os.chmod(discover, 0o755)
+        cmd = [sys.executable, "-m", "hvdsync.testing", "--horovodrun", "-np", str(np),
+               "--min-np", str(min_np), "--max-np", str(max_np),
+               "--host-discovery-script", discover, "--gloo"]
+        if cooldown_s is not None:
+            cmd += ["--blacklist-cooldown-range", str(cooldown_s[0]), str(cooldown_s[1])]
+        cmd += rank_command(tmp)
+        start = time.monotonic()
+        output, returncode, hung = _launch(cmd, tmp, rank_env({HOSTS_ENV: hosts_file,
+                                                               **(env or {})}), timeout)
+        done = sorted(f for f in os.listdir(tmp) if f.startswith("done.") and f.endswith(".pkl"))
+        results = []
+        for f in done:
+            with open(os.path.join(tmp, f), "rb") as fh:
+                results.append(pickle.load(fh))
+        if hung or returncode != 0 or not results:
+            what = (f"timed out after {timeout:.0f}s (hang?); all ranks killed" if hung
+                    else f"exited with code {returncode}" if returncode
+                    else "no process returned a result")
+            raise RanksFailed(f"{name} elastic ({np} ranks, --min-np {min_np}) {what} "
+                              f"({time.monotonic() - start:.1f}s).\n"
+                              f"{format_rank_output(output, max_np)}", workdir=tmp)
+        return results
 
 
 def run_threads(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | None = None,
@@ -269,9 +342,11 @@ def _rank_main(tmp: str) -> None:
               file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)  # do not wait for other ranks in Horovod's shutdown
-    with open(os.path.join(tmp, f"rank{rank}.pkl.tmp"), "wb") as f:
+    # elastic (run_elastic): ranks are renumbered as the job changes; one file per process
+    out = f"done.{os.getpid()}.pkl" if HOSTS_ENV in os.environ else f"rank{rank}.pkl"
+    with open(os.path.join(tmp, out + ".tmp"), "wb") as f:
         pickle.dump(result, f)
-    os.replace(os.path.join(tmp, f"rank{rank}.pkl.tmp"), os.path.join(tmp, f"rank{rank}.pkl"))
+    os.replace(os.path.join(tmp, out + ".tmp"), os.path.join(tmp, out))
 
 
 def _horovodrun_main(argv: list[str]) -> None:

@@ -48,7 +48,10 @@ SINGLES = [(n,) for n in TECHNIQUES]
 PAIRS = [p for p in itertools.combinations(TECHNIQUES, 2) if _combines(p)]
 # the outer synchronization (local steps, K 8 in fragments, int8): exchanges in flight
 OUTER = dict(delay="streaming")
-SETUPS = ("plain", "hard")  # hard: 2 backward passes, 2 parameter groups, a frozen bias, StepLR
+# hard: 2 backward passes, 2 parameter groups, a frozen bias, StepLR, and Horovod's start of
+# training (broadcast_parameters + broadcast_optimizer_state, which runs a local init step and
+# hands over rank 0's technique state)
+SETUPS = ("plain", "hard")
 
 
 def _options(names: tuple[str, ...]) -> dict:
@@ -78,6 +81,9 @@ def flush_body(names: tuple[str, ...], setup: str, momentum: float) -> dict:
     base = torch.optim.SGD(groups, lr=0.1, momentum=momentum)
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                    backward_passes_per_step=passes, **_options(names))
+    if hard:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5) if hard else None
     batches = (bag_batches(hvd.rank(), (STEPS + MORE) * passes) if bag
                else [(x, None, y) for x, y in

@@ -28,17 +28,14 @@ from horovod.tensorflow.mpi_ops import Average
 
 from hvdsync.keras.backend import KerasGradients
 from hvdsync.keras.comm import KerasCommunicator, coalesce, payload_bytes
-from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseProtocol
+from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseProtocol, SparseTransport
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Pending, Transport
+from hvdsync.technique import Pending
 
 _INDEX_BYTES = 8  # int64 row indices
 
 
-class SparseExchange(Transport):
-    name = "sparse"
-    decidable = False  # row-sparse gradients go every step
-    scale_sensitive = False  # rows summed, no memory across steps
+class SparseExchange(SparseTransport):
 
     def __init__(self, config: SparseConfig, grads: KerasGradients, comm: KerasCommunicator,
                  stats: SyncStats):

@@ -6,8 +6,9 @@ without it, on ``torch.distributed`` (``torchrun``).
 ``synchronize``, ``poll``, ``Compression``, ``Average``, ``Sum`` ... behave as Horovod's on
 whichever backend :mod:`hvdsync.torch.engine` chose (``hvd.init(backend=...)``,
 ``HVDSYNC_BACKEND``, or the launcher); ``hvd.backend_name()`` says which. Horovod's other names
-(``alltoall``, ``elastic``, ``SyncBatchNorm`` ...) are re-exported when Horovod is installed
-and work on its backend. ``DistributedOptimizer`` is hvdsync's (same arguments, same results
+(``alltoall``, ``SyncBatchNorm`` ...) are re-exported when Horovod is installed and work on
+its backend; ``elastic`` is Horovod's Elastic knowing hvdsync's optimizer
+(:mod:`hvdsync.torch.elastic`, docs/elastic.md). ``DistributedOptimizer`` is hvdsync's (same arguments, same results
 with no technique enabled, plus hvdsync's options and ``stats``). docs/backends.md.
 """
 
@@ -23,6 +24,9 @@ except ImportError:  # the torch backend only (docs/install.md)
 # names whose meaning depends on the backend: resolved at each call (module __getattr__ for
 # the process-set objects), never bound to one backend at import
 _LAZY = ("ProcessSet", "global_process_set")
+# Horovod's names hvdsync has its own module for (hvdsync.torch.elastic: Horovod's, knowing
+# hvdsync's optimizer)
+_OWN = ("elastic",)
 _DISPATCHED = (
     "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank",
     "cross_rank", "barrier", "join", "poll", "synchronize", "allreduce", "allreduce_",
@@ -34,7 +38,7 @@ _DISPATCHED = (
 
 if _horovod_torch is not None:  # Horovod's whole public API, as Horovod has it ...
     globals().update({k: v for k, v in vars(_horovod_torch).items()
-                      if not k.startswith("_") and k not in _LAZY})
+                      if not k.startswith("_") and k not in _LAZY + _OWN})
 else:
     from hvdsync.torch.c10d import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
     from hvdsync.torch.compression import Compression  # noqa: F401
@@ -82,6 +86,9 @@ from hvdsync.torch.optimizer import DistributedOptimizer  # noqa: E402,F811
 from hvdsync.torch.optimizer import _DistributedOptimizer  # noqa: E402
 from hvdsync.torch.saving import (broadcast_technique_state, load_checkpoint,  # noqa: E402
                                   save_checkpoint)
+from hvdsync.torch import elastic  # noqa: E402 - Horovod's, knowing hvdsync's optimizer
+
+elastic.install()
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None, **kwargs):  # noqa: F811

@@ -46,7 +46,7 @@ class TorchCommunicator:
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.stats = stats
-        self.size = process_set.size()
+        self.size = process_set.size()  # again at refresh(): Horovod Elastic changes it
         #: send through Horovod even on one rank (benchmarks of the full path)
         self.force_collectives = False
         # As in Horovod: split the average into a pre- and post-scale (the C++ side applies
@@ -55,6 +55,10 @@ class TorchCommunicator:
             self.prescale, self.postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
         else:
             self.prescale = self.postscale = 1.0
+
+    def refresh(self) -> None:
+        """Horovod was initialized again (an Elastic reset): read the ranks anew."""
+        self.size = self.process_set.size()
 
     def allreduce(self, name: str, tensors: Sequence[torch.Tensor]) -> Pending:
         """Start reducing ``tensors`` in place; collective names derive from ``name`` (the same

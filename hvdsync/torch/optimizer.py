@@ -31,7 +31,7 @@ from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
 from hvdsync.threshold import ThresholdConfig
-from hvdsync.torch import engine
+from hvdsync.torch import elastic, engine
 from hvdsync.torch.backend import TorchGradients, TorchOps
 from hvdsync.torch.clipping import clip_layer
 from hvdsync.torch.comm import TorchCommunicator
@@ -84,15 +84,22 @@ class _DistributedOptimizer(SyncAPI):
                                       self.stats, comm)
         self._param_signatures = [checkpoint.signature(p.shape, p.dtype)
                                   for lp in layer_params for _, p in lp]
-        if process_set.included():
-            agreement.require(comm, [(name, [checkpoint.signature(p.shape, p.dtype)
-                                             for _, p in lp])
-                                     for name, lp in zip(layer_names, layer_params)],
-                              configs, dict(op=op, compression=compression,
-                                            backward_passes_per_step=backward_passes_per_step,
-                                            gradient_predivide_factor=gradient_predivide_factor,
-                                            sparse_as_dense=sparse_as_dense,
-                                            process_set=process_set.ranks))
+        layers_seen = [(name, [checkpoint.signature(p.shape, p.dtype) for _, p in lp])
+                       for name, lp in zip(layer_names, layer_params)]
+
+        def agree() -> None:
+            """Every rank checks it has the same setup (a collective; the process set's ranks
+            as they are now: Horovod Elastic changes them)."""
+            agreement.require(comm, layers_seen, configs, dict(
+                op=op, compression=compression,
+                backward_passes_per_step=backward_passes_per_step,
+                gradient_predivide_factor=gradient_predivide_factor,
+                sparse_as_dense=sparse_as_dense, process_set=process_set.ranks))
+        self._agree = agree
+        # under Horovod Elastic a rank joining later builds its optimizer while the others
+        # wait in the state's sync(): the check runs there, on every rank (hvdsync.torch.elastic)
+        if process_set.included() and not elastic.launched():
+            self._agree()
         self._synchronized = False
         self._should_synchronize = True
         self._reset_step_counters()
@@ -187,9 +194,7 @@ class _DistributedOptimizer(SyncAPI):
         state_dict = dict(state_dict)
         own = state_dict.pop("hvdsync", None)
         self._pipeline.abandon_step()
-        self._synchronized = False
-        self._should_synchronize = True
-        self._reset_step_counters()
+        self._start_clean()
         super().load_state_dict(state_dict)
         restored = True
         if own is not None:
@@ -215,6 +220,24 @@ class _DistributedOptimizer(SyncAPI):
                 f"{', '.join(s + '=' for s in sensitive)} worked on the scaled gradients, "
                 "which would make this update wrong. Pass the same scaler as "
                 "hvd.DistributedOptimizer(..., scaler=scaler) (docs/mixed_precision.md)")
+
+    # -- Horovod Elastic (hvdsync.torch.elastic, docs/elastic.md) ----------------------------
+    def _leave_world(self) -> None:
+        """Horovod is about to start again with other ranks: everything in flight is finished,
+        or dropped where it fails; the next step starts clean."""
+        if self.process_set.included():
+            self._pipeline.leave_world()
+        self._start_clean()
+
+    def _start_clean(self) -> None:
+        """The next step starts from nothing: no pass counted, nothing synchronized."""
+        self._synchronized = False
+        self._should_synchronize = True
+        self._reset_step_counters()
+
+    def _join_world(self) -> None:
+        """Horovod runs again, perhaps with other ranks: read them anew."""
+        self._comm.refresh()
 
     # -- hvdsync's API (with SyncAPI's) --------------------------------------------------------
     def _sync_pipeline(self) -> StepPipeline:

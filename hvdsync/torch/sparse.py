@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseProtocol, SparseRoute
+from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseProtocol, SparseTransport, SparseRoute
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Pending, Transport
+from hvdsync.technique import Pending
 from hvdsync.torch.backend import TorchGradients
 from hvdsync.torch.comm import TorchCommunicator
 from hvdsync.watchdog import guard
@@ -42,16 +42,18 @@ class _Sends:
                        self.collectives, what="the sparse exchange")
 
 
-class SparseExchange(Transport):
+class SparseExchange(SparseTransport):
     """Moves the sparse gradients of one step; uses ``dense``'s compression, op and scale
     factors. Per step: :meth:`backward_done` takes every parameter's layout (counts-first
     protocol: shares them at once), :meth:`start_early` (one-round protocol) sends the
     gradients whose route the last step predicted together with the layouts, and
     :meth:`flush` sends the rest by this step's shared counts."""
 
-    name = "sparse"
-    decidable = False  # row-sparse gradients go every step
-    scale_sensitive = False  # rows summed, no memory across steps
+
+    @property
+    def size(self) -> int:
+        """The ranks now (the dense communicator's: it changes under Horovod Elastic)."""
+        return self.dense.size
 
     def __init__(self, config: SparseConfig, grads: TorchGradients, dense: TorchCommunicator,
                  stats: SyncStats):
@@ -59,7 +61,6 @@ class SparseExchange(Transport):
         self.grads = grads
         self.dense = dense
         self.stats = stats
-        self.size = dense.size
         self._params: list[tuple[str, torch.Tensor]] = [
             item for layer in grads.layer_params for item in layer]
         self._layer_of = {p: li for li, layer in enumerate(grads.layer_params) for _, p in layer}

@@ -1,0 +1,134 @@
+"""Horovod Elastic with hvdsync's optimizer: training goes on when ranks are lost or added
+(docs/elastic.md)::
+
+    import hvdsync.torch as hvd
+
+    hvd.init()
+    opt = hvd.DistributedOptimizer(..., threshold=...)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            ...one step...
+            state.step += 1
+            if state.step % 10 == 0:
+                state.commit()
+
+    train(state)       # horovodrun -np 3 --min-np 2 --host-discovery-script ./hosts.sh ...
+
+The names are Horovod's (``run``, ``TorchState``, ``ElasticSampler``); what hvdsync adds:
+
+* ``TorchState`` (Horovod's own class: hvdsync registers how it handles hvdsync's optimizer,
+  so ``horovod.torch.elastic.TorchState`` works too) carries each optimizer's technique
+  state: ``commit()`` saves it with ``state_dict()`` (this rank's own memory included),
+  a reset after a lost rank restores it, and ``sync()`` -- after every reset, on every rank,
+  those that just joined included -- first checks that every rank is set up alike (the check
+  a fixed job runs at construction: a joining rank builds its optimizer while the others
+  wait in ``sync()``), then broadcasts rank 0's model, optimizer and shared technique state.
+  Per-rank memory (threshold's accumulations, select's residuals, lowrank's error
+  feedback...) cannot follow a changed world, so every rank drops its own at the next step,
+  warned where it held any -- as a checkpoint of another rank count does.
+* ``run`` resets Horovod as Horovod's does, after finishing (or dropping, where they fail)
+  every collective the state's hvdsync optimizers have in flight -- the step's and
+  ``delay=``'s outstanding exchanges -- and makes them read the new rank count; and it syncs
+  after every reset, so ranks removed below ``--min-np`` and then added back cannot
+  deadlock (horovod#3494, where the survivors skip the sync the newcomers wait in).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+try:
+    from horovod.common.elastic import notification_manager
+    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+    from horovod.torch.elastic import ElasticSampler, TorchState  # noqa: F401 - Horovod's names
+    from horovod.torch.elastic import state as _horovod_state
+    from horovod.torch.mpi_ops import init as _init
+    from horovod.torch.mpi_ops import shutdown as _shutdown
+except ImportError:  # the torch.distributed backend only: no Elastic (docs/backends.md)
+    _horovod_state = None
+
+
+def launched() -> bool:
+    """Whether ``horovodrun`` started this process in elastic mode."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def _need_horovod() -> None:
+    if _horovod_state is None:
+        raise RuntimeError("hvdsync: Horovod Elastic needs Horovod (scripts/install_horovod.sh); "
+                           "the torch.distributed backend has no elastic mode (docs/backends.md)")
+
+
+def _optimizers(state: Any) -> list:
+    from hvdsync.torch.optimizer import _DistributedOptimizer
+    return [v for v in vars(state).values() if isinstance(v, _DistributedOptimizer)]
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's ``elastic.run``: ``func(state, ...)`` runs again whenever the ranks change --
+    from the last commit after a rank was lost (the state restored), from the present when
+    ranks were added or removed at a commit. Unlike Horovod's, ``state.sync()`` runs after
+    every reset, a removal included: a rank that joins while the others wait below
+    ``--min-np`` syncs, and so must they, or both sides wait for each other forever
+    (horovod#3494). At each reset the state's hvdsync optimizers first finish or drop what
+    they have in flight, then read the new rank count."""
+    _need_horovod()
+
+    @functools.wraps(func)
+    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+        optimizers = _optimizers(state)
+        notification_manager.init()
+        notification_manager.register_listener(state)
+        try:
+            while True:
+                state.sync()
+                try:
+                    return func(state, *args, **kwargs)
+                except HorovodInternalError:  # a rank lost mid-step: back to the last commit
+                    state.restore()
+                except HostsUpdatedInterrupt:  # at a commit: the present state is whole
+                    pass
+                for opt in optimizers:
+                    opt._leave_world()
+                _shutdown()
+                _init()
+                for opt in optimizers:
+                    opt._join_world()
+                state.on_reset()
+        finally:
+            notification_manager.remove_listener(state)
+    return wrapper
+
+
+def install() -> None:
+    """Make Horovod's ``TorchState`` handle hvdsync's optimizer with
+    :class:`OptimizerHandler` (once; nothing without Horovod)."""
+    if _horovod_state is None:
+        return
+    from hvdsync.torch.optimizer import _DistributedOptimizer
+    registry = _horovod_state.get_handler_registry()
+    if all(handler is not OptimizerHandler for _, handler in registry):
+        _horovod_state.set_handler_registry([(_DistributedOptimizer, OptimizerHandler),
+                                             *registry])
+
+
+if _horovod_state is not None:
+    class OptimizerHandler(_horovod_state.OptimizerStateHandler):
+        """How ``TorchState`` commits, restores and syncs an hvdsync optimizer: save and
+        restore are Horovod's (``state_dict()`` holds the technique state); ``sync()`` reads
+        the rank count, checks every rank is set up alike and broadcasts rank 0's optimizer
+        and shared technique state (hvdsync's ``broadcast_optimizer_state``)."""
+
+        def sync(self) -> None:
+            from hvdsync.torch import broadcast_optimizer_state
+            opt = self.value
+            opt._join_world()
+            if opt.process_set.included():
+                opt._agree()
+            broadcast_optimizer_state(opt, root_rank=0)
