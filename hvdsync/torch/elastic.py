@@ -87,8 +87,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         notification_manager.register_listener(state)
         try:
             while True:
-                state.sync()
-                try:
+                try:  # a rank lost during the sync is a lost rank too
+                    state.sync()
                     return func(state, *args, **kwargs)
                 except HorovodInternalError:  # a rank lost mid-step: back to the last commit
                     state.restore()
@@ -128,7 +128,7 @@ if _horovod_state is not None:
         def sync(self) -> None:
             from hvdsync.torch import broadcast_optimizer_state
             opt = self.value
-            opt._join_world()
+            opt._join_world()  # (run() did; Horovod's own run, if a script uses it, did not)
             if opt.process_set.included():
                 opt._agree()
             broadcast_optimizer_state(opt, root_rank=0)
