@@ -125,10 +125,10 @@ def _launch(cmd: list[str], tmp: str, env: dict[str, str], timeout: float
     return output, proc.returncode, hung
 
 
-#: the names under which this machine is each "host" of :func:`run_elastic` (Horovod runs a
-#: host locally when its address is one of the machine's; a failure blacklists the whole host,
-#: so a rank lost or added is a host lost or added: one slot per name)
 def elastic_host_names() -> list[str]:
+    """The names under which this machine is each "host" of :func:`run_elastic` (Horovod runs
+    a host locally when its address is one of the machine's; a failure blacklists the whole
+    host, so a rank lost or added is a host lost or added: one slot per name)."""
     import socket
     return ["localhost", "127.0.0.1", socket.gethostname()]
 

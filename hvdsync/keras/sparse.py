@@ -36,6 +36,8 @@ _INDEX_BYTES = 8  # int64 row indices
 
 
 class SparseExchange(SparseTransport):
+    """Moves the sparse (``IndexedSlices``) gradients of one step, as the torch adapter's
+    exchange does: the protocol's decisions are :class:`hvdsync.sparse.SparseProtocol`'s."""
 
     def __init__(self, config: SparseConfig, grads: KerasGradients, comm: KerasCommunicator,
                  stats: SyncStats):

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseProtocol, SparseTransport, SparseRoute
+from hvdsync.sparse import (ABSENT, DENSE, SparseConfig, SparseProtocol, SparseRoute,
+                            SparseTransport)
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Pending
 from hvdsync.torch.backend import TorchGradients
@@ -49,12 +50,6 @@ class SparseExchange(SparseTransport):
     gradients whose route the last step predicted together with the layouts, and
     :meth:`flush` sends the rest by this step's shared counts."""
 
-
-    @property
-    def size(self) -> int:
-        """The ranks now (the dense communicator's: it changes under Horovod Elastic)."""
-        return self.dense.size
-
     def __init__(self, config: SparseConfig, grads: TorchGradients, dense: TorchCommunicator,
                  stats: SyncStats):
         self.config = config
@@ -68,6 +63,11 @@ class SparseExchange(SparseTransport):
         self.protocol = SparseProtocol(config, [n for n, _ in self._params], stats)
         self._queue: list[tuple[int, torch.Tensor]] = []
         self._done: set[torch.Tensor] = set()
+
+    @property
+    def size(self) -> int:
+        """The ranks now (the dense communicator's: it changes under Horovod Elastic)."""
+        return self.dense.size
 
     # -- the transport's moments ----------------------------------------------------------------
     def owns(self, li: int, k: int) -> bool:
