@@ -1,13 +1,16 @@
 """Horovod Elastic, technique by technique: what a lost rank and a rank removed and added
 back cost -- steps lost, seconds until training goes on -- and whether the replicas end
-identical. Each (technique, fault) is its own job, 3 ranks on this machine (one slot per host
-name), ``--min-np 2``, the job and body of tests/test_torch_elastic.py:
+identical. 3 ranks on this machine (one slot per host name), ``--min-np 2``, the jobs and
+bodies of tests/test_torch_elastic.py (torch: each (technique, fault) its own job) and
+tests/test_keras_elastic.py (``--framework keras``: ``model.fit`` with Horovod's elastic
+callbacks, every technique's model in the one job, hit by the same fault):
 
 * ``kill``: rank 2 SIGKILLs itself mid-step at step 13 (commits every 4 steps);
-* ``remove``: rank 0 takes a host out of the discovery file at step 13 and puts it back 3 s
-  later (a new rank joins).
+* ``remove``: rank 0 takes a host out of the discovery file at step 13; once the job went on
+  as 2 ranks, the host is put back (a new rank joins).
 
     .venv/bin/python -m benchmarks.bench_elastic [--seeds 1] [--cases none threshold ...]
+    .venv/bin/python -m benchmarks.bench_elastic --framework keras [--seeds 1]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 
 from benchmarks.common import markdown_table, report
 from hvdsync.testing import run_elastic
+from tests.test_keras_elastic import GLOO_TIMEOUT, keras_elastic_body
 from tests.test_torch_elastic import CASES, GLOO_TIMEOUT_S, elastic_body
 
 
@@ -36,25 +40,38 @@ def _figures(scenario: str, ranks: list[dict]) -> dict:
         if len(resets) > 1:
             recover["added"] = max(r["resets"][1]["resumed"] for r in original) - events["added"]
     lost = max(x["reached"] - x["from_step"] for r in original for x in r["resets"])
-    case = next(iter(ranks[0]["params"]))
-    identical = all(np.array_equal(ranks[0]["params"][case], r["params"][case]) for r in ranks)
-    finite = all(np.isfinite(r["params"][case]).all() for r in ranks)
+
+    def arrays(r: dict, case: str) -> list:  # torch: one flat array; Keras: by variable
+        p = r["params"][case]
+        return list(p.values()) if isinstance(p, dict) else [p]
+    cases = list(ranks[0]["params"])
+    identical = all(np.array_equal(a, b) for r in ranks for case in cases
+                    for a, b in zip(arrays(ranks[0], case), arrays(r, case)))
+    finite = all(np.isfinite(a).all() for r in ranks for case in cases for a in arrays(r, case))
     return dict(size=len(ranks), sizes=[x["size"] for x in resets], steps_lost=lost,
                 recover_s=recover, identical=identical, finite=finite)
+
+
+def _job(framework: str, scenario: str, case: str) -> list[dict]:
+    if framework == "keras":
+        return run_elastic(keras_elastic_body, np=3, min_np=2, args=(scenario,), timeout=300,
+                           env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT[scenario])})
+    return run_elastic(elastic_body, np=3, min_np=2, args=(scenario, (case,)), timeout=300,
+                       env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT_S)})
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=1, help="runs of each job")
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--framework", choices=["torch", "keras"], default="torch")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES),
+                    help="torch: the techniques, one job each (Keras runs all in one job)")
     args = ap.parse_args(argv)
     rows, data = [], {}
-    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT_S)}
-    for case in args.cases:
+    cases = args.cases if args.framework == "torch" else ["all at once: " + ", ".join(CASES)]
+    for case in cases:
         for scenario in ("kill", "remove"):
-            runs = [_figures(scenario, run_elastic(elastic_body, np=3, min_np=2,
-                                                   args=(scenario, (case,)), timeout=300,
-                                                   env=env))
+            runs = [_figures(scenario, _job(args.framework, scenario, case))
                     for _ in range(args.seeds)]
             data[f"{case}/{scenario}"] = runs
             for what in runs[0]["recover_s"]:
@@ -65,8 +82,12 @@ def main(argv=None) -> None:
     table = markdown_table(["technique", "fault", "event", "sizes", "steps lost (max)",
                             "s to go on (mean)", "s (max)", "replicas identical, finite"],
                            rows)
-    report("elastic", f"Horovod Elastic on this machine, 3 ranks, --min-np 2, "
-           f"{args.seeds} run(s) per cell (Gloo timeout {GLOO_TIMEOUT_S} s)", table,
+    keras = args.framework == "keras"
+    timeout = (f"Gloo timeout {GLOO_TIMEOUT['kill']} s, {GLOO_TIMEOUT['remove']} s with a "
+               "removal" if keras else f"Gloo timeout {GLOO_TIMEOUT_S} s")
+    report("elastic_keras" if keras else "elastic",
+           f"Horovod Elastic on this machine{', Keras 3 fit' if keras else ''}, 3 ranks, "
+           f"--min-np 2, {args.seeds} run(s) per cell ({timeout})", table,
            {"args": vars(args), "runs": data}, "benchmarks.bench_elastic", argv)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -114,6 +114,28 @@ def _own(techniques: Sequence[Technique], state: Mapping[str, Any], rank: int,
                       "starts empty on every rank, the shared state is restored "
                       "(docs/checkpoints.md)", RuntimeWarning, stacklevel=3)
     return _shared(techniques, states), False
+
+
+def take_shared(techniques: Sequence[Technique], params: Sequence[str], rank: int,
+                world_size: int, root_rank: int, broadcast: Callable[[Any], Any]) -> None:
+    """Every rank takes ``root_rank``'s shared technique state (``broadcast(obj)`` returns
+    ``root_rank``'s ``obj`` on every rank): a checkpoint loaded on ``root_rank`` only reaches
+    every rank, and so does a running job's state when Horovod Elastic adds a rank. Per-rank
+    memory cannot be given to another rank, so every rank drops its own, now -- before a step
+    could use it -- warned where it held any. Both adapters' broadcasts of the optimizer state
+    call this; the caller then runs the after-restore check (``StepPipeline.after_load``)."""
+    held = held_per_rank(techniques)
+    shared = broadcast(state_of(techniques, params, rank, world_size))
+    if rank != root_rank:
+        load_into(techniques, shared, params, rank, world_size, quiet=True)
+    for t in techniques:
+        if t.per_rank:
+            t.drop_per_rank()
+    if held:
+        warnings.warn(f"hvdsync: every rank takes rank {root_rank}'s shared technique state; "
+                      "per-rank memory is never given to another rank, so every rank drops "
+                      f"its own -- this rank's held: {'; '.join(held)} (docs/checkpoints.md)",
+                      RuntimeWarning, stacklevel=4)
 
 
 def held_per_rank(techniques: Sequence[Technique]) -> list[str]:

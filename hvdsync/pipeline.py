@@ -273,10 +273,11 @@ class StepPipeline:
             t.discard()
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def after_load(self, restored_own: bool) -> None:
+    def after_load(self, restored_own: Optional[bool]) -> None:
         """A checkpoint was restored (``restored_own``: with this rank's own memory). The next
         step checks, where every rank is, that all ranks restored the same shared state, and
-        that either every rank has its own memory back or none keeps any."""
+        that either every rank has its own memory back or none keeps any. ``None``: no check
+        is due (every rank just took the same shared state and dropped its own)."""
         self._after_load = restored_own
 
     def check_load(self) -> None:

@@ -10,7 +10,7 @@ returns every rank's parameters:
   The two survivors restore the last commit, reset to 2 ranks and finish.
 * ``remove``: 3 ranks, ``--min-np 2``; at step :data:`EVENT` rank 0 takes a host out of the
   discovery file (its rank is stopped at the next commit, the other two go on as 2) and puts
-  it back :data:`READD_S` seconds later: a new rank starts there and joins at a commit (its
+  it back once the job went on as 2: a new rank starts there and joins at a commit (its
   optimizers built while the others wait in ``sync()``); the three finish.
 
 Checked per technique: the job finishes at the expected size, no step is lost beyond the
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -39,8 +38,6 @@ CASES = {"none": {}, **TECHNIQUES}
 STEPS = 40
 EVENT = 13  # the fault's step: one after a commit, so a lost rank costs the step in flight
 COMMIT_EVERY = 4
-#: ``shrink``: seconds the removed host stays out
-READD_S = 3
 #: survivors notice a dead peer within this many seconds (Gloo's default is 30)
 GLOO_TIMEOUT_S = 5
 
@@ -74,22 +71,26 @@ def _victim(scenario: str, rank: int, workdir: str) -> bool:
     return scenario == "kill" and rank == 2 and _first(workdir, "killed")
 
 
-def _remove_then_add_back(hosts_file: str) -> None:
-    """Take a host out of the discovery file now (a graceful removal: its rank is stopped at
-    the next commit) and put it back :data:`READD_S` seconds later, from a thread
-    (the main thread is training or waiting in a reset by then)."""
+def _remove_host(hosts_file: str) -> None:
+    """Take a host out of the discovery file (a graceful removal: its rank is stopped at the
+    next commit); its line is kept in ``gone`` beside the file for :func:`_add_host_back`."""
     with open(hosts_file) as f:
         lines = f.readlines()
     # not this process's own host: it puts the host back
     gone = [line for line in lines if line.split(":")[0] != os.environ["HOROVOD_HOSTNAME"]][-1]
+    with open(os.path.join(os.path.dirname(hosts_file), "gone"), "w") as f:
+        f.write(gone)
     with open(hosts_file, "w") as f:
         f.writelines(line for line in lines if line != gone)
 
-    def add_back() -> None:
-        with open(hosts_file, "a") as f:
-            f.write(gone)
-        _first(os.path.dirname(hosts_file), "added")
-    threading.Timer(READD_S, add_back).start()
+
+def _add_host_back(hosts_file: str) -> None:
+    """Put the removed host back (once: the first survivor whose reset brought the job down
+    to 2 ranks); a new rank starts there and joins at a commit."""
+    workdir = os.path.dirname(hosts_file)
+    if os.path.exists(os.path.join(workdir, "gone")) and _first(workdir, "added"):
+        with open(os.path.join(workdir, "gone")) as f, open(hosts_file, "a") as hosts:
+            hosts.write(f.read())
 
 
 def elastic_body(scenario: str, cases: tuple[str, ...] = tuple(CASES)) -> dict:
@@ -118,6 +119,8 @@ def elastic_body(scenario: str, cases: tuple[str, ...] = tuple(CASES)) -> dict:
 
     def on_reset() -> None:
         resets.append(dict(at=time.time(), size=hvd.size(), reached=reached[0]))
+        if scenario == "remove" and hvd.size() < 3:  # the job went on without the host
+            _add_host_back(hosts_file)
     state.register_reset_callbacks([on_reset])
 
     #: this process joined a running job (its first sync brought a later step)
@@ -147,7 +150,7 @@ def elastic_body(scenario: str, cases: tuple[str, ...] = tuple(CASES)) -> dict:
             reached[0] = max(reached[0], state.step)
             if (scenario == "remove" and t == EVENT and hvd.rank() == 0
                     and _first(workdir, "removed")):
-                _remove_then_add_back(hosts_file)
+                _remove_host(hosts_file)
             if scenario == "remove" and t >= EVENT and (hvd.size() < 3 or not (
                     resets or joined_late)):
                 time.sleep(0.5)  # the driver notices in ~1 s; a new rank starts in seconds

@@ -8,7 +8,8 @@ rank, local_rank, allreduce, allgather, broadcast, Compression, Average, Sum, ..
 :class:`~hvdsync.keras.callbacks.MetricAverageCallback`,
 :class:`~hvdsync.keras.callbacks.LearningRateWarmupCallback`,
 :class:`~hvdsync.keras.callbacks.SyncStatsCallback`,
-:class:`~hvdsync.keras.callbacks.FlushCallback`), ``broadcast_variables`` and ``load_model``.
+:class:`~hvdsync.keras.callbacks.FlushCallback`), ``elastic`` (Horovod Elastic on Keras 3:
+:mod:`hvdsync.keras.elastic`), ``broadcast_variables`` and ``load_model``.
 """
 
 try:
@@ -19,12 +20,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "build as-is on current TensorFlow; run scripts/install_horovod.sh from the hvdsync "
         f"repository (see README.md). Original error: {e}") from e
 
-globals().update({k: v for k, v in vars(_horovod_tf).items() if not k.startswith("_")})
+# every name but ``elastic``: hvdsync.keras.elastic is Horovod's, on Keras 3, knowing hvdsync
+globals().update({k: v for k, v in vars(_horovod_tf).items()
+                  if not k.startswith("_") and k != "elastic"})
 
 from hvdsync.agreement import RanksDisagree  # noqa: E402
 from hvdsync.clipping import ClipConfig  # noqa: E402
 from hvdsync.delay import DelayConfig  # noqa: E402
 from hvdsync.keras import callbacks  # noqa: E402
+from hvdsync.keras import elastic  # noqa: E402
 from hvdsync.keras.callbacks import broadcast_variables  # noqa: E402,F811
 from hvdsync.keras.optimizer import DistributedOptimizer  # noqa: E402,F811
 from hvdsync.keras.saving import load_model, save_model  # noqa: E402

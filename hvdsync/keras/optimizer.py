@@ -22,7 +22,7 @@ from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.mpi_ops import Average, ProcessSet, global_process_set
 
-from hvdsync import agreement, checkpoint, rules
+from hvdsync import agreement, checkpoint, elastic, rules
 from hvdsync.api import SyncAPI
 from hvdsync.clipping import ClipConfig
 from hvdsync.config import check_bool, reject_unknown_kwargs
@@ -101,11 +101,12 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
                            if hv.graph_path and decider is not None else None)
             #: a checkpoint was restored: the next compiled step runs the agreement check
             hv.restored = tf.Variable(False, trainable=False, name="hvdsync_restored")
-            if hv.process_set.included():
-                agreement.require(hv.comm, [(name, [checkpoint.signature(v.shape, v.dtype)
-                                                    for v in vs])
-                                            for name, vs in zip(names, layer_vars)],
-                                  hv.configs, hv.horovod_options)
+            hv.layer_signatures = [(name, [checkpoint.signature(v.shape, v.dtype) for v in vs])
+                                   for name, vs in zip(names, layer_vars)]
+            # under Horovod Elastic a rank joining later builds its optimizer while the others
+            # wait in the state's sync(): the check runs there (hvdsync.keras.elastic)
+            if hv.process_set.included() and not elastic.launched():
+                self._agree()
             if hv.pending_state is not None:
                 state, hv.pending_state = hv.pending_state, None
                 self._load_state(state)
@@ -173,6 +174,24 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             return hv.grads.grads, hv.pipeline.step_ok
         eager_step(run, hv.pipeline.after_optimizer_step, grads, variables,
                    self._apply_update, any(t.reads_values for t in hv.techniques))
+
+    # -- Horovod Elastic (hvdsync.keras.elastic, docs/elastic.md) ----------------------------
+    def _agree(self) -> None:
+        """Check that every rank built this optimizer alike (layers, options): raises
+        ``RanksDisagree`` on every rank otherwise."""
+        hv = self._hv
+        agreement.require(hv.comm, hv.layer_signatures, hv.configs, hv.horovod_options)
+
+    def _leave_world(self) -> None:
+        """Horovod is about to start again with other ranks: everything in flight is finished,
+        or dropped where it fails; the next step starts clean."""
+        if self.built and self._hv.process_set.included():
+            self._hv.pipeline.leave_world()
+
+    def _join_world(self) -> None:
+        """Horovod runs again, perhaps with other ranks. The communicator reads the rank count
+        at every use; what a traced train function holds of it is traced again
+        (``KerasState.sync`` drops the model's train functions)."""
 
     # -- hvdsync's public API -----------------------------------------------------------------
     def _sync_pipeline(self) -> Optional[StepPipeline]:

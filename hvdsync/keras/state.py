@@ -32,10 +32,37 @@ class KerasCheckpointing:
         hv = self._hv
         restored = checkpoint.load_into(self._configured, state, hv.signatures,
                                         hv.process_set.rank(), hv.process_set.size())
-        hv.pipeline.after_load(restored)
+        self._after_restore(restored)
+
+    def _after_restore(self, restored_own: bool) -> None:
+        """The next step checks that every rank restored the same shared state (pipeline's
+        ``after_load``); the compiled decider reads the restored plan."""
+        hv = self._hv
+        hv.pipeline.after_load(restored_own)
         hv.restored.assign(True)  # the compiled step checks it (the eager one by itself)
         if hv.compiled is not None:
-            hv.compiled.refresh()  # the restored plan
+            hv.compiled.refresh()
+
+    def take_shared_state(self, root_rank: int = 0) -> None:
+        """Every rank takes ``root_rank``'s shared technique state and drops its own memory
+        (warned where it held any; ``checkpoint.take_shared``): what Horovod Elastic's sync
+        does, and what a checkpoint loaded on ``root_rank`` only needs. A collective."""
+        from horovod.tensorflow.functions import broadcast_object
+        hv = self._hv
+        ps = hv.process_set
+        if not self.built or not self._configured or ps.size() == 1:
+            return
+        checkpoint.take_shared(
+            self._configured, hv.signatures, ps.rank(), ps.size(), root_rank,
+            lambda obj: broadcast_object(obj, root_rank, name="hvdsync.techniques",
+                                         process_set=ps))
+        # every rank holds the same shared state and no memory of its own now: nothing is
+        # left for the after-restore check to compare (a pending one is superseded; in the
+        # compiled step it would run beside the step's memory updates, not before them)
+        hv.pipeline.after_load(None)
+        hv.restored.assign(False)
+        if hv.compiled is not None:
+            hv.compiled.refresh()
 
     def load_own_variables(self, store) -> None:
         keys = list(store.keys())

@@ -38,14 +38,12 @@ The names are Horovod's (``run``, ``TorchState``, ``ElasticSampler``); what hvds
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
+from hvdsync import elastic as _core
+
 try:
-    from horovod.common.elastic import notification_manager
-    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
     from horovod.torch.elastic import ElasticSampler, TorchState  # noqa: F401 - Horovod's names
     from horovod.torch.elastic import state as _horovod_state
     from horovod.torch.mpi_ops import init as _init
@@ -54,56 +52,25 @@ except ImportError:  # the torch.distributed backend only: no Elastic (docs/back
     _horovod_state = None
 
 
-def launched() -> bool:
-    """Whether ``horovodrun`` started this process in elastic mode."""
-    return os.environ.get("HOROVOD_ELASTIC") == "1"
-
-
-def _need_horovod() -> None:
-    if _horovod_state is None:
-        raise RuntimeError("hvdsync: Horovod Elastic needs Horovod (scripts/install_horovod.sh); "
-                           "the torch.distributed backend has no elastic mode (docs/backends.md)")
-
-
 def _optimizers(state: Any) -> list:
     from hvdsync.torch.optimizer import _DistributedOptimizer
     return [v for v in vars(state).values() if isinstance(v, _DistributedOptimizer)]
 
 
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Horovod's ``elastic.run``: ``func(state, ...)`` runs again whenever the ranks change --
-    from the last commit after a rank was lost (the state restored), from the present when
-    ranks were added or removed at a commit. Unlike Horovod's, ``state.sync()`` runs after
-    every reset, a removal included: a rank that joins while the others wait below
-    ``--min-np`` syncs, and so must they, or both sides wait for each other forever
-    (horovod#3494). At each reset the state's hvdsync optimizers first finish or drop what
-    they have in flight, then read the new rank count."""
-    _need_horovod()
+def _restart() -> None:
+    _shutdown()
+    _init()
 
-    @functools.wraps(func)
-    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
-        optimizers = _optimizers(state)
-        notification_manager.init()
-        notification_manager.register_listener(state)
-        try:
-            while True:
-                try:  # a rank lost during the sync is a lost rank too
-                    state.sync()
-                    return func(state, *args, **kwargs)
-                except HorovodInternalError:  # a rank lost mid-step: back to the last commit
-                    state.restore()
-                except HostsUpdatedInterrupt:  # at a commit: the present state is whole
-                    pass
-                for opt in optimizers:
-                    opt._leave_world()
-                _shutdown()
-                _init()
-                for opt in optimizers:
-                    opt._join_world()
-                state.on_reset()
-        finally:
-            notification_manager.remove_listener(state)
-    return wrapper
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's ``elastic.run``: ``func(state, ...)`` runs again whenever the ranks change
+    (:func:`hvdsync.elastic.run`: it syncs after every reset, a removal included, and first
+    makes the state's hvdsync optimizers finish or drop what they have in flight). A lost
+    rank surfaces in torch as Horovod's ``HorovodInternalError``."""
+    if _horovod_state is None:
+        raise RuntimeError("hvdsync: Horovod Elastic needs Horovod (scripts/install_horovod.sh); "
+                           "the torch.distributed backend has no elastic mode (docs/backends.md)")
+    return _core.run(func, _optimizers, _restart, lost_rank=lambda e: False)
 
 
 def install() -> None:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from hvdsync import agreement, checkpoint, rules
+from hvdsync import agreement, checkpoint, elastic, rules
 from hvdsync.api import SyncAPI
 from hvdsync.clipping import ClipConfig
 from hvdsync.config import positive_int, reject_unknown_kwargs
@@ -31,7 +31,7 @@ from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
 from hvdsync.threshold import ThresholdConfig
-from hvdsync.torch import elastic, engine
+from hvdsync.torch import engine
 from hvdsync.torch.backend import TorchGradients, TorchOps
 from hvdsync.torch.clipping import clip_layer
 from hvdsync.torch.comm import TorchCommunicator

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import os
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -41,21 +40,9 @@ def broadcast_technique_state(optimizer, root_rank: int) -> None:
     if not optimizer._configured or optimizer.process_set.size() == 1:
         return
     ps = optimizer.process_set
-    held = checkpoint.held_per_rank(optimizer._configured)
-    mine = checkpoint.state_of(optimizer._configured, optimizer._param_signatures, ps.rank(),
-                               ps.size())
-    shared = engine.ops().broadcast_object(mine, root_rank, "hvdsync.techniques", ps)
-    if ps.rank() != root_rank:
-        checkpoint.load_into(optimizer._configured, shared, optimizer._param_signatures,
-                             ps.rank(), ps.size(), quiet=True)
-    for t in optimizer._configured:
-        if t.per_rank:
-            t.drop_per_rank()
-    if held:
-        warnings.warn(f"hvdsync: every rank takes rank {root_rank}'s shared technique state; "
-                      "per-rank memory is never given to another rank, so every rank drops "
-                      f"its own -- this rank's held: {'; '.join(held)} (docs/checkpoints.md)",
-                      RuntimeWarning, stacklevel=3)
+    checkpoint.take_shared(optimizer._configured, optimizer._param_signatures, ps.rank(),
+                           ps.size(), root_rank, lambda obj: engine.ops().broadcast_object(
+                               obj, root_rank, "hvdsync.techniques", ps))
     optimizer._pipeline.after_load(False)
 
 

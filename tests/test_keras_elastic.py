@@ -1,0 +1,203 @@
+"""Horovod Elastic on Keras 3 with every technique, on real ranks (``horovodrun`` elastic mode,
+a host discovery script written by the test: :func:`hvdsync.testing.run_elastic`); the torch
+twin is tests/test_torch_elastic.py, with the same faults and checks.
+
+Horovod's recipe: ``model.fit`` inside ``hvd.elastic.run`` with ``KerasState`` and the three
+elastic callbacks. The fit drives the model without a technique; a callback steps one model
+per technique on the same batch (``train_on_batch``), all carried by the same ``KerasState``,
+so a fault hits every technique at the same step:
+
+* ``kill``: 3 ranks, ``--min-np 2``; at step :data:`EVENT` one rank SIGKILLs itself between
+  two models' steps (the others wait in the next model's collectives). The survivors restore
+  the last commit, reset to 2 ranks and finish the epochs.
+* ``remove``: 3 ranks, ``--min-np 2``; at step :data:`EVENT` rank 0 takes a host out of the
+  discovery file; once the job went on as 2 the host is put back, a new rank joins at a
+  commit and the three finish.
+
+Checked: the job finishes at the expected size with every epoch done (the first epoch after a
+reset only runs what it still had to run), no step is lost beyond the last commit, every
+replica is identical after the final ``flush()``, nothing is non-finite, training learns.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from hvdsync.testing import HOSTS_ENV, run_elastic
+from tests.keras_models import embedding_model, key, mlp, teacher_data, token_data
+from tests.test_torch_elastic import (COMMIT_EVERY, EVENT, FINAL, GLOO_TIMEOUT_S, SIZES,
+                                      _add_host_back, _first, _remove_host, _victim)
+from tests.test_torch_flush import TECHNIQUES
+
+CASES = {"none": {}, **TECHNIQUES}
+EPOCHS, STEPS_PER_EPOCH, BATCH = 3, 8, 16
+#: Gloo's timeout bounds both noticing a dead peer (``kill``: short) and waiting at the
+#: rendezvous for a rank that starts (``remove``: a new Keras process imports TensorFlow and
+#: builds its models first, longer than the torch twin's 5 s)
+GLOO_TIMEOUT = {"kill": GLOO_TIMEOUT_S, "remove": 60}
+
+
+def _compiled(case: str, options: dict):
+    import keras
+
+    import hvdsync.keras as hvd
+    model = embedding_model(vocab=60) if case == "sparse" else mlp()
+    model.compile(optimizer=hvd.DistributedOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), **options),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _data(case: str, rank: int, n: int, seed: int = 0):
+    """``n`` rows of this rank's data (a function of the rank and ``seed``)."""
+    if case == "sparse":
+        return token_data(1000 * seed + rank, n, vocab=60)
+    return teacher_data(1000 * seed + rank, n)
+
+
+def keras_elastic_body(scenario: str) -> dict:
+    """Every case's model through ``scenario``; every rank's weights after the final flush,
+    its resets (when, the size after, the step reached, the step resumed from), the events'
+    times, and each model's losses."""
+    import keras
+    import tensorflow as tf
+
+    import hvdsync.keras as hvd
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    hosts_file = os.environ[HOSTS_ENV]
+    workdir = os.path.dirname(hosts_file)
+    models = {case: _compiled(case, options) for case, options in CASES.items()}
+    for case, model in models.items():  # built (KerasState needs it): one batch of inputs
+        model(_data(case, 0, 2)[0])
+    state = hvd.elastic.KerasState(models["none"], epoch=0, batch=0,
+                                   **{case: m for case, m in models.items() if case != "none"})
+    resets: list[dict] = []
+    reached = [0]
+    losses: dict[str, list[float]] = {c: [] for c in CASES}
+
+    def step() -> int:
+        return state.epoch * STEPS_PER_EPOCH + state.batch
+
+    def on_reset() -> None:
+        resets.append(dict(at=time.time(), size=hvd.size(), reached=reached[0]))
+        if scenario == "remove" and hvd.size() < 3:  # the job went on without the host
+            _add_host_back(hosts_file)
+    state.register_reset_callbacks([on_reset])
+    joined_late = False
+
+    class SideBySide(keras.callbacks.Callback):
+        """Steps every technique's model on this step's batch, once the fit's model has
+        taken it; the faults happen here."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            t = step() - 1  # UpdateBatchStateCallback ran before this one
+            others = [c for c in CASES if c != "none"]
+            for i, case in enumerate(others):
+                if (t == EVENT and i == len(others) // 2
+                        and _victim(scenario, hvd.rank(), workdir)):
+                    os.kill(os.getpid(), signal.SIGKILL)  # the others wait in the next one
+                x, y = _data(case, hvd.rank(), BATCH, seed=t + 1)
+                losses[case].append(float(models[case].train_on_batch(x, y)))
+            losses["none"].append(float(logs["loss"]))  # the step is whole
+            reached[0] = max(reached[0], t + 1)
+            if (scenario == "remove" and t == EVENT and hvd.rank() == 0
+                    and _first(workdir, "removed")):
+                _remove_host(hosts_file)
+            if scenario == "remove" and t >= EVENT and (hvd.size() < 3 or not (
+                    resets or joined_late)):
+                time.sleep(0.5)  # the driver notices in ~1 s; a new rank starts in seconds
+
+    callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=COMMIT_EVERY),
+                 hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state), SideBySide()]
+
+    @hvd.elastic.run
+    def train(state) -> None:
+        nonlocal joined_late
+        joined_late = joined_late or (step() > 0 and not resets)
+        if resets and "resumed" not in resets[-1]:
+            resets[-1]["resumed"] = time.time()
+            resets[-1]["from_step"] = step()
+        x, y = _data("none", hvd.rank(), BATCH * STEPS_PER_EPOCH)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+        state.model.fit(data, steps_per_epoch=STEPS_PER_EPOCH, epochs=EPOCHS - state.epoch,
+                        callbacks=callbacks, verbose=0)
+
+    train(state)
+    for model in models.values():
+        model.optimizer.flush()
+    events = {}
+    for name in ("killed", "removed", "added"):
+        if os.path.exists(os.path.join(workdir, name)):
+            with open(os.path.join(workdir, name)) as f:
+                events[name] = float(f.read())
+    return dict(rank=hvd.rank(), size=hvd.size(), resets=resets, events=events, losses=losses,
+                epoch=state.epoch, batch=state.batch, steps_done=len(losses["none"]),
+                params={c: {key(v): np.array(v.numpy()) for v in m.variables}
+                        for c, m in models.items()},
+                stats={c: m.optimizer.stats.as_dict()["total"] for c, m in models.items()})
+
+
+def _run(scenario: str) -> list[dict]:
+    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT[scenario])}
+    out = run_elastic(keras_elastic_body, np=3, min_np=2, args=(scenario,), timeout=300,
+                      env=env)
+    return sorted(out, key=lambda r: r["rank"])
+
+
+@pytest.fixture(scope="module", params=list(FINAL))
+def job(request):
+    return request.param, _run(request.param)
+
+
+def test_the_job_finishes_at_the_new_size(job):
+    scenario, ranks = job
+    assert [r["rank"] for r in ranks] == list(range(FINAL[scenario]))
+    assert all(r["size"] == FINAL[scenario] for r in ranks)
+    assert all((r["epoch"], r["batch"]) == (EPOCHS, 0) for r in ranks)
+    original = [r for r in ranks if r["resets"]]
+    assert len(original) == 2, "two ranks were there from the start to the end"
+    for r in original:
+        assert [x["size"] for x in r["resets"]] == SIZES[scenario]
+    if scenario == "remove":
+        assert len([r for r in ranks if not r["resets"]]) == 1
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replicas_identical_and_finite_after_flush(job, case):
+    _, ranks = job
+    for r in ranks:
+        assert all(np.isfinite(w).all() for w in r["params"][case].values()), (case, r["rank"])
+    for r in ranks[1:]:
+        for k, w in ranks[0]["params"][case].items():
+            np.testing.assert_array_equal(w, r["params"][case][k],
+                                          err_msg=f"{case} {k}: rank {r['rank']} differs")
+
+
+def test_steps_lost_at_most_since_the_last_commit(job):
+    scenario, ranks = job
+    for r in ranks:
+        for reset in r["resets"]:
+            lost = reset["reached"] - reset["from_step"]
+            if scenario == "kill":
+                assert reset["from_step"] == EVENT - EVENT % COMMIT_EVERY
+                assert 0 < lost <= COMMIT_EVERY
+            else:
+                assert lost == 0
+        # every step of every epoch was taken once, plus those lost and taken again
+        again = sum(x["reached"] - x["from_step"] for x in r["resets"])
+        if r["resets"]:
+            assert r["steps_done"] == EPOCHS * STEPS_PER_EPOCH + again
+
+
+def test_training_still_learns(job):
+    _, ranks = job
+    for case in CASES:
+        first, last = ranks[0]["losses"][case][:4], ranks[0]["losses"][case][-4:]
+        assert np.mean(last) < np.mean(first), case
