@@ -44,7 +44,17 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     ``decider`` (``keys``: each variable's key), each layer's reduce runs only where the
     step's plan sends it, and the decider's memory and control round are built around.
     ``restored``: set when a checkpoint was restored; the step then first runs the
-    pipeline's after-restore agreement check (on the host) and clears it."""
+    pipeline's after-restore agreement check (on the host) and clears it -- before the step
+    reads any memory or plan: where the check drops per-rank memory, a step that had read it
+    already would go on with it on some ranks only."""
+    with tf.control_dependencies([_when_restored(restored, pipeline)]):
+        _graph_step(comm, pipeline, layers, grads, variables, apply, decider, keys)
+
+
+def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
+                layers: list[tuple[int, list[int]]], grads: list, variables: list,
+                apply: Callable[[list, list], None], decider: Optional[CompiledDecider],
+                keys: Optional[list[str]]) -> None:
     clip = pipeline.by_name.get("clip")
     stats, layer_names = pipeline.stats, pipeline.layer_names
     grads = list(grads)
@@ -55,7 +65,6 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         decider.trace([(li, sum(payload_bytes(_dense(grads[p], comm)) for p in positions))
                        for li, positions in layers])
         plan = decider.plan()
-    _when_restored(restored, pipeline)
     held_norms, bads, steps, params_of = [], [], [], {}
     for li, positions in layers:
         layer = [grads[p] for p in positions]
@@ -135,16 +144,16 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                    tf.int32)
 
 
-def _when_restored(restored: tf.Variable, pipeline: StepPipeline) -> None:
+def _when_restored(restored: tf.Variable, pipeline: StepPipeline) -> tf.Tensor:
     """After a restore only (no host call otherwise): the pipeline's agreement check, a
-    collective on the host, then clear ``restored``."""
+    collective on the host, then clear ``restored``; what the rest of the step waits on."""
     def check():
         done = tf.numpy_function(lambda: (pipeline.check_load(), np.int32(0))[1], [],
                                  tf.int32, stateful=True)
         with tf.control_dependencies([done]):
             restored.assign(False)
         return tf.constant(True)
-    tf.cond(restored, check, lambda: tf.constant(False))
+    return tf.cond(restored, check, lambda: tf.constant(False))
 
 
 def _dense(g, comm: KerasCommunicator):
