@@ -1,0 +1,306 @@
+"""Which technique for my model, ranks and network? ``python -m hvdsync.advise`` prints the
+performance model's table (:mod:`hvdsync.perfmodel`) and a recommendation with its reason
+(docs/at-scale.md)::
+
+    python -m hvdsync.advise --preset gpt-125m --ranks 64 --ranks-per-node 8 --bandwidth 100
+    python -m hvdsync.advise --params 25e6 --layers 54 --compute-ms 120 --ranks 8 --bandwidth 10
+    python -m hvdsync.advise --model examples.torch.train_teacher:student --input-shape 64,32 \\
+        --measure --ranks 16 --bandwidth 1
+
+Offline, in seconds. Time per step and bytes are modelled; how many steps a technique needs to
+reach the baseline's quality is *measured* on this project's bench bed for a family of models
+(:data:`MEASURED_STEPS`), shown with its source; time to target is their product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hvdsync import perfmodel
+from hvdsync.perfmodel import Cluster, Constants, LayerSize, ModelSizes, Prediction
+
+#: steps to reach Horovod's quality, relative to Horovod (measured: the bench bed's 3-seed
+#: cells, benchmarks/results/suite*.md; "-": never measured or did not reach the target there)
+MEASURED_STEPS: dict[str, dict[str, tuple[Optional[float], str]]] = {
+    "transformer": {
+        "horovod": (1.0, "baseline"), "horovod fp16": (1.00, "suite_lm_outer_np2"),
+        "hvdsync": (1.00, "suite_lm_np2"), "hvdsync clip": (None, "not measured"),
+        "hvdsync threshold": (1.85, "suite_lm_np2 (with fp16)"),
+        "hvdsync select": (1.42, "suite_lm_np2 (with fp16)"),
+        "hvdsync lowrank": (1.70, "suite_lm_lowrank_np2"),
+        "hvdsync delay": (1.38, "suite_lm_np2 (with fp16)"),
+        "hvdsync streaming": (1.17, "suite_lm_outer_np2, _rerun"),
+        "ddp+powersgd": (1.66, "suite_lm_np2"), "ddp post-local sgd": (1.45, "suite_lm_np2"),
+    },
+    "cnn": {
+        "horovod": (1.0, "baseline"), "horovod fp16": (1.04, "suite_cnn_outer_np2"),
+        "hvdsync": (1.01, "suite_quick, 1 seed"), "hvdsync clip": (1.00, "suite_quick, 1 seed"),
+        "hvdsync threshold": (None, "did not reach the target (suite_cnn_np4)"),
+        "hvdsync select": (None, "did not reach the target (suite_cnn_np4)"),
+        "hvdsync lowrank": (None, "not measured"),
+        "hvdsync delay": (1.17, "suite_quick, 1 seed"),
+        "hvdsync streaming": (1.23, "suite_cnn_outer_np2"),
+        "ddp+powersgd": (1.60, "suite_cnn_np4"),
+        "ddp post-local sgd": (1.48, "suite_cnn_outer_np2"),
+    },
+    "mlp": {
+        "horovod": (1.0, "baseline"), "horovod fp16": (1.01, "suite (digits, 4 ranks)"),
+        "hvdsync": (1.06, "suite"), "hvdsync clip": (0.67, "suite"),
+        "hvdsync threshold": (1.25, "suite"), "hvdsync select": (0.88, "suite"),
+        "hvdsync lowrank": (None, "not measured"), "hvdsync delay": (1.35, "suite"),
+        "hvdsync streaming": (None, "not measured"),
+        "ddp+powersgd": (1.08, "suite"), "ddp post-local sgd": (None, "not measured"),
+    },
+    "embedding": {
+        "horovod": (1.0, "baseline"), "horovod fp16": (1.15, "suite_zipf_np2"),
+        "hvdsync": (0.94, "suite_zipf_np2"), "hvdsync sparse": (1.23, "suite_zipf_np2"),
+        "hvdsync clip": (None, "1 seed only"), "hvdsync threshold": (None, "1 seed only"),
+        "hvdsync select": (None, "1 seed only"), "hvdsync lowrank": (None, "not measured"),
+        "hvdsync delay": (None, "1 seed only"), "hvdsync streaming": (None, "not measured"),
+        "ddp+powersgd": (1.44, "suite_zipf_np2"), "ddp post-local sgd": (2.15, "suite_zipf_np2"),
+    },
+}
+
+#: what a data-centre GPU cluster is assumed to do (NCCL, one GPU per rank): not fitted --
+#: no GPU cluster here (docs/at-scale.md says what each assumption rests on)
+GPU_CLUSTER = Constants(link_efficiency=0.8, collective_s=3.0e-5, fusion_bytes=64 * 2 ** 20,
+                        overlap=0.7, layer_s=2.0e-5, decider_s=2.0e-4, delay_s=1.0e-4,
+                        ddp_s=1.0e-4, cast_s=2.0e-12, norm_s=1.0e-12, accumulate_s=2.0e-12,
+                        flops=1.0e13, matrix_s=3.0e-5, step_s=2.0e-4)
+
+#: what the advisor chooses from: Horovod, its fp16, and hvdsync's communication techniques
+#: (``clip=`` is for training stability, not speed; the peers are shown for comparison)
+CANDIDATES = ("horovod", "horovod fp16", "hvdsync threshold", "hvdsync select",
+              "hvdsync sparse", "hvdsync lowrank", "hvdsync delay", "hvdsync streaming")
+#: a technique is recommended over Horovod (or its fp16) only if it predicts at least this
+#: much less time to target: below it, model error and seeds' spread decide
+MARGIN = 0.9
+
+
+# -- models by name ---------------------------------------------------------------------------
+def transformer(params_layers: int, d: int, vocab: int, context: int) -> tuple[LayerSize, ...]:
+    """A GPT-style decoder's layers: embeddings, per block attention and MLP (with their
+    norms and biases), the final norm; the head tied to the token embedding."""
+    layers = [LayerSize("tok", vocab * d, ((vocab, d),)), LayerSize("pos", context * d,
+                                                                      ((context, d),))]
+    for i in range(params_layers):
+        layers += [LayerSize(f"block{i}.attn", 4 * d * d + 4 * d, ((3 * d, d), (d, d)), tensors=4),
+                   LayerSize(f"block{i}.mlp", 8 * d * d + 5 * d, ((4 * d, d), (d, 4 * d)),
+                             tensors=4),
+                   LayerSize(f"block{i}.norms", 4 * d, tensors=4)]
+    return tuple(layers + [LayerSize("norm", 2 * d, tensors=2)])
+
+
+def resnet50() -> tuple[LayerSize, ...]:
+    """ResNet-50's layers (convolutions with their batch norms; the classifier)."""
+    layers = [LayerSize("conv1", 64 * 3 * 49 + 128, ((64, 3 * 49),), tensors=3)]
+    cin = 64
+    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3))):
+        for b in range(blocks):
+            shapes = [(width, cin), (width, width * 9), (4 * width, width)]
+            if b == 0:
+                shapes.append((4 * width, cin))
+            params = sum(m * k for m, k in shapes) + 2 * (2 * width + 4 * width)
+            layers.append(LayerSize(f"stage{stage}.{b}", params, tuple(shapes),
+                                    tensors=3 * len(shapes)))
+            cin = 4 * width
+    return tuple(layers + [LayerSize("fc", 2048 * 1000 + 1000, ((1000, 2048),), tensors=2)])
+
+
+@dataclass(frozen=True)
+class Preset:
+    layers: tuple[LayerSize, ...]
+    flops_per_step: float  # forward + backward, one rank
+    family: str
+    what: str
+
+
+def presets(tokens: int, images: int) -> dict[str, Preset]:
+    """Named models; compute from flops (``tokens``/``images`` per rank per step)."""
+    def gpt(d: int, blocks: int, what: str) -> Preset:
+        layers = transformer(blocks, d, 50257, 2048)
+        params = sum(layer.params for layer in layers)
+        return Preset(layers, 6 * params * tokens, "transformer", what)
+    return {"gpt-125m": gpt(768, 12, "GPT, 125M parameters (d 768, 12 blocks)"),
+            "gpt-1.3b": gpt(2048, 24, "GPT, 1.3B parameters (d 2048, 24 blocks)"),
+            "resnet50": Preset(resnet50(), 3 * 4.1e9 * images, "cnn",
+                               "ResNet-50, 25.6M parameters")}
+
+
+def _load(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    if not name:
+        raise SystemExit(f"--model takes module:callable, got {spec!r}")
+    return getattr(importlib.import_module(module), name)()
+
+
+def sizes_from_module(model: Any, input_shape: Optional[tuple[int, ...]], measure: bool,
+                      compute_s: Optional[float]) -> ModelSizes:
+    """A torch module's (or Keras model's) sizes; its compute per step timed on random
+    inputs of ``input_shape`` (``measure``) or given."""
+    layers = perfmodel.layers_of(model)
+    if measure:
+        if input_shape is None:
+            raise SystemExit("--measure needs --input-shape (a batch's shape, e.g. 64,32)")
+        if hasattr(model, "named_parameters"):
+            import torch
+            torch.set_num_threads(max(1, torch.get_num_threads()))
+            x = torch.randn(*input_shape)
+            out = model(x)
+            y = torch.randint(out.shape[-1], out.shape[:1])
+            f, b, o = perfmodel.measure_torch(model, (x, y), torch.nn.functional.cross_entropy,
+                                              torch.optim.SGD(model.parameters(), lr=1e-3))
+            return ModelSizes(layers, f, b, o)
+        import numpy as np  # a Keras model
+        x = np.random.default_rng(0).standard_normal(input_shape).astype("float32")
+        classes = int(model(x[:1]).shape[-1])
+        y = np.random.default_rng(1).integers(0, classes, input_shape[0])
+        return ModelSizes(layers, *perfmodel.measure_keras(model, x, y))
+    if compute_s is None:
+        raise SystemExit("give --compute-ms (forward+backward+optimizer per step) or --measure")
+    return ModelSizes(layers, compute_s / 3, 2 * compute_s / 3)
+
+
+# -- the table --------------------------------------------------------------------------------
+def advise(model: ModelSizes, cluster: Cluster, family: str = "transformer",
+           constants: Constants = perfmodel.CALIBRATED) -> dict[str, Any]:
+    """Every technique's predicted step, bytes, memory, measured steps-to-target factor and
+    predicted time to target (relative to Horovod), and the recommendation with its reason."""
+    measured = MEASURED_STEPS.get(family, {})
+    rows = []
+    preds = perfmodel.predict_all(model, cluster, constants)
+    base = next(p for p in preds if p.technique == "horovod")
+    for p in preds:
+        factor, source = measured.get(p.technique, (None, "not measured"))
+        # never credited with fewer steps than Horovod: below 1 on one bench workload is that
+        # workload's luck (or noise), not something the technique brings elsewhere
+        to_target = None if factor is None else p.step_s * max(factor, 1.0) / base.step_s
+        rows.append(dict(prediction=p, steps_factor=factor, source=source,
+                         time_to_target=to_target))
+    by = {r["prediction"].technique: r for r in rows}
+    known = [by[t] for t in CANDIDATES if t in by and by[t]["time_to_target"] is not None]
+    plain = min((by[t] for t in ("horovod", "horovod fp16")), key=lambda r: r["time_to_target"])
+    best = min(known, key=lambda r: r["time_to_target"])
+    share = 1 - base.compute_s / base.step_s
+    if best["time_to_target"] > MARGIN * plain["time_to_target"]:
+        best = plain
+        reason = (f"communication is {share:.0%} of Horovod's step here; no technique is "
+                  f"predicted to reach the target in {MARGIN:.0%} of "
+                  f"{plain['prediction'].technique}'s time once its measured extra steps count")
+    else:
+        p: Prediction = best["prediction"]
+        reason = (f"communication is {share:.0%} of Horovod's step; {p.technique} cuts the "
+                  f"step to {p.step_s / base.step_s:.2f}x and needs "
+                  f"{max(best['steps_factor'], 1.0):.2f}x the steps ({best['source']}): "
+                  f"{best['time_to_target']:.2f}x Horovod's time")
+    peers = [r for r in rows if r["prediction"].technique.startswith("ddp")
+             and r["time_to_target"] is not None
+             and r["time_to_target"] < MARGIN * best["time_to_target"]]
+    if peers:
+        peer = min(peers, key=lambda r: r["time_to_target"])
+        reason += (f" ({peer['prediction'].technique} is predicted faster still, "
+                   f"{peer['time_to_target']:.2f}x, outside Horovod)")
+    return dict(rows=rows, recommended=best["prediction"].technique, reason=reason,
+                horovod_step_s=base.step_s)
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def format_table(result: dict[str, Any]) -> str:
+    head = ["technique", "step (ms)", "vs horovod", "bytes/step", "extra memory",
+            "steps x (measured)", "time to target (x horovod)", "source"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in result["rows"]:
+        p = r["prediction"]
+        lines.append(" | ".join([
+            p.technique, f"{p.step_s * 1e3:.1f}", f"{p.step_s / result['horovod_step_s']:.2f}",
+            _human(p.bytes_per_step), _human(p.memory_bytes),
+            "-" if r["steps_factor"] is None else f"{r['steps_factor']:.2f}",
+            "-" if r["time_to_target"] is None else f"{r['time_to_target']:.2f}x",
+            r["source"]]))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hvdsync.advise",
+                                 description=__doc__.splitlines()[0])
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--preset", choices=["gpt-125m", "gpt-1.3b", "resnet50"])
+    what.add_argument("--model", help="module:callable returning a torch module or Keras model")
+    what.add_argument("--params", type=float, help="parameter count (sizes alone)")
+    ap.add_argument("--layers", type=int, default=50, help="with --params: how many layers")
+    ap.add_argument("--compute-ms", type=float,
+                    help="forward+backward+optimizer per step on one rank")
+    ap.add_argument("--input-shape", help="with --model --measure: a batch's shape, e.g. 64,32")
+    ap.add_argument("--measure", action="store_true", help="time one local step of --model")
+    ap.add_argument("--family", choices=list(MEASURED_STEPS), default=None,
+                    help="which measured steps-to-target factors apply (default: the preset's, "
+                         "else transformer)")
+    ap.add_argument("--ranks", type=int, required=True)
+    ap.add_argument("--ranks-per-node", type=int, default=1)
+    ap.add_argument("--bandwidth", type=float, required=True,
+                    help="Gbit/s per rank between nodes")
+    ap.add_argument("--latency-us", type=float, default=20.0)
+    ap.add_argument("--intra-bandwidth", type=float, default=600.0,
+                    help="Gbit/s between ranks of a node")
+    ap.add_argument("--tokens", type=int, default=16384,
+                    help="presets: tokens per rank per step (transformers)")
+    ap.add_argument("--images", type=int, default=256,
+                    help="presets: images per rank per step (ResNet-50)")
+    ap.add_argument("--device-tflops", type=float, default=400.0,
+                    help="presets: achieved TFLOP/s per rank (400: an H100 at ~40%% of peak)")
+    ap.add_argument("--constants", choices=["gpu", "bench"], default="gpu",
+                    help="gpu (default): an NCCL GPU cluster, assumed; bench: fitted on this "
+                         "project's bench bed (CPU ranks over Gloo, collectives at most ~1 "
+                         "Gbit/s)")
+    args = ap.parse_args(argv)
+    family = args.family
+    if args.preset:
+        p = presets(args.tokens, args.images)[args.preset]
+        compute = p.flops_per_step / (args.device_tflops * 1e12)
+        sizes = ModelSizes(p.layers, compute / 3, 2 * compute / 3)
+        family = family or p.family
+        title = p.what
+    elif args.model:
+        sizes = sizes_from_module(_load(args.model), tuple(
+            int(x) for x in args.input_shape.split(",")) if args.input_shape else None,
+            args.measure, None if args.compute_ms is None else args.compute_ms / 1e3)
+        title = args.model
+    else:
+        if args.compute_ms is None:
+            ap.error("--params needs --compute-ms")
+        per = int(args.params // args.layers)
+        side = max(1, int(math.sqrt(per)))
+        layers = tuple(LayerSize(f"layer{i}", per, ((side, per // side),))
+                       for i in range(args.layers))
+        sizes = ModelSizes(layers, args.compute_ms / 3e3, 2 * args.compute_ms / 3e3)
+        title = f"{args.params:.3g} parameters in {args.layers} layers"
+    family = family or "transformer"
+    constants = {"gpu": GPU_CLUSTER, "bench": perfmodel.CALIBRATED}[args.constants]
+    cluster = Cluster(ranks=args.ranks, bandwidth_gbit=args.bandwidth,
+                      latency_us=args.latency_us, ranks_per_node=args.ranks_per_node,
+                      intra_bandwidth_gbit=args.intra_bandwidth)
+    result = advise(sizes, cluster, family, constants)
+    print(f"{title}: {sizes.params / 1e6:.1f}M parameters, {sizes.compute_s * 1e3:.1f} ms "
+          f"compute per step; {args.ranks} ranks ({args.ranks_per_node} per node), "
+          f"{args.bandwidth:g} Gbit/s between nodes; constants: "
+          f"{'assumed GPU cluster' if constants is GPU_CLUSTER else 'fitted on the bench bed'}")
+    print(format_table(result))
+    print(f"\nrecommended: {result['recommended']} -- {result['reason']}")
+    print("(predictions: docs/at-scale.md; steps-to-target factors are measured on the bench "
+          f"bed for the {family} family, not predicted)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
