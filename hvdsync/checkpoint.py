@@ -123,7 +123,7 @@ def take_shared(techniques: Sequence[Technique], params: Sequence[str], rank: in
     every rank, and so does a running job's state when Horovod Elastic adds a rank. Per-rank
     memory cannot be given to another rank, so every rank drops its own, now -- before a step
     could use it -- warned where it held any. Both adapters' broadcasts of the optimizer state
-    call this; the caller then runs the after-restore check (``StepPipeline.after_load``)."""
+    call this; the caller says what its next step checks (``StepPipeline.after_load``)."""
     held = held_per_rank(techniques)
     shared = broadcast(state_of(techniques, params, rank, world_size))
     if rank != root_rank:

@@ -30,8 +30,10 @@ import pytest
 
 from hvdsync.testing import HOSTS_ENV, run_elastic
 from tests.keras_models import embedding_model, key, mlp, teacher_data, token_data
-from tests.test_torch_elastic import (COMMIT_EVERY, EVENT, FINAL, GLOO_TIMEOUT_S, SIZES,
-                                      _add_host_back, _first, _remove_host, _victim)
+from tests.test_torch_elastic import (COMMIT_EVERY, EVENT, FINAL, GLOO_TIMEOUT_S,
+                                      _add_host_back, _first, _remove_host, _victim,
+                                      check_final_sizes, check_identical_and_finite,
+                                      check_learns, check_steps_lost)
 from tests.test_torch_flush import TECHNIQUES
 
 CASES = {"none": {}, **TECHNIQUES}
@@ -158,46 +160,23 @@ def job(request):
 
 def test_the_job_finishes_at_the_new_size(job):
     scenario, ranks = job
-    assert [r["rank"] for r in ranks] == list(range(FINAL[scenario]))
-    assert all(r["size"] == FINAL[scenario] for r in ranks)
+    check_final_sizes(scenario, ranks)
     assert all((r["epoch"], r["batch"]) == (EPOCHS, 0) for r in ranks)
-    original = [r for r in ranks if r["resets"]]
-    assert len(original) == 2, "two ranks were there from the start to the end"
-    for r in original:
-        assert [x["size"] for x in r["resets"]] == SIZES[scenario]
-    if scenario == "remove":
-        assert len([r for r in ranks if not r["resets"]]) == 1
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_replicas_identical_and_finite_after_flush(job, case):
-    _, ranks = job
-    for r in ranks:
-        assert all(np.isfinite(w).all() for w in r["params"][case].values()), (case, r["rank"])
-    for r in ranks[1:]:
-        for k, w in ranks[0]["params"][case].items():
-            np.testing.assert_array_equal(w, r["params"][case][k],
-                                          err_msg=f"{case} {k}: rank {r['rank']} differs")
+    check_identical_and_finite(job[1], case)
 
 
 def test_steps_lost_at_most_since_the_last_commit(job):
     scenario, ranks = job
-    for r in ranks:
-        for reset in r["resets"]:
-            lost = reset["reached"] - reset["from_step"]
-            if scenario == "kill":
-                assert reset["from_step"] == EVENT - EVENT % COMMIT_EVERY
-                assert 0 < lost <= COMMIT_EVERY
-            else:
-                assert lost == 0
-        # every step of every epoch was taken once, plus those lost and taken again
-        again = sum(x["reached"] - x["from_step"] for x in r["resets"])
+    check_steps_lost(scenario, ranks)
+    for r in ranks:  # every step of every epoch taken once, plus those lost and taken again
         if r["resets"]:
+            again = sum(x["reached"] - x["from_step"] for x in r["resets"])
             assert r["steps_done"] == EPOCHS * STEPS_PER_EPOCH + again
 
 
 def test_training_still_learns(job):
-    _, ranks = job
-    for case in CASES:
-        first, last = ranks[0]["losses"][case][:4], ranks[0]["losses"][case][-4:]
-        assert np.mean(last) < np.mean(first), case
+    check_learns(job[1], CASES)

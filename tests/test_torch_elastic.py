@@ -189,42 +189,64 @@ def job(request):
     return request.param, _run(request.param)
 
 
-def test_the_job_finishes_at_the_new_size(job):
-    scenario, ranks = job
+def check_final_sizes(scenario: str, ranks: list[dict]) -> None:
+    """The job ends at the scenario's size; the two ranks there from start to end went
+    through its sizes; with ``remove``, one rank joined (it never went through a reset)."""
     assert [r["rank"] for r in ranks] == list(range(FINAL[scenario]))
     assert all(r["size"] == FINAL[scenario] for r in ranks)
     original = [r for r in ranks if r["resets"]]
     assert len(original) == 2, "two ranks were there from the start to the end"
     for r in original:
         assert [x["size"] for x in r["resets"]] == SIZES[scenario]
-    if scenario == "remove":  # and one joined: it never went through a reset
+    if scenario == "remove":
         assert len([r for r in ranks if not r["resets"]]) == 1
+
+
+def check_identical_and_finite(ranks: list[dict], case: str) -> None:
+    """``case``'s parameters (one array, or arrays by name) finite on every rank, bit-identical
+    to rank 0's."""
+    def arrays(r: dict) -> dict:
+        p = r["params"][case]
+        return p if isinstance(p, dict) else {"all": p}
+    for r in ranks:
+        assert all(np.isfinite(w).all() for w in arrays(r).values()), (case, r["rank"])
+    for r in ranks[1:]:
+        for k, w in arrays(ranks[0]).items():
+            np.testing.assert_array_equal(w, arrays(r)[k],
+                                          err_msg=f"{case} {k}: rank {r['rank']} differs")
+
+
+def check_steps_lost(scenario: str, ranks: list[dict]) -> None:
+    """A lost rank: back to the last commit before the step in flight; ranks removed or
+    added at a commit: nothing lost."""
+    for r in ranks:
+        for reset in r["resets"]:
+            lost = reset["reached"] - reset["from_step"]
+            if scenario == "kill":
+                assert reset["from_step"] == EVENT - EVENT % COMMIT_EVERY
+                assert 0 < lost <= COMMIT_EVERY
+            else:
+                assert lost == 0
+
+
+def check_learns(ranks: list[dict], cases) -> None:
+    for case in cases:
+        first, last = ranks[0]["losses"][case][:4], ranks[0]["losses"][case][-4:]
+        assert np.mean(last) < np.mean(first), case
+
+
+def test_the_job_finishes_at_the_new_size(job):
+    check_final_sizes(*job)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_replicas_identical_and_finite_after_flush(job, case):
-    _, ranks = job
-    for r in ranks:
-        assert np.isfinite(r["params"][case]).all(), (case, r["rank"])
-    for r in ranks[1:]:
-        np.testing.assert_array_equal(ranks[0]["params"][case], r["params"][case],
-                                      err_msg=f"{case}: rank {r['rank']} differs from rank 0")
+    check_identical_and_finite(job[1], case)
 
 
 def test_steps_lost_at_most_since_the_last_commit(job):
-    scenario, ranks = job
-    for r in ranks:
-        for reset in r["resets"]:
-            lost = reset["reached"] - reset["from_step"]
-            if scenario == "kill":  # back to the last commit before the step in flight
-                assert reset["from_step"] == EVENT - EVENT % COMMIT_EVERY
-                assert 0 < lost <= COMMIT_EVERY
-            else:  # ranks removed or added at a commit: nothing lost
-                assert lost == 0
+    check_steps_lost(*job)
 
 
 def test_training_still_learns(job):
-    _, ranks = job
-    for case in CASES:
-        first, last = ranks[0]["losses"][case][:4], ranks[0]["losses"][case][-4:]
-        assert np.mean(last) < np.mean(first), case
+    check_learns(job[1], CASES)
