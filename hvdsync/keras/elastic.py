@@ -6,6 +6,7 @@ lost or added (docs/elastic.md)::
     hvd.init()
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), threshold=...),
                   loss=...)
+    model(x[:1])                   # built: the state copies its variables
     state = hvd.elastic.KerasState(model, epoch=0, batch=0)
     callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=10),
                  hvd.elastic.UpdateBatchStateCallback(state),
@@ -20,7 +21,7 @@ lost or added (docs/elastic.md)::
 
 The names and the recipe are Horovod's (``horovod.tensorflow.keras.elastic``), whose
 ``KerasState`` does not run on Keras 3 (it calls ``optimizer.variables()``, a list there).
-What hvdsync's adds, as :mod:`hvdsync.torch.elastic` does for torch:
+What hvdsync's version adds, as :mod:`hvdsync.torch.elastic` does for torch:
 
 * :class:`KerasState` carries the model, its optimizer and the optimizer's technique state:
   ``commit()`` keeps a copy (this rank's own memory included), a reset after a lost rank
