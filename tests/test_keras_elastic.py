@@ -17,6 +17,9 @@ so a fault hits every technique at the same step:
 Checked: the job finishes at the expected size with every epoch done (the first epoch after a
 reset only runs what it still had to run), no step is lost beyond the last commit, every
 replica is identical after the final ``flush()``, nothing is non-finite, training learns.
+
+Without a fault, one 2-rank job checks ``commit()``/``restore()``/``sync()`` themselves with
+mixed precision and gradient accumulation (:data:`ROUND_TRIP`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 import numpy as np
 import pytest
 
-from hvdsync.testing import HOSTS_ENV, run_elastic
+from hvdsync.testing import HOSTS_ENV, run_elastic, run_ranks
 from tests.keras_models import embedding_model, key, mlp, teacher_data, token_data
 from tests.test_torch_elastic import (COMMIT_EVERY, EVENT, FINAL, GLOO_TIMEOUT_S,
                                       _add_host_back, _first, _remove_host, _victim,
@@ -180,3 +183,74 @@ def test_steps_lost_at_most_since_the_last_commit(job):
 
 def test_training_still_learns(job):
     check_learns(job[1], CASES)
+
+
+# -- commit, restore and sync without a fault: mixed precision, gradient accumulation -----------
+ROUND_TRIP = {
+    "threshold, mixed_float16": (dict(threshold=dict(threshold=0.3, max_skip=4)), True, 1),
+    "select, 2 passes per step": (dict(select=dict(k=1, max_wait=3)), False, 2),
+    "delay, 2 passes per step": (dict(delay=dict(staleness=1, average_every=4)), False, 2),
+}
+
+
+def round_trip_body() -> dict:
+    """Per case: fit, ``commit()``, fit on, ``restore()`` -> the committed weights, optimizer
+    variables and technique state come back; then ``sync()``, fit, ``flush()`` -> identical
+    replicas. A 2-rank job without a fault (``KerasState`` outside elastic mode)."""
+    import keras
+    import tensorflow as tf
+
+    import hvdsync.keras as hvd
+    from hvdsync import checkpoint
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    out = {}
+    for case, (options, mixed, passes) in ROUND_TRIP.items():
+        keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
+        model = mlp(seed=hvd.rank())  # different starts: sync() makes them one
+        model.compile(optimizer=hvd.DistributedOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9), backward_passes_per_step=passes,
+            **options), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = teacher_data(hvd.rank(), 16 * 12)
+        model(x[:1])
+        state = hvd.elastic.KerasState(model, epoch=0, batch=0)
+        state.sync()
+        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+
+        def snapshot() -> dict:
+            return dict(weights=[v.numpy().copy() for v in model.variables],
+                        opt=[v.numpy().copy() for v in model.optimizer.variables],
+                        digest=checkpoint.shared_digest(inner._configured))
+        model.fit(x[:64], y[:64], batch_size=16, shuffle=False, verbose=0)
+        state.commit()
+        committed = snapshot()
+        model.fit(x[64:128], y[64:128], batch_size=16, shuffle=False, verbose=0)
+        moved = snapshot()
+        state.restore()
+        restored = snapshot()
+        state.sync()
+        model.fit(x[128:], y[128:], batch_size=16, shuffle=False, verbose=0)
+        inner.flush()
+        out[case] = dict(committed=committed, moved=moved, restored=restored,
+                         final=[v.numpy().copy() for v in model.trainable_variables],
+                         scaled=hasattr(model.optimizer, "inner_optimizer"))
+    keras.mixed_precision.set_global_policy("float32")
+    return out
+
+
+@pytest.fixture(scope="module")
+def round_trips():
+    return run_ranks(round_trip_body, np=2, timeout=400)
+
+
+@pytest.mark.parametrize("case", list(ROUND_TRIP))
+def test_restore_brings_back_the_commit_and_sync_makes_replicas_one(round_trips, case):
+    for r in round_trips:
+        c, m, back = (r[case][k] for k in ("committed", "moved", "restored"))
+        assert not all(np.array_equal(a, b) for a, b in zip(c["weights"], m["weights"]))
+        for a, b in zip(c["weights"] + c["opt"], back["weights"] + back["opt"]):
+            np.testing.assert_array_equal(a, b, err_msg=case)
+        assert back["digest"] == c["digest"], case
+    assert round_trips[0][case]["scaled"] == ROUND_TRIP[case][1]
+    for a, b in zip(round_trips[0][case]["final"], round_trips[1][case]["final"]):
+        np.testing.assert_array_equal(a, b, err_msg=case)
