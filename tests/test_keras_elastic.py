@@ -24,17 +24,12 @@ mixed precision and gradient accumulation (:data:`ROUND_TRIP`).
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import numpy as np
 import pytest
 
-from hvdsync.testing import HOSTS_ENV, run_elastic, run_ranks
+from hvdsync.testing import run_elastic, run_ranks
 from tests.keras_models import embedding_model, key, mlp, teacher_data, token_data
-from tests.test_torch_elastic import (COMMIT_EVERY, EVENT, FINAL, GLOO_TIMEOUT_S,
-                                      _add_host_back, _first, _remove_host, _victim,
+from tests.test_torch_elastic import (COMMIT_EVERY, FINAL, GLOO_TIMEOUT_S, Faults,
                                       check_final_sizes, check_identical_and_finite,
                                       check_learns, check_steps_lost)
 from tests.test_torch_flush import TECHNIQUES
@@ -75,26 +70,17 @@ def keras_elastic_body(scenario: str) -> dict:
     import hvdsync.keras as hvd
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    hosts_file = os.environ[HOSTS_ENV]
-    workdir = os.path.dirname(hosts_file)
+    faults = Faults(scenario, hvd)
     models = {case: _compiled(case, options) for case, options in CASES.items()}
     for case, model in models.items():  # built (KerasState needs it): one batch of inputs
         model(_data(case, 0, 2)[0])
     state = hvd.elastic.KerasState(models["none"], epoch=0, batch=0,
                                    **{case: m for case, m in models.items() if case != "none"})
-    resets: list[dict] = []
-    reached = [0]
     losses: dict[str, list[float]] = {c: [] for c in CASES}
 
     def step() -> int:
         return state.epoch * STEPS_PER_EPOCH + state.batch
-
-    def on_reset() -> None:
-        resets.append(dict(at=time.time(), size=hvd.size(), reached=reached[0]))
-        if scenario == "remove" and hvd.size() < 3:  # the job went on without the host
-            _add_host_back(hosts_file)
-    state.register_reset_callbacks([on_reset])
-    joined_late = False
+    state.register_reset_callbacks([faults.on_reset])
 
     class SideBySide(keras.callbacks.Callback):
         """Steps every technique's model on this step's batch, once the fit's model has
@@ -104,19 +90,12 @@ def keras_elastic_body(scenario: str) -> dict:
             t = step() - 1  # UpdateBatchStateCallback ran before this one
             others = [c for c in CASES if c != "none"]
             for i, case in enumerate(others):
-                if (t == EVENT and i == len(others) // 2
-                        and _victim(scenario, hvd.rank(), workdir)):
-                    os.kill(os.getpid(), signal.SIGKILL)  # the others wait in the next one
+                if i == len(others) // 2:
+                    faults.maybe_die(t)  # between two models' steps
                 x, y = _data(case, hvd.rank(), BATCH, seed=t + 1)
                 losses[case].append(float(models[case].train_on_batch(x, y)))
             losses["none"].append(float(logs["loss"]))  # the step is whole
-            reached[0] = max(reached[0], t + 1)
-            if (scenario == "remove" and t == EVENT and hvd.rank() == 0
-                    and _first(workdir, "removed")):
-                _remove_host(hosts_file)
-            if scenario == "remove" and t >= EVENT and (hvd.size() < 3 or not (
-                    resets or joined_late)):
-                time.sleep(0.5)  # the driver notices in ~1 s; a new rank starts in seconds
+            faults.step_done(t)
 
     callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=COMMIT_EVERY),
                  hvd.elastic.UpdateBatchStateCallback(state),
@@ -124,11 +103,7 @@ def keras_elastic_body(scenario: str) -> dict:
 
     @hvd.elastic.run
     def train(state) -> None:
-        nonlocal joined_late
-        joined_late = joined_late or (step() > 0 and not resets)
-        if resets and "resumed" not in resets[-1]:
-            resets[-1]["resumed"] = time.time()
-            resets[-1]["from_step"] = step()
+        faults.resumed(step())
         x, y = _data("none", hvd.rank(), BATCH * STEPS_PER_EPOCH)
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
         state.model.fit(data, steps_per_epoch=STEPS_PER_EPOCH, epochs=EPOCHS - state.epoch,
@@ -137,12 +112,8 @@ def keras_elastic_body(scenario: str) -> dict:
     train(state)
     for model in models.values():
         model.optimizer.flush()
-    events = {}
-    for name in ("killed", "removed", "added"):
-        if os.path.exists(os.path.join(workdir, name)):
-            with open(os.path.join(workdir, name)) as f:
-                events[name] = float(f.read())
-    return dict(rank=hvd.rank(), size=hvd.size(), resets=resets, events=events, losses=losses,
+    return dict(rank=hvd.rank(), size=hvd.size(), resets=faults.resets,
+                events=faults.events(), losses=losses,
                 epoch=state.epoch, batch=state.batch, steps_done=len(losses["none"]),
                 params={c: {key(v): np.array(v.numpy()) for v in m.variables}
                         for c, m in models.items()},

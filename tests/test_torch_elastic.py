@@ -93,6 +93,60 @@ def _add_host_back(hosts_file: str) -> None:
             hosts.write(f.read())
 
 
+class Faults:
+    """What both adapters' elastic bodies share: ``scenario``'s faults, and the record of this
+    process's resets (when, the size after, the step reached before, the step it resumed
+    from) and of the events (``killed``, ``removed``, ``added``, written by whichever process
+    made them). ``hvd``: the adapter's module (its rank and size are read anew each time)."""
+
+    def __init__(self, scenario: str, hvd):
+        self.scenario, self.hvd = scenario, hvd
+        self.hosts_file = os.environ[HOSTS_ENV]
+        self.workdir = os.path.dirname(self.hosts_file)
+        self.resets: list[dict] = []
+        self.reached = 0
+        #: this process joined a running job (its first sync brought a later step)
+        self.joined_late = False
+
+    def on_reset(self) -> None:
+        """The state's reset callback."""
+        self.resets.append(dict(at=time.time(), size=self.hvd.size(), reached=self.reached))
+        if self.scenario == "remove" and self.hvd.size() < 3:  # went on without the host
+            _add_host_back(self.hosts_file)
+
+    def resumed(self, step: int) -> None:
+        """The elastic function starts (after the sync) at ``step``."""
+        self.joined_late = self.joined_late or (step > 0 and not self.resets)
+        if self.resets and "resumed" not in self.resets[-1]:
+            self.resets[-1]["resumed"] = time.time()  # after the sync: training goes on
+            self.resets[-1]["from_step"] = step
+
+    def maybe_die(self, t: int) -> None:
+        """``kill``: at step :data:`EVENT` the victim SIGKILLs itself (call it mid-step)."""
+        if t == EVENT and _victim(self.scenario, self.hvd.rank(), self.workdir):
+            os.kill(os.getpid(), signal.SIGKILL)  # the others wait in this step's collectives
+
+    def step_done(self, t: int) -> None:
+        """Step ``t`` is whole. ``remove``: at :data:`EVENT` rank 0 takes a host out; from
+        then on steps are slowed until the job is whole again (the driver notices in ~1 s,
+        a new rank starts in seconds)."""
+        self.reached = max(self.reached, t + 1)
+        if self.scenario != "remove" or t < EVENT:
+            return
+        if t == EVENT and self.hvd.rank() == 0 and _first(self.workdir, "removed"):
+            _remove_host(self.hosts_file)
+        if self.hvd.size() < 3 or not (self.resets or self.joined_late):
+            time.sleep(0.5)
+
+    def events(self) -> dict[str, float]:
+        out = {}
+        for name in ("killed", "removed", "added"):
+            if os.path.exists(os.path.join(self.workdir, name)):
+                with open(os.path.join(self.workdir, name)) as f:
+                    out[name] = float(f.read())
+        return out
+
+
 def elastic_body(scenario: str, cases: tuple[str, ...] = tuple(CASES)) -> dict:
     """One model per technique in ``cases`` through ``scenario``; every rank's parameters
     after the final flush, its resets (when, the size after, the step reached before, the
@@ -100,8 +154,7 @@ def elastic_body(scenario: str, cases: tuple[str, ...] = tuple(CASES)) -> dict:
     import hvdsync.torch as hvd
     hvd.init()
     torch.set_num_threads(1)
-    hosts_file = os.environ[HOSTS_ENV]
-    workdir = os.path.dirname(hosts_file)
+    faults = Faults(scenario, hvd)
     models, opts = {}, {}
     for case in cases:
         torch.manual_seed(0)
@@ -113,26 +166,12 @@ def elastic_body(scenario: str, cases: tuple[str, ...] = tuple(CASES)) -> dict:
             **options)
     state = hvd.elastic.TorchState(step=0, **{f"model_{c}": m for c, m in models.items()},
                                    **{f"opt_{c}": o for c, o in opts.items()})
-    resets: list[dict] = []
-    reached = [0]
     losses: dict[str, list[float]] = {c: [] for c in cases}
-
-    def on_reset() -> None:
-        resets.append(dict(at=time.time(), size=hvd.size(), reached=reached[0]))
-        if scenario == "remove" and hvd.size() < 3:  # the job went on without the host
-            _add_host_back(hosts_file)
-    state.register_reset_callbacks([on_reset])
-
-    #: this process joined a running job (its first sync brought a later step)
-    joined_late = False
+    state.register_reset_callbacks([faults.on_reset])
 
     @hvd.elastic.run
     def train(state) -> None:
-        nonlocal joined_late
-        joined_late = joined_late or (state.step > 0 and not resets)
-        if resets and "resumed" not in resets[-1]:
-            resets[-1]["resumed"] = time.time()  # after the sync: training goes on
-            resets[-1]["from_step"] = state.step
+        faults.resumed(state.step)
         while state.step < STEPS:
             t = state.step
             for case in cases:
@@ -141,19 +180,12 @@ def elastic_body(scenario: str, cases: tuple[str, ...] = tuple(CASES)) -> dict:
                 opt.zero_grad()
                 loss = nn.functional.cross_entropy(model(*inputs), y)
                 loss.backward()
-                if (t == EVENT and case == cases[len(cases) // 2]
-                        and _victim(scenario, hvd.rank(), workdir)):
-                    os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the others wait in it
+                if case == cases[len(cases) // 2]:
+                    faults.maybe_die(t)  # mid-step: after its backward
                 opt.step()
                 losses[case].append(loss.item())
             state.step = t + 1
-            reached[0] = max(reached[0], state.step)
-            if (scenario == "remove" and t == EVENT and hvd.rank() == 0
-                    and _first(workdir, "removed")):
-                _remove_host(hosts_file)
-            if scenario == "remove" and t >= EVENT and (hvd.size() < 3 or not (
-                    resets or joined_late)):
-                time.sleep(0.5)  # the driver notices in ~1 s; a new rank starts in seconds
+            faults.step_done(t)
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
 
@@ -162,13 +194,8 @@ def elastic_body(scenario: str, cases: tuple[str, ...] = tuple(CASES)) -> dict:
         opt.flush()
     params = {c: torch.cat([p.detach().flatten() for p in m.parameters()]).numpy()
               for c, m in models.items()}
-    events = {}
-    for name in ("killed", "removed", "added"):
-        if os.path.exists(os.path.join(workdir, name)):
-            with open(os.path.join(workdir, name)) as f:
-                events[name] = float(f.read())
-    return dict(rank=hvd.rank(), size=hvd.size(), resets=resets, params=params,
-                events=events, losses=losses,
+    return dict(rank=hvd.rank(), size=hvd.size(), resets=faults.resets, params=params,
+                events=faults.events(), losses=losses,
                 stats={c: o.stats.as_dict()["total"] for c, o in opts.items()})
 
 
