@@ -149,7 +149,6 @@ def sizes_from_module(model: Any, input_shape: Optional[tuple[int, ...]], measur
             raise SystemExit("--measure needs --input-shape (a batch's shape, e.g. 64,32)")
         if hasattr(model, "named_parameters"):
             import torch
-            torch.set_num_threads(max(1, torch.get_num_threads()))
             x = torch.randn(*input_shape)
             out = model(x)
             y = torch.randint(out.shape[-1], out.shape[:1])
