@@ -158,28 +158,27 @@ class CompiledDecider:
         gradient is non-finite where it is kept (sent data is checked once reduced: identical
         everywhere)."""
         held = [self.held.store[k][0] for k in keys]
-        flag = self.held.flags[li]
+        zero = tf.zeros([], tf.float32)
 
         def go():
-            xs = tf.cond(flag, lambda: [g + tf.cast(h, g.dtype) for g, h in zip(layer, held)],
-                         lambda: [tf.identity(g) for g in layer])
-            out, extras = send(list(xs))
-            return [*out, *extras]
+            # a layer that holds nothing holds zeros (VariableMemory): no branch on its flag
+            out, extras = send([g + tf.cast(h, g.dtype) for g, h in zip(layer, held)])
+            return [*out, *extras, zero, zero]
 
         def keep():
             out = (list(layer) if self.local_step  # the local update with its own gradient
                    else [tf.zeros_like(g) for g in layer])  # withheld (put back anyway)
-            return [*out, *[tf.zeros([], tf.float32)] * n_extra]
+            return [*out, *[zero] * n_extra,
+                    norm_of([g + tf.cast(h, g.dtype) for g, h in zip(layer, held)]),
+                    KerasOps.bad(layer)]
+        # one branch per layer (each op of a branch costs trace time, the branch more): the
+        # lowered cond's outputs arrive separately, so the kept layers' norms go to the
+        # control round while the sent layers' data is still in flight
         res = tf.cond(send_plan, go, keep)
         m = len(layer)
         for r, g in zip(res[:m], layer):
             r.set_shape(g.shape)
-        zero = tf.zeros([], tf.float32)
-        held_norm, bad = tf.cond(
-            send_plan, lambda: (zero, zero),
-            lambda: (norm_of([g + tf.cast(h, g.dtype) for g, h in zip(layer, held)]),
-                     KerasOps.bad(layer)))
-        return list(res[:m]), held_norm, bad, list(res[m:])
+        return list(res[:m]), res[-2], res[-1], list(res[m:-2])
 
     # -- after backward --------------------------------------------------------------------------
     def control(self, layers: list[tuple[int, list]], held_norms: list, bads: list,
@@ -223,10 +222,11 @@ class CompiledDecider:
         return shared, local, tf.logical_and(ok, tf.equal(KerasOps.bad(applied), 0.0))
 
     def _sync_norm(self, li: int, params: list) -> tf.Tensor:
-        """``"sync_norm"``: the layer's parameter norm as of its last sync."""
+        """``"sync_norm"``: the layer's parameter norm as of its last sync (both norms and a
+        select: cheaper to trace than a branch)."""
         anchored = [self.copies.store[k][0] for k in self.copies.layer_keys[li]]
-        return tf.cond(self.copies.flags[li], lambda: norm_of([tf.identity(a) for a in anchored]),
-                       lambda: norm_of(params))
+        return tf.where(self.copies.flags[li], norm_of([tf.identity(a) for a in anchored]),
+                        norm_of(params))
 
     def commit(self, layers: list[tuple[int, list[str], list]], plan: tf.Tensor,
                ok: tf.Tensor) -> Callable[[], None]:
@@ -234,16 +234,43 @@ class CompiledDecider:
         (local steps: and return to their sync point), kept ones add their gradient to it
         (local steps: taking a sync point before their first one; withheld: copying the
         layer aside). ``layers``: (li, the layer's keys in the step, its local gradients).
-        Returns what to build after the update (select: put withheld layers back). One
-        ``tf.cond`` around it all: a step that sends everything with nothing held does no
-        per-layer work here."""
-        kept_any = tf.logical_and(ok, tf.reduce_any(tf.logical_not(plan)))
-        flags = [f.read_value() for f in self.held.flags + self.copies.flags]
-        busy = tf.logical_or(kept_any, tf.logical_and(ok, tf.reduce_any(tf.stack(flags))))
-        _when(busy, lambda: self._commit(layers, plan, ok))
+        Returns what to build after the update (select: put withheld layers back).
+
+        One branch per layer, none nested (a nested branch captures every variable of the
+        ones around it: tracing cost grows with depth), taken only by a layer that is kept
+        or holds something; inside it, selects (``tf.where``) instead of further branches."""
+        for li, keys, local in layers:
+            kept = tf.logical_not(plan[li])
+            flag, anchor = self.held.flags[li], self.copies.flags[li]
+            anchored = anchor.read_value()
+            busy = tf.logical_and(ok, tf.logical_or(kept, tf.logical_or(flag.read_value(),
+                                                                         anchored)))
+            _when(busy, lambda keys=keys, local=local, kept=kept, flag=flag, anchor=anchor,
+                  anchored=anchored: self._commit_layer(keys, local, kept, flag, anchor,
+                                                        anchored))
         if self.local_step:
             return lambda: None
-        return lambda: _when(kept_any, lambda: self._put_back_withheld(layers, plan, ok))
+        return lambda: self._put_back_withheld(layers, plan, ok)
+
+    def _commit_layer(self, keys: list[str], local: list, kept: tf.Tensor, flag: tf.Variable,
+                      anchor: tf.Variable, anchored: tf.Tensor) -> None:
+        variables = [self.targets[k] for k in keys]
+        copies = [self.copies.store[k] for k in keys]
+        if self.local_step:
+            take = tf.logical_and(kept, tf.logical_not(anchored))  # before its first local step
+            release = tf.logical_and(tf.logical_not(kept), anchored)  # sent: back to the sync
+            for vs, cs in zip(variables, copies):
+                for v, c in zip(vs, cs):
+                    c.assign(tf.where(take, v, c))
+                    v.assign(tf.where(release, c, v))
+            anchor.assign(kept)
+        else:  # withheld: copied aside, put back after the update
+            for vs, cs in zip(variables, copies):
+                for v, c in zip(vs, cs):
+                    c.assign(tf.where(kept, v, c))
+        for h, g in zip((self.held.store[k][0] for k in keys), local):
+            h.assign(tf.where(kept, h + tf.cast(g, h.dtype), tf.zeros_like(h)))
+        flag.assign(kept)
 
     def _put_back_withheld(self, layers: list[tuple[int, list[str], list]], plan: tf.Tensor,
                            ok: tf.Tensor) -> None:
@@ -252,30 +279,6 @@ class CompiledDecider:
             copies = [self.copies.store[k] for k in keys]
             variables = [self.targets[k] for k in keys]
             _when(kept, lambda c=copies, v=variables: _put_back(c, v))
-
-    def _commit(self, layers: list[tuple[int, list[str], list]], plan: tf.Tensor,
-                ok: tf.Tensor) -> None:
-        for li, keys, local in layers:
-            variables = [self.targets[k] for k in keys]
-            sent = tf.logical_and(ok, plan[li])
-            kept = tf.logical_and(ok, tf.logical_not(plan[li]))
-            copies = [self.copies.store[k] for k in keys]
-            if self.local_step:
-                anchored = self.copies.flags[li].read_value()
-                _when(tf.logical_and(sent, anchored), lambda c=copies, v=variables, li=li: (
-                    _put_back(c, v), self.copies.flags[li].assign(False)))
-                _when(tf.logical_and(kept, tf.logical_not(anchored)),
-                      lambda c=copies, v=variables, li=li: (
-                          _copy(v, c), self.copies.flags[li].assign(True)))
-            else:
-                _when(kept, lambda c=copies, v=variables: _copy(v, c))
-            held = [self.held.store[k][0] for k in keys]
-            flag = self.held.flags[li]
-            holding = flag.read_value()
-            _when(tf.logical_and(sent, holding), lambda h=held, f=flag: (
-                [x.assign(tf.zeros_like(x)) for x in h], f.assign(False)))
-            _when(kept, lambda h=held, g=local, f=flag: (
-                [x.assign_add(tf.cast(d, x.dtype)) for x, d in zip(h, g)], f.assign(True)))
 
     # -- on the host, after the step ----------------------------------------------------------
     def settle(self, ok: bool, shared: np.ndarray, local: np.ndarray) -> None:
@@ -292,13 +295,6 @@ def _when(cond: tf.Tensor, fn: Callable[[], Any]) -> None:
         fn()
         return tf.constant(True)
     tf.cond(cond, yes, lambda: tf.constant(False))
-
-
-def _copy(variables: list, copies: list[list[tf.Variable]]) -> None:
-    """Copy each variable (``variables[i]``: the model variable and its slots) aside."""
-    for vs, cs in zip(variables, copies):
-        for v, c in zip(vs, cs):
-            c.assign(v)
 
 
 def _put_back(copies: list[list[tf.Variable]], variables: list) -> None:
