@@ -282,6 +282,32 @@ def test_single_process_fit_works_and_counts_nothing_sent():
     assert [layer.name.split("/")[-1] for layer in opt.layers] == ["fc1", "fc2", "out"]
 
 
+def test_broadcast_callback_builds_the_optimizer_so_the_step_is_traced_once():
+    """Keras builds an optimizer while tracing the train function; TensorFlow then traces a
+    second time (variables were created). The broadcast callback builds it first (a built
+    model): one trace. An unbuilt model is left to Keras: two traces, training as before."""
+    import keras
+    import hvdsync.keras as hvd
+    hvd.init()
+    x, y = teacher_data(0, 64)
+
+    def traces(model, callbacks) -> int:
+        count = []
+        step = model.train_step
+        model.train_step = lambda data: (count.append(1), step(data))[1]
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), threshold=0.1)
+        model.compile(optimizer=opt,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=callbacks)
+        assert opt.stats.total.step == 4
+        return len(count)
+
+    assert traces(mlp(), [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]) == 1
+    assert traces(mlp(), []) == 2
+    unbuilt = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(4)])
+    assert traces(unbuilt, [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]) == 2
+
+
 # -- the example ---------------------------------------------------------------------------------
 def test_keras_example_trains_and_saves(saved):
     path, ranks = saved["example"]
