@@ -163,22 +163,23 @@ class CompiledDecider:
         def go():
             # a layer that holds nothing holds zeros (VariableMemory): no branch on its flag
             out, extras = send([g + tf.cast(h, g.dtype) for g, h in zip(layer, held)])
-            return [*out, *extras, zero, zero]
+            return [*out, *extras]
 
         def keep():
             out = (list(layer) if self.local_step  # the local update with its own gradient
                    else [tf.zeros_like(g) for g in layer])  # withheld (put back anyway)
-            return [*out, *[zero] * n_extra,
-                    norm_of([g + tf.cast(h, g.dtype) for g, h in zip(layer, held)]),
-                    KerasOps.bad(layer)]
-        # one branch per layer (each op of a branch costs trace time, the branch more): the
-        # lowered cond's outputs arrive separately, so the kept layers' norms go to the
-        # control round while the sent layers' data is still in flight
+            return [*out, *[zero] * n_extra]
         res = tf.cond(send_plan, go, keep)
         m = len(layer)
         for r, g in zip(res[:m], layer):
             r.set_shape(g.shape)
-        return list(res[:m]), res[-2], res[-1], list(res[m:-2])
+        # a branch of its own: a cond's outputs all wait for its slowest op (the send), and
+        # the control round should not wait for this layer's data
+        held_norm, bad = tf.cond(
+            send_plan, lambda: (zero, zero),
+            lambda: (norm_of([g + tf.cast(h, g.dtype) for g, h in zip(layer, held)]),
+                     KerasOps.bad(layer)))
+        return list(res[:m]), held_norm, bad, list(res[m:])
 
     # -- after backward --------------------------------------------------------------------------
     def control(self, layers: list[tuple[int, list]], held_norms: list, bads: list,
