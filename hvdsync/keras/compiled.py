@@ -31,6 +31,7 @@ them on the host (``plan_from``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, MutableMapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -246,9 +247,7 @@ class CompiledDecider:
             anchored = anchor.read_value()
             busy = tf.logical_and(ok, tf.logical_or(kept, tf.logical_or(flag.read_value(),
                                                                          anchored)))
-            _when(busy, lambda keys=keys, local=local, kept=kept, flag=flag, anchor=anchor,
-                  anchored=anchored: self._commit_layer(keys, local, kept, flag, anchor,
-                                                        anchored))
+            _when(busy, partial(self._commit_layer, keys, local, kept, flag, anchor, anchored))
         if self.local_step:
             return lambda: None
         return lambda: self._put_back_withheld(layers, plan, ok)
