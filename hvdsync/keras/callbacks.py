@@ -64,7 +64,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         _broadcast(list(self.model.variables), self.root_rank, "hvdsync.bcast.model",
                    self.process_set)
         opt = getattr(self.model, "optimizer", None)
-        if opt is not None and not opt.built and self.model.built and all(
+        # the model and every layer in it built (the list includes the model itself)
+        if opt is not None and not opt.built and all(
                 layer.built for layer in self.model._flatten_layers()):
             opt.build(self.model.trainable_variables)  # as Keras' own _symbolic_build does
         if opt is not None and opt.built:
