@@ -105,6 +105,16 @@ class Recorder:
         return _Recorder()
 
 
+def build_for_fit(model, x, y) -> None:
+    """Build the compiled loss and metrics on one batch, eagerly, before ``fit``: Keras builds
+    them (as it does an unbuilt optimizer) while it traces the train function, and TensorFlow
+    traces a function that created variables a second time. ``fit`` resets metric state at
+    every epoch, so the results are the same; each fit traces once (a Keras job's main cost)."""
+    y_pred = model(x)
+    model.compute_loss(x, y, y_pred)
+    model.compute_metrics(x, y, y_pred, sample_weight=None)
+
+
 def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int = 10,
              batch: int = 16, model: str = "mlp", dtype: str = "float32",
              record_weights: bool = True, callbacks: tuple = ("broadcast",),
@@ -160,6 +170,7 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
             on_train_batch_end=lambda *_, **__: __import__("time").sleep(0.03)))
     if warmup is not None:
         cbs.append(hvd.callbacks.LearningRateWarmupCallback(**warmup))
+    build_for_fit(m, x[:batch], y[:batch])
     init = {key(v): np.array(v.numpy()) for v in m.trainable_variables}
     if horovod_peer:
         cbs = [c for c in cbs if c is not rec]
