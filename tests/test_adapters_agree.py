@@ -137,9 +137,14 @@ def torch_case(start: dict, options: dict, opt_name: str, lr: float, nan_rank,
                 layers=list(opt.stats.layers))
 
 
+def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """The Keras side, in the session's shared rank job (tests/conftest.py)."""
+    return {name: (keras_case, *args) for name, args in CASES.items()} if np_ == 2 else {}
+
+
 @pytest.fixture(scope="module")
-def runs():
-    keras = run_cases(keras_case, 2, CASES, timeout=900)
+def runs(request, shared_job):
+    keras = shared_job(request.module, 2)
     torch_cases = {name: (keras[name][0]["start"], *args) for name, args in CASES.items()}
     return keras, run_cases(torch_case, 2, torch_cases, timeout=600, launcher="simulated")
 

@@ -57,7 +57,7 @@ def test_crash_is_reported_with_rank_output():
 def test_hang_becomes_timeout_failure():
     start = time.monotonic()
     with pytest.raises(RanksFailed) as err:
-        run_ranks(hang_on_rank_one, np=2, timeout=25)
+        run_ranks(hang_on_rank_one, np=2, timeout=12)
     assert time.monotonic() - start < 60
     msg = str(err.value)
     assert "timed out" in msg

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from tests.keras_models import KERAS_NP, KERAS_NP_IDS
-from tests.models import run_cases
 
 MODES = ("compiled", "run_eagerly", "pipeline")
 
@@ -55,9 +54,15 @@ def compiled_case(options: dict, opt_name: str, lr: float) -> dict:
     return out
 
 
+def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared rank job (tests/conftest.py)."""
+    return ({name: (compiled_case, *case) for name, case in CASES.items()}
+            if np_ in KERAS_NP else {})
+
+
 @pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
-def runs(request):
-    return run_cases(compiled_case, request.param, CASES, timeout=900)
+def runs(request, shared_job):
+    return shared_job(request.module, request.param)
 
 
 @pytest.mark.parametrize("case", list(CASES))

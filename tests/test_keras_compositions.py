@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdsync.testing import run_ranks
 from tests.keras_models import KERAS_NP, KERAS_NP_IDS, fit_body
 
 F64 = dict(dtype="float64")
@@ -67,14 +66,15 @@ def case_rank(options: dict, opt_name: str, lr: float, steps: int, batch: int,
     return fit_body(options, opt_name, lr, steps, batch, **kwargs)
 
 
-def compositions_rank() -> list:
-    return [case_rank(*case) for case in CASES.values()]
+def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared rank job (tests/conftest.py)."""
+    return ({name: (case_rank, *case) for name, case in CASES.items()}
+            if np_ in KERAS_NP else {})
 
 
 @pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
-def runs(request):
-    ranks = run_ranks(compositions_rank, np=request.param, timeout=600)
-    return request.param, {name: [r[i] for r in ranks] for i, name in enumerate(CASES)}
+def runs(request, shared_job):
+    return request.param, shared_job(request.module, request.param)
 
 
 def _weights_equal(a: dict, b: dict) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdsync.testing import run_elastic, run_ranks
+from hvdsync.testing import run_elastic
 from tests.keras_models import embedding_model, key, mlp, teacher_data, token_data
 from tests.test_torch_elastic import (COMMIT_EVERY, FINAL, GLOO_TIMEOUT_S, Faults,
                                       check_final_sizes, check_identical_and_finite,
@@ -209,9 +209,15 @@ def round_trip_body() -> dict:
     return out
 
 
+def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """The round trips (no fault, no elastic launch), in the session's shared rank job
+    (tests/conftest.py)."""
+    return {"round_trips": (round_trip_body,)} if np_ == 2 else {}
+
+
 @pytest.fixture(scope="module")
-def round_trips():
-    return run_ranks(round_trip_body, np=2, timeout=400)
+def round_trips(request, shared_job):
+    return shared_job(request.module, 2)["round_trips"]
 
 
 @pytest.mark.parametrize("case", list(ROUND_TRIP))

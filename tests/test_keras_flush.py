@@ -8,9 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdsync.testing import run_ranks
 from tests.keras_models import fit_body
-from tests.models import REAL_NP, REAL_NP_IDS, apply_each
+from tests.models import REAL_NP, REAL_NP_IDS
 from tests.test_torch_flush import OUTER, PAIRS, SINGLES, TECHNIQUES
 
 STEPS = 11  # not a multiple of any K or max_skip here: something is pending at the end
@@ -32,14 +31,15 @@ def flush_case(names: tuple[str, ...]) -> dict:
     return dict(final=out["final"], opt_vars=out["opt_vars"], last=out["weights"][-1])
 
 
-def flush_rank() -> list:
-    return apply_each(flush_case, [(names,) for names in CASES.values()])
+def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared rank job (tests/conftest.py)."""
+    return ({name: (flush_case, names) for name, names in CASES.items()}
+            if np_ in REAL_NP else {})
 
 
 @pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
-def runs(request):
-    ranks = run_ranks(flush_rank, np=request.param, timeout=900)
-    return {name: [r[i] for r in ranks] for i, name in enumerate(CASES)}
+def runs(request, shared_job):
+    return shared_job(request.module, request.param)
 
 
 # delay= and the outer synchronization keep each rank's optimizer state (momentum built from

@@ -9,9 +9,8 @@ import warnings
 import numpy as np
 import pytest
 
-from hvdsync.testing import run_ranks
 from tests.keras_models import fit_body, key, mlp, teacher_data
-from tests.models import REAL_NP, REAL_NP_IDS, call, run_cases
+from tests.models import REAL_NP, REAL_NP_IDS
 
 
 def _parity_cases():
@@ -53,10 +52,24 @@ def parity_rank(np_: int) -> list:
     return out
 
 
+def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared rank job (tests/conftest.py): parity on 2 and
+    3 ranks, the callbacks on 3, models saved on 2 (the files in ``directory``)."""
+    cases = {"parity": (parity_rank, np_)} if np_ in REAL_NP else {}
+    if np_ == 3:
+        cases["callbacks"] = (callbacks_rank,)
+    if np_ == 2:
+        cases.update({f"save/{name}": (save_rank, os.path.join(directory, f"{name}.keras"),
+                                       options, 7) for name, options in SAVES.items()})
+        cases["save/unconfigured"] = (save_rank, os.path.join(directory, "threshold3.keras"),
+                                      dict(threshold=0.5), 3)
+        cases["save/example"] = (example_rank, os.path.join(directory, "digits.keras"))
+    return cases
+
+
 @pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
-def parity(request):
-    return request.param, run_ranks(parity_rank, np=request.param, args=(request.param,),
-                                    timeout=400)
+def parity(request, shared_job):
+    return request.param, shared_job(request.module, request.param)["parity"]
 
 
 def test_no_technique_equals_averaged_gradient_training(parity):
@@ -112,8 +125,8 @@ def callbacks_rank() -> dict:
 
 
 @pytest.fixture(scope="module")
-def callbacks_run():
-    return run_ranks(callbacks_rank, np=3, timeout=400)
+def callbacks_run(request, shared_job):
+    return shared_job(request.module, 3)["callbacks"]
 
 
 def test_broadcast_callback_starts_every_rank_from_rank0(callbacks_run):
@@ -155,7 +168,8 @@ def test_learning_rate_warmup_callback(callbacks_run):
 
 # -- saving ----------------------------------------------------------------------------------
 def save_rank(path: str, options: dict, steps: int) -> dict:
-    return fit_body(options, "adam", 0.01, steps, 16, record_weights=False, save_to=path)
+    return dict(fit_body(options, "adam", 0.01, steps, 16, record_weights=False, save_to=path),
+                path=path)
 
 
 SAVES = {"plain": {}, "threshold": dict(threshold=dict(threshold=0.5, max_skip=3)),
@@ -164,20 +178,15 @@ SAVES = {"plain": {}, "threshold": dict(threshold=dict(threshold=0.5, max_skip=3
 
 def example_rank(path: str) -> dict:
     from examples.keras.train_digits import train
-    return train(epochs=4, verbose=False, save=path)
+    return dict(train(epochs=4, verbose=False, save=path), path=path)
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Models trained and saved on 2 ranks (one job): per case, the file and every rank's
-    result."""
-    where = tmp_path_factory.mktemp("saved")
-    cases = {name: (save_rank, str(where / f"{name}.keras"), options, 7)
-             for name, options in SAVES.items()}
-    cases["unconfigured"] = (save_rank, str(where / "threshold3.keras"), dict(threshold=0.5), 3)
-    cases["example"] = (example_rank, str(where / "digits.keras"))
-    runs = run_cases(call, 2, cases, timeout=600)
-    return {name: (case[1], runs[name]) for name, case in cases.items()}
+def saved(request, shared_job):
+    """Models trained and saved on 2 ranks: per case, the file and every rank's result."""
+    runs = shared_job(request.module, 2)
+    return {name[len("save/"):]: (ranks[0]["path"], ranks) for name, ranks in runs.items()
+            if name.startswith("save/")}
 
 
 @pytest.mark.parametrize("name", list(SAVES))

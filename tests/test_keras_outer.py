@@ -8,21 +8,27 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdsync.testing import run_ranks
 from tests.keras_models import KERAS_NP, fit_body
 
 STREAMING = dict(exchange_gradients=False, average_every=4, fragments=2, overlap=1, mix=0.5,
                  outer_lr=0.7, outer_momentum=0.9)
 
 
+def int8_streaming_fit() -> dict:
+    return fit_body(dict(delay=dict(STREAMING, compress="int8")), "adam", 0.01, 48, 16,
+                    callbacks=("broadcast", "flush"), evaluate=True)
+
+
+def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared rank job (tests/conftest.py)."""
+    return {"int8_streaming": (int8_streaming_fit,)} if np_ in KERAS_NP else {}
+
+
 @pytest.mark.parametrize("np_", KERAS_NP)
-def test_compressed_exchange_and_flush_callback(np_):
+def test_compressed_exchange_and_flush_callback(request, shared_job, np_):
     """int8 streaming through fit, FlushCallback at the end: replicas identical, the bytes
     are int8's (one byte per value plus a scale per 1024), and it learns."""
-    cfg = dict(STREAMING, compress="int8")
-    runs = run_ranks(fit_body, np=np_, timeout=300,
-                     args=(dict(delay=cfg), "adam", 0.01, 48, 16),
-                     kwargs=dict(callbacks=("broadcast", "flush"), evaluate=True))
+    runs = shared_job(request.module, np_)["int8_streaming"]
     for r in runs[1:]:
         for name, w in r["final"].items():
             np.testing.assert_array_equal(w, runs[0]["final"][name])

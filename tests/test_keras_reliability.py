@@ -29,9 +29,20 @@ def disagreeing_rank() -> dict:
     return out
 
 
+def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared rank job (tests/conftest.py); the resume and
+    mixed-precision jobs keep their own (fresh processes; their own environment)."""
+    cases = ({"disagree": (disagreeing_rank,), "restore_different": (restore_different_points,
+                                                                     directory)}
+             if np_ in KERAS_NP else {})
+    if np_ == 2:
+        cases["validate_on_rank0"] = (validate_on_rank_zero_only,)
+    return cases
+
+
 @pytest.mark.parametrize("np_", KERAS_NP)
-def test_ranks_that_disagree_all_raise_the_same_error(np_):
-    ranks = run_ranks(disagreeing_rank, np=np_, timeout=300)
+def test_ranks_that_disagree_all_raise_the_same_error(request, shared_job, np_):
+    ranks = shared_job(request.module, np_)["disagree"]
     for kind, field in (("select_k", "select="), ("technique", "select="),
                         ("staleness", "delay=")):
         messages = [r[kind] for r in ranks]
@@ -80,8 +91,8 @@ def validate_on_rank_zero_only() -> dict:
                 warned=any("not logged on every rank" in str(w.message) for w in caught))
 
 
-def test_one_rank_validating_does_not_hang():
-    ranks = run_ranks(validate_on_rank_zero_only, np=2, timeout=300)
+def test_one_rank_validating_does_not_hang(request, shared_job):
+    ranks = shared_job(request.module, 2)["validate_on_rank0"]
     assert len(ranks[0]["seen"]) == 2 and ranks[1]["seen"] == []
     for epoch in range(2):  # rank 0 validated the replicas every rank had (the epoch's flush)
         assert (ranks[0]["seen"][epoch] == ranks[1]["epoch_end"][epoch]).all()
@@ -231,8 +242,8 @@ def restore_different_points(directory: str) -> dict:
 
 
 @pytest.mark.parametrize("np_", KERAS_NP)
-def test_keras_ranks_restoring_different_points_all_raise(np_, tmp_path):
-    ranks = run_ranks(restore_different_points, np=np_, args=(str(tmp_path),), timeout=300)
+def test_keras_ranks_restoring_different_points_all_raise(request, shared_job, np_):
+    ranks = shared_job(request.module, np_)["restore_different"]
     for r in ranks:
         assert "restored different technique state" in r["error"], r["error"][-2000:]
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdsync.testing import run_ranks
 from tests.keras_models import KERAS_NP, KERAS_NP_IDS, fit_body
-from tests.models import apply_each, check_pushes
+from tests.models import check_pushes
 
 F64 = dict(dtype="float64")
 
@@ -73,14 +72,17 @@ def fit_case(options, opt_name, lr, steps, batch, kwargs):
     return fit_body(options, opt_name, lr, steps, batch, **kwargs)
 
 
-def techniques_rank() -> list:
-    return apply_each(fit_case, list(CASES.values()))
+def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared rank job (tests/conftest.py)."""
+    cases = {name: (fit_case, *case) for name, case in CASES.items()} if np_ in KERAS_NP else {}
+    if np_ == 2:
+        cases["convergence"] = (convergence_rank,)
+    return cases
 
 
 @pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
-def runs(request):
-    ranks = run_ranks(techniques_rank, np=request.param, timeout=600)
-    return {name: [r[i] for r in ranks] for i, name in enumerate(CASES)}
+def runs(request, shared_job):
+    return shared_job(request.module, request.param)
 
 
 def _same_everywhere(ranks, key):
@@ -298,8 +300,8 @@ def convergence_rank() -> dict:
     return out
 
 
-def test_every_technique_still_learns():
-    ranks = run_ranks(convergence_rank, np=2, timeout=600)
+def test_every_technique_still_learns(request, shared_job):
+    ranks = shared_job(request.module, 2)["convergence"]
     acc = ranks[0]
     assert acc["plain"] >= 0.85, acc
     for name in CONVERGENCE:

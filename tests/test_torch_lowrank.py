@@ -252,12 +252,24 @@ def digits_keras(lowrank: dict | None) -> dict:
     return train(epochs=4, lowrank=lowrank, verbose=False)
 
 
+DIGITS = {"plain": (None,), "lowrank": (dict(rank=4),)}
+
+
+def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """The Keras example's runs, in the session's shared rank job (tests/conftest.py)."""
+    return ({f"digits_keras/{name}": (digits_keras, *args) for name, args in DIGITS.items()}
+            if np_ == 2 else {})
+
+
 @pytest.mark.parametrize("framework", ["torch", "keras"])
-def test_digits_at_a_fraction_of_the_bytes(framework):
+def test_digits_at_a_fraction_of_the_bytes(request, shared_job, framework):
     """The examples' MLP (64-128-64-10) with rank 4: every weight matrix goes as factors after
     10 plain steps; the accuracy stays within 2 points of plain averaging."""
-    body = digits_torch if framework == "torch" else digits_keras
-    runs = run_cases(body, 2, {"plain": (None,), "lowrank": (dict(rank=4),)}, timeout=400)
+    if framework == "keras":
+        job = shared_job(request.module, 2)
+        runs = {name: job[f"digits_keras/{name}"] for name in DIGITS}
+    else:
+        runs = run_cases(digits_torch, 2, DIGITS, timeout=400)
     plain, ours = runs["plain"][0], runs["lowrank"]
     total = ours[0]["stats"]["total"]
     assert total["bytes_sent"] < 0.35 * total["bytes_dense"], total

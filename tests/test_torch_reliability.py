@@ -141,7 +141,7 @@ def outer_exchange_on_one_rank() -> None:
 def test_a_collective_on_one_rank_ends_the_job_with_a_message(body, what, launcher):
     start = time.monotonic()
     with pytest.raises(RanksFailed) as err:
-        run_ranks(body, np=2, timeout=100, env={"HVDSYNC_TIMEOUT_SECONDS": "6"},
+        run_ranks(body, np=2, timeout=100, env={"HVDSYNC_TIMEOUT_SECONDS": "4"},
                   launcher=launcher)
     assert time.monotonic() - start < 60
     msg = str(err.value)
