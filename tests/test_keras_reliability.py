@@ -31,12 +31,13 @@ def disagreeing_rank() -> dict:
 
 def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     """This file's cases in the session's shared rank job (tests/conftest.py); the resume and
-    mixed-precision jobs keep their own (fresh processes; their own environment)."""
+    3-rank mixed-precision job keep their own (fresh processes; Horovod's fusion off)."""
     cases = ({"disagree": (disagreeing_rank,), "restore_different": (restore_different_points,
                                                                      directory)}
              if np_ in KERAS_NP else {})
     if np_ == 2:
         cases["validate_on_rank0"] = (validate_on_rank_zero_only,)
+        cases["amp"] = (amp_rank,)
     return cases
 
 
@@ -276,13 +277,18 @@ def amp_rank() -> dict:
     for name in ("plain", "select", "outer"):
         out[f"{name}/mixed_nan"] = fit_body(AMP[name][0], "momentum", 0.05, 8, 16, mixed=True,
                                             nan_rank=1, callbacks=("broadcast", "flush"))
+    import keras
+    keras.mixed_precision.set_global_policy("float32")  # the shared job's next case: as found
     return out
 
 
 @pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
-def amp_runs(request):
-    ranks = run_ranks(amp_rank, np=request.param, timeout=600,
-                      env={"HOROVOD_FUSION_THRESHOLD": "0"})
+def amp_runs(request, shared_job):
+    if request.param == 2:  # a sum of two is the same in either order: fusion changes no bit
+        ranks = shared_job(request.module, 2)["amp"]
+    else:  # bit for bit across cases needs Horovod's summation order fixed (fusion timing)
+        ranks = run_ranks(amp_rank, np=request.param, timeout=600,
+                          env={"HOROVOD_FUSION_THRESHOLD": "0"})
     return {case: [r[case] for r in ranks] for case in ranks[0]}
 
 
