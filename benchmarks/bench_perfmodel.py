@@ -46,6 +46,11 @@ METHODS = {
     "hvdsync sparse": ("hvdsync sparse", {}),
     "hvdsync lowrank": ("hvdsync lowrank", {}),
     "hvdsync lowrank + fp16": ("hvdsync lowrank", {"fp16": True}),
+    # compositions: the decider's share of the compressed layers; the exchange behind delay=
+    "hvdsync lowrank + threshold + fp16": ("hvdsync threshold", {"lowrank": 2, "fp16": True}),
+    "hvdsync lowrank + delay": ("hvdsync delay", {"lowrank": 2, "staleness": 1}),
+    "hvdsync lowrank + delay + fp16": ("hvdsync delay", {"lowrank": 2, "staleness": 1,
+                                                         "fp16": True}),
     "hvdsync recommended": ("hvdsync streaming", {}),
     "ddp+powersgd": ("ddp+powersgd", {}),
     "ddp post-local sgd": ("ddp post-local sgd", {}),
@@ -121,8 +126,9 @@ def _predict(row: dict, sizes: ModelSizes, c: Constants) -> tuple[float, float, 
         p = perfmodel.predict("horovod", sizes, replace(cluster, ranks=1), c)
         return p.step_s, 0.0, ""
     if technique in ("hvdsync threshold", "hvdsync select"):  # data-dependent: measured
-        share = row["bytes"] / (sizes.params * sizes.value_bytes)
-        settings["send_fraction"] = min(1.0, share * (2 if settings.get("fp16") else 1))
+        every_layer = perfmodel.predict(technique, sizes, cluster, c,
+                                        **{**settings, "send_fraction": 1.0})
+        settings["send_fraction"] = min(1.0, row["bytes"] / every_layer.bytes_per_step)
         said = "; ".join(x for x in (said, f"sent share {settings['send_fraction']:.2f} "
                                            "(measured)") if x)
     if row["method"] == "hvdsync recommended":
@@ -240,6 +246,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-fit", action="store_true",
                     help="use hvdsync.perfmodel.CALIBRATED as it is")
+    ap.add_argument("--compute-from", metavar="JSON",
+                    help="each workload's compute per step from this earlier run's results "
+                         "(e.g. benchmarks/results/perfmodel.json) instead of measuring it "
+                         "here: the cells' machine, not this one (the VMs' speeds differ)")
     ap.add_argument("--at-scale", action="store_true",
                     help="the predictions of docs/at-scale.md instead")
     args = ap.parse_args(argv)
@@ -249,6 +259,10 @@ def main(argv=None) -> None:
     rows = _cells()
     workloads = sorted({r["cell"].split(",")[0] for r in rows})
     sizes = {w: _sizes(w) for w in workloads}
+    if args.compute_from:
+        earlier = json.load(open(args.compute_from))["compute"]
+        sizes = {w: perfmodel.with_compute(s, earlier[w]["forward_s"], earlier[w]["backward_s"],
+                                           earlier[w]["optimizer_s"]) for w, s in sizes.items()}
     for r in rows:
         r["workload"] = r["cell"].split(",")[0]
         r["why_not"] = _modelled(r, sizes[r["workload"]])
@@ -280,8 +294,9 @@ def main(argv=None) -> None:
     lines = [f"{k}: {v['cells']} rows, median |error| {v['median']:.0%}, "
              f"{v['within_15']} within 15 %" for k, v in summary.items() if v["cells"]]
     report("perfmodel", "The performance model against the committed bench cells "
-           f"(constants: {c})\n" + "\n".join(lines) + "\ncompute per step measured here: "
-           + ", ".join(f"{w} {s.compute_s * 1e3:.1f} ms" for w, s in sizes.items()),
+           f"(constants: {c})\n" + "\n".join(lines) + "\ncompute per step: "
+           + ", ".join(f"{w} {s.compute_s * 1e3:.1f} ms" for w, s in sizes.items())
+           + (f" (from {args.compute_from})" if args.compute_from else " (measured here)"),
            md, {"constants": c.__dict__, "summary": summary, "compute": compute, "rows": rows},
            "benchmarks.bench_perfmodel", argv)
 

@@ -280,17 +280,19 @@ def _sparse_layer(layer: LayerSize, wire: float, vb: int, cluster: Cluster, c: C
 
 
 def _lowrank_layer(layer: LayerSize, rank: int, wire: float, vb: int, cluster: Cluster,
-                   c: Constants, st: _Step) -> None:
+                   c: Constants, st: _Step, fraction: float = 1.0) -> None:
     """Two rounds: P (with the layer's other parameters), then Q; the products and their
-    orthogonalization; error feedback and Q kept."""
+    orthogonalization; error feedback and Q kept. With a decider, the layer goes in
+    ``fraction`` of the steps (compressed when it goes; its factors are computed only then,
+    the decider keeps the rest: counted by the decider's own costs)."""
     rest = layer.params - sum(m * k for m, k in layer.matrices)
     p_bytes = (sum(rank * m for m, _ in layer.matrices) + rest) * vb * wire
     q_bytes = sum(rank * k for _, k in layer.matrices) * vb * wire
-    st.comm += allreduce_s(p_bytes, cluster, c) + allreduce_s(q_bytes, cluster, c)
-    st.nbytes += p_bytes + q_bytes
-    st.collectives += 2
-    st.extra += sum(2 * m * k * rank + m * rank * rank for m, k in layer.matrices) / c.flops
-    st.extra += c.matrix_s * len(layer.matrices)
+    st.comm += fraction * (allreduce_s(p_bytes, cluster, c) + allreduce_s(q_bytes, cluster, c))
+    st.nbytes += fraction * (p_bytes + q_bytes)
+    st.collectives += 2 * fraction
+    st.extra += fraction * (sum(2 * m * k * rank + m * rank * rank for m, k in layer.matrices)
+                            / c.flops + c.matrix_s * len(layer.matrices))
     st.memory += sum(m * k + rank * k for m, k in layer.matrices) * vb
 
 
@@ -346,7 +348,7 @@ def _predict(technique: str, s: dict, model: ModelSizes, cluster: Cluster,
         if s.get("sparse") and layer.rows_touched:
             _sparse_layer(layer, wire, vb, cluster, c, st)
         elif rank and layer.matrices:
-            _lowrank_layer(layer, rank, wire, vb, cluster, c, st)
+            _lowrank_layer(layer, rank, wire, vb, cluster, c, st, s.get("send_fraction", 1.0))
         else:
             _dense_layer(layer, s, wire, vb, cluster, c, st)
     notes = []

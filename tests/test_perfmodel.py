@@ -79,6 +79,20 @@ def test_bytes_per_technique():
     assert by["ddp post-local sgd"] == pytest.approx(dense / 32)
 
 
+def test_compositions_send_the_compressed_share():
+    """``lowrank=`` under a decider: the layers that go, compressed; inside ``delay=``: every
+    step's factors, plus the parameters averaged every K steps."""
+    m = _model()
+    c = Cluster(ranks=8, bandwidth_gbit=1.0)
+    factors = 2 * 2 * (2 * 1024) * 4
+    decided = perfmodel.predict("hvdsync threshold", m, c, PLAIN, lowrank=2, send_fraction=0.25)
+    assert decided.bytes_per_step == pytest.approx(0.25 * factors)
+    alone = perfmodel.predict("hvdsync threshold", m, c, PLAIN, lowrank=2, send_fraction=1.0)
+    assert decided.step_s < alone.step_s
+    inside = perfmodel.predict("hvdsync delay", m, c, PLAIN, lowrank=2, staleness=1)
+    assert inside.bytes_per_step == pytest.approx(factors + m.params * 4 / 32)
+
+
 @pytest.mark.parametrize("workload, method, technique, settings", [
     ("stdlib_lm", "horovod", "horovod", {}),
     ("stdlib_lm", "horovod fp16", "horovod fp16", {}),
