@@ -11,7 +11,8 @@ A test file takes part by defining, at module level::
 
 and reading every rank's result in a fixture with ``shared_job(request.module, np_)``
 (a dict: case name -> list of per-rank results). Only the files collected for the session
-join the job, so running one file runs only its own cases.
+join the job, so running one file runs only its own cases. (Under pytest-xdist every worker
+collects every file: a worker that needs the job runs all of it.)
 
 What does not belong here: bodies that need their own environment (``env=``), fresh processes
 (checkpoints resumed in a new job), another launcher, or a rank that dies on purpose.
