@@ -3,8 +3,9 @@ every rank), a rank body that trains through ``model.fit`` and records what the 
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -115,6 +116,22 @@ def build_for_fit(model, x, y) -> None:
     model.compute_metrics(x, y, y_pred, sample_weight=None)
 
 
+def _leaves_the_policy_as_found(body: Callable[..., Any]) -> Callable[..., Any]:
+    """Restore Keras' global dtype policy after ``body``: the shared rank job
+    (tests/conftest.py) runs many bodies in one process, and a mixed-precision case must not
+    change the models of the cases after it."""
+    @functools.wraps(body)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        import keras
+        before = keras.mixed_precision.global_policy()
+        try:
+            return body(*args, **kwargs)
+        finally:
+            keras.mixed_precision.set_global_policy(before)
+    return run
+
+
+@_leaves_the_policy_as_found
 def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int = 10,
              batch: int = 16, model: str = "mlp", dtype: str = "float32",
              record_weights: bool = True, callbacks: tuple = ("broadcast",),
