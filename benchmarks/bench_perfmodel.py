@@ -59,6 +59,25 @@ METHODS = {
                                                 value_bytes=4)}),
     "no exchange": ("no exchange", {}),
 }
+#: the Keras bench's cells (``python -m benchmarks.bench_keras --name keras_np2_perfmodel``:
+#: its MLP, Adam, batch 128 per rank), all held out: the constants are fitted on torch cells.
+#: Run on the machine that measures the compute (Keras results of other days ran on other VMs)
+KERAS_RESULTS = "keras_np2_perfmodel"
+KERAS_WORKLOAD = "keras_mlp"
+KERAS_METHODS = {
+    "horovod (DistributedGradientTape)": ("horovod", {}),
+    "hvdsync (nothing on)": ("hvdsync", {}),
+    "clip max_norm=1": ("hvdsync clip", {}),
+    "threshold=0 (nothing skipped)": ("hvdsync threshold", {}),
+    "threshold 0.5, max_skip 8": ("hvdsync threshold", {}),
+    "select k=25%": ("hvdsync select", {}),
+    "delay s=2 K=16": ("hvdsync delay", {"staleness": 2, "average_every": 16}),
+    "fp16": ("hvdsync", {"fp16": True}),
+    "lowrank r=4": ("hvdsync lowrank", {"lowrank": 4}),
+    "lowrank r=4 + fp16": ("hvdsync lowrank", {"lowrank": 4, "fp16": True}),
+    "lowrank r=4 + delay s=1 K=32": ("hvdsync delay", {"lowrank": 4, "staleness": 1,
+                                                       "average_every": 32}),
+}
 #: the cells the constants are fitted on (file names); every other cell is held out
 FIT = ("suite_quick", "suite_lm_np2", "suite_zipf_np2", "suite_lm_lowrank_np2", "suite",
        "suite_lm_outer_np2_1gbit")
@@ -69,8 +88,29 @@ SUPERSEDED = {"suite_zipf": "suite_zipf_np2"}
 CORES = 2
 
 
+def _keras_sizes() -> ModelSizes:
+    """The Keras bench's MLP (benchmarks.bench_keras' defaults) and its compiled local step,
+    measured here with one TensorFlow thread, as its ranks run."""
+    import keras
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    features, width, depth, classes, batch = 32, 256, 6, 10, 128
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((features,))]
+                             + [keras.layers.Dense(width, activation="relu")
+                                for _ in range(depth - 1)]
+                             + [keras.layers.Dense(classes)])
+    x = np.random.default_rng(0).standard_normal((batch, features)).astype("float32")
+    y = np.random.default_rng(1).integers(0, classes, batch)
+    f, b, o = perfmodel.measure_keras(model, x, y, repeats=30,
+                                      optimizer=keras.optimizers.Adam(1e-3))
+    return ModelSizes(perfmodel.layers_of(model), f, b, o)
+
+
 def _sizes(workload: str) -> ModelSizes:
     """The workload's model sizes and its compute per step, measured here."""
+    if workload == KERAS_WORKLOAD:
+        return _keras_sizes()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     w = WORKLOADS[workload]
@@ -94,6 +134,30 @@ def _cell_cluster(cell: str) -> Cluster:
                    algorithm="ring")
 
 
+def _keras_cells() -> list[dict]:
+    """The Keras bench's cells at a link rate (loopback has no rate to model: not included)."""
+    path = os.path.join(RESULTS, f"{KERAS_RESULTS}.json")
+    if not os.path.exists(path):
+        return []
+    out = []
+    for c in json.load(open(path))["cells"].values():
+        match = re.match(r"(\d+) Mbit/s", c["network"])
+        if not match:
+            continue
+        cell = f"{KERAS_WORKLOAD}, {c['ranks']} ranks, {match.group(1)} Mbit/s"
+        for method, v in c["methods"].items():
+            out.append(dict(file=KERAS_RESULTS, cell=cell, method=method, step_s=v["step_s"],
+                            recommended="", bytes=v["bytes_per_step"], local_step_s=None,
+                            dense_bytes=None))
+    return out
+
+
+def _technique(row: dict) -> tuple[str, dict]:
+    """The model's technique and settings for a bench row."""
+    methods = KERAS_METHODS if row["file"] == KERAS_RESULTS else METHODS
+    return methods[row["method"]]
+
+
 def _cells() -> list[dict]:
     out = []
     for path in sorted(glob.glob(os.path.join(RESULTS, "suite*.json"))):
@@ -107,12 +171,12 @@ def _cells() -> list[dict]:
                                 recommended=data.get("recommended", ""),
                                 bytes=v["bytes_per_step"], local_step_s=local,
                                 dense_bytes=base["bytes_per_step"] if base else None))
-    return out
+    return out + _keras_cells()
 
 
 def _predict(row: dict, sizes: ModelSizes, c: Constants) -> tuple[float, float, str]:
     """Predicted step seconds and bytes of one bench row, and what it assumed."""
-    technique, settings = METHODS[row["method"]]
+    technique, settings = _technique(row)
     cluster = _cell_cluster(row["cell"])
     settings = dict(settings)
     said = ""
@@ -142,6 +206,10 @@ def _predict(row: dict, sizes: ModelSizes, c: Constants) -> tuple[float, float, 
 
 def _modelled(row: dict, sizes: ModelSizes) -> str | None:
     """Why a row is not modelled, or None."""
+    if row["file"] == KERAS_RESULTS:
+        if row["method"] not in KERAS_METHODS:
+            return "Keras' eager comparison path (HVDSYNC_KERAS_PIPELINE=1): not modelled"
+        return None
     if row["method"] not in METHODS:
         return "a combination the model does not compose"
     sparse = any(layer.rows_touched for layer in sizes.layers)
@@ -261,8 +329,11 @@ def main(argv=None) -> None:
     sizes = {w: _sizes(w) for w in workloads}
     if args.compute_from:
         earlier = json.load(open(args.compute_from))["compute"]
+        # a workload the earlier run did not have (the Keras cells: run on this machine) keeps
+        # the compute measured here
         sizes = {w: perfmodel.with_compute(s, earlier[w]["forward_s"], earlier[w]["backward_s"],
-                                           earlier[w]["optimizer_s"]) for w, s in sizes.items()}
+                                           earlier[w]["optimizer_s"]) if w in earlier else s
+                 for w, s in sizes.items()}
     for r in rows:
         r["workload"] = r["cell"].split(",")[0]
         r["why_not"] = _modelled(r, sizes[r["workload"]])

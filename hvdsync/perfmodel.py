@@ -13,8 +13,9 @@ The model, per step, on every rank:
   local rank, each ``B / ranks_per_node``), a broadcast inside the node (NCCL's hierarchical
   algorithm). An allgather of ``b`` bytes per rank moves ``(N-1) b``.
 * **Overlap**: an exchange started from the backward pass hides behind what is left of it
-  (``overlap`` of the backward time, calibrated); ``delay=`` hides it behind ``staleness``
-  whole steps; the outer synchronization behind ``overlap`` steps per fragment.
+  (``overlap`` of the backward time, calibrated); ``delay=`` behind the next steps' compute
+  (each step still puts a whole exchange on the link: the slower of the two sets the pace);
+  the outer synchronization behind ``overlap`` steps per fragment.
 * **Technique compute** is counted per parameter (casts, norms, accumulations) and per flop
   (``lowrank=``'s products), at rates calibrated on this project's bench bed.
 
@@ -362,8 +363,10 @@ def _predict(technique: str, s: dict, model: ModelSizes, cluster: Cluster,
         notes.append(f"sends {s['send_fraction']:.0%} of the layers' bytes (measured share)")
     fixed = st.collectives * c.collective_s
     if s.get("staleness"):
-        # delay=: the exchange runs behind the next ``staleness`` steps (the slower of the
-        # two sets the pace); the parameters are averaged every ``average_every`` steps
+        # delay=: each step's exchange runs behind the next steps, but every step puts one on
+        # the link: the link or the compute, whichever is slower, sets the pace (``staleness``
+        # only says how far the exchanges may queue, not how many share the link at once);
+        # the parameters are averaged every ``average_every`` steps
         every = s.get("average_every", 0)
         averaging = ((allreduce_s(dense_bytes, cluster, c) + c.collective_s * len(model.layers))
                      / every if every else 0.0)
@@ -371,8 +374,7 @@ def _predict(technique: str, s: dict, model: ModelSizes, cluster: Cluster,
             st.nbytes += dense_bytes / every
             st.collectives += len(model.layers) / every
         st.memory += s["staleness"] * dense_bytes
-        exposed = max(0.0, st.comm + fixed - s["staleness"] * (compute + st.extra))
-        exposed = exposed / s["staleness"] + averaging
+        exposed = max(0.0, st.comm + fixed - (compute + st.extra)) + averaging
     else:
         exposed = max(st.comm - c.overlap * model.backward_s, 0.0) + fixed
     return Prediction(technique, compute + st.extra + exposed, st.nbytes, st.collectives,
@@ -441,16 +443,17 @@ def measure_torch(model: Any, batch: tuple, loss_fn: Any, optimizer: Any,
     return tuple(statistics.median(t[k] for t in times) for k in range(3))
 
 
-def measure_keras(model: Any, x: Any, y: Any, repeats: int = 10) -> tuple[float, float, float]:
+def measure_keras(model: Any, x: Any, y: Any, repeats: int = 10,
+                  optimizer: Any = None) -> tuple[float, float, float]:
     """Seconds of one local training step of a Keras model (compiled, as ``fit`` runs it) on
-    ``x``, ``y``: the step's median after two warm-up steps, split as forward 1/3, backward
-    2/3 (a compiled step cannot be timed in parts)."""
+    ``x``, ``y`` with ``optimizer`` (default: SGD): the step's median after two warm-up
+    steps, split as forward 1/3, backward 2/3 (a compiled step cannot be timed in parts)."""
     import statistics
     import time
 
     import keras
     import tensorflow as tf
-    opt = keras.optimizers.SGD(1e-3)
+    opt = optimizer if optimizer is not None else keras.optimizers.SGD(1e-3)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function

@@ -93,6 +93,19 @@ def test_compositions_send_the_compressed_share():
     assert inside.bytes_per_step == pytest.approx(factors + m.params * 4 / 32)
 
 
+def test_delay_is_paced_by_the_slower_of_link_and_compute():
+    """Every step of ``delay=`` puts its whole exchange on the link: the staleness hides the
+    exchange behind the next steps' compute, it does not divide it."""
+    c = Cluster(ranks=2, bandwidth_gbit=0.1)
+    for compute_s in (0.001, 10.0):  # link-bound, compute-bound
+        m = _model(compute_s=compute_s)
+        link = sum(perfmodel.allreduce_s(layer.params * 4, c, PLAIN) for layer in m.layers)
+        for staleness in (1, 4):
+            p = perfmodel.predict("hvdsync delay", m, c, PLAIN, staleness=staleness,
+                                  average_every=0)
+            assert p.step_s == pytest.approx(max(link, compute_s)), (compute_s, staleness)
+
+
 @pytest.mark.parametrize("workload, method, technique, settings", [
     ("stdlib_lm", "horovod", "horovod", {}),
     ("stdlib_lm", "horovod fp16", "horovod fp16", {}),
