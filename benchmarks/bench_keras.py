@@ -42,6 +42,17 @@ METHODS = {
                                          delay=dict(staleness=1, average_every=32)),
 }
 TOLERANCE = 0.01  # time to target: Horovod's final accuracy less this
+FEATURES, CLASSES = 32, 10  # the teacher task's inputs and classes
+
+
+def mlp(width: int, depth: int):
+    """The Keras benches' model: ``depth`` Dense layers (``depth - 1`` ReLU ones ``width``
+    wide, then the logits) on ``FEATURES`` inputs."""
+    import keras
+    return keras.Sequential([keras.Input((FEATURES,))]
+                            + [keras.layers.Dense(width, activation="relu")
+                               for _ in range(depth - 1)]
+                            + [keras.layers.Dense(CLASSES)])
 
 
 def methods_body(methods: list[str], steps: int, width: int, depth: int, batch: int,
@@ -61,7 +72,6 @@ def methods_body(methods: list[str], steps: int, width: int, depth: int, batch: 
 def _one_round(methods: list[str], steps: int, width: int, depth: int, batch: int,
                seed: int, warmup: int = 5, eval_every: int = 10) -> dict:
     import os
-    import time
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
     import numpy as np
@@ -71,7 +81,7 @@ def _one_round(methods: list[str], steps: int, width: int, depth: int, batch: in
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
-    features, classes = 32, 10
+    features, classes = FEATURES, CLASSES
     teacher = np.random.default_rng(seed).standard_normal((features, classes))
     rng = np.random.default_rng(100 + hvd.rank())
     n = (steps + warmup) * batch
@@ -83,10 +93,7 @@ def _one_round(methods: list[str], steps: int, width: int, depth: int, batch: in
     for name in methods:
         options = METHODS[name]
         keras.utils.set_random_seed(seed)
-        model = keras.Sequential([keras.Input((features,))]
-                                 + [keras.layers.Dense(width, activation="relu")
-                                    for _ in range(depth - 1)]
-                                 + [keras.layers.Dense(classes)])
+        model = mlp(width, depth)
         base = keras.optimizers.Adam(1e-3)
         if options is None:
             model = horovod_tape_model(model)

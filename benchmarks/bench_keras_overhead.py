@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from benchmarks.bench_keras import CLASSES, FEATURES, mlp
 from benchmarks.bench_overhead import summarize
 from benchmarks.common import markdown_table, report
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
@@ -57,7 +58,7 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
     os.sched_setaffinity(0, {hvd.rank() % os.cpu_count()})
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
-    features, classes = 32, 10
+    features, classes = FEATURES, CLASSES
     teacher = np.random.default_rng(0).standard_normal((features, classes))
     rng = np.random.default_rng(100 + hvd.rank())
     x = rng.standard_normal((steps * batch, features)).astype("float32")
@@ -65,10 +66,7 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
     models, compile_s = {}, {}
     for name in methods:
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((features,))]
-                                 + [keras.layers.Dense(width, activation="relu")
-                                    for _ in range(depth - 1)]
-                                 + [keras.layers.Dense(classes)])
+        model = mlp(width, depth)
         opt = keras.optimizers.Adam(1e-3)
         if METHODS[name] is None:
             model = horovod_tape_model(model)

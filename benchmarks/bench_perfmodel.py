@@ -93,15 +93,13 @@ def _keras_sizes() -> ModelSizes:
     measured here with one TensorFlow thread, as its ranks run."""
     import keras
     import tensorflow as tf
+
+    from benchmarks.bench_keras import CLASSES, FEATURES, mlp
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    features, width, depth, classes, batch = 32, 256, 6, 10, 128
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((features,))]
-                             + [keras.layers.Dense(width, activation="relu")
-                                for _ in range(depth - 1)]
-                             + [keras.layers.Dense(classes)])
-    x = np.random.default_rng(0).standard_normal((batch, features)).astype("float32")
-    y = np.random.default_rng(1).integers(0, classes, batch)
+    model, batch = mlp(width=256, depth=6), 128
+    x = np.random.default_rng(0).standard_normal((batch, FEATURES)).astype("float32")
+    y = np.random.default_rng(1).integers(0, CLASSES, batch)
     f, b, o = perfmodel.measure_keras(model, x, y, repeats=30,
                                       optimizer=keras.optimizers.Adam(1e-3))
     return ModelSizes(perfmodel.layers_of(model), f, b, o)
