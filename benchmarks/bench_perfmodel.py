@@ -86,6 +86,12 @@ FIT = ("suite_quick", "suite_lm_np2", "suite_zipf_np2", "suite_lm_lowrank_np2", 
 SUPERSEDED = {"suite_zipf": "suite_zipf_np2"}
 #: the bench bed's cores (ranks beyond share them)
 CORES = 2
+#: steps a run starts plain, counted in its per-step averages: lowrank='s warm-up
+#: (bench_suite.LOWRANK; LowRankConfig's default in the Keras bench), PowerSGD's
+#: ``start_powerSGD_iter`` and post-local SGD's synchronous start (bench_suite)
+PLAIN_START = 10
+#: the Keras bench's first, untimed ``fit`` (bench_keras.run's ``warmup``): not in its figures
+KERAS_UNTIMED = 5
 
 
 def _keras_sizes() -> ModelSizes:
@@ -102,7 +108,7 @@ def _keras_sizes() -> ModelSizes:
     y = np.random.default_rng(1).integers(0, CLASSES, batch)
     f, b, o = perfmodel.measure_keras(model, x, y, repeats=30,
                                       optimizer=keras.optimizers.Adam(1e-3))
-    return ModelSizes(perfmodel.layers_of(model), f, b, o)
+    return ModelSizes(perfmodel.layers_of(model), f, b, o, adapter="keras")
 
 
 def _sizes(workload: str) -> ModelSizes:
@@ -138,7 +144,8 @@ def _keras_cells() -> list[dict]:
     if not os.path.exists(path):
         return []
     out = []
-    for c in json.load(open(path))["cells"].values():
+    data = json.load(open(path))
+    for c in data["cells"].values():
         match = re.match(r"(\d+) Mbit/s", c["network"])
         if not match:
             continue
@@ -146,7 +153,7 @@ def _keras_cells() -> list[dict]:
         for method, v in c["methods"].items():
             out.append(dict(file=KERAS_RESULTS, cell=cell, method=method, step_s=v["step_s"],
                             recommended="", bytes=v["bytes_per_step"], local_step_s=None,
-                            dense_bytes=None))
+                            dense_bytes=None, steps=data["steps"]))
     return out
 
 
@@ -168,7 +175,8 @@ def _cells() -> list[dict]:
                 out.append(dict(file=name, cell=cell, method=method, step_s=v["step_s"],
                                 recommended=data.get("recommended", ""),
                                 bytes=v["bytes_per_step"], local_step_s=local,
-                                dense_bytes=base["bytes_per_step"] if base else None))
+                                dense_bytes=base["bytes_per_step"] if base else None,
+                                steps=v.get("steps")))
     return out + _keras_cells()
 
 
@@ -178,6 +186,9 @@ def _predict(row: dict, sizes: ModelSizes, c: Constants) -> tuple[float, float, 
     cluster = _cell_cluster(row["cell"])
     settings = dict(settings)
     said = ""
+    if row.get("steps"):  # the run's plain first steps are in its averages
+        plain = PLAIN_START - (KERAS_UNTIMED if row["file"] == KERAS_RESULTS else 0)
+        settings["warmup_share"] = plain / row["steps"]
     if row.get("local_step_s") and technique != "no exchange":
         # the job ran each rank alone too: its compute, as this job's machine had it (the
         # VM's speed drifts by tens of percent between jobs: docs/at-scale.md)

@@ -144,6 +144,7 @@ def sizes_from_module(model: Any, input_shape: Optional[tuple[int, ...]], measur
     """A torch module's (or Keras model's) sizes; its compute per step timed on random
     inputs of ``input_shape`` (``measure``) or given."""
     layers = perfmodel.layers_of(model)
+    adapter = "torch" if hasattr(model, "named_parameters") else "keras"
     if measure:
         if input_shape is None:
             raise SystemExit("--measure needs --input-shape (a batch's shape, e.g. 64,32)")
@@ -154,15 +155,15 @@ def sizes_from_module(model: Any, input_shape: Optional[tuple[int, ...]], measur
             y = torch.randint(out.shape[-1], out.shape[:1])
             f, b, o = perfmodel.measure_torch(model, (x, y), torch.nn.functional.cross_entropy,
                                               torch.optim.SGD(model.parameters(), lr=1e-3))
-            return ModelSizes(layers, f, b, o)
+            return ModelSizes(layers, f, b, o, adapter=adapter)
         import numpy as np  # a Keras model
         x = np.random.default_rng(0).standard_normal(input_shape).astype("float32")
         classes = int(model(x[:1]).shape[-1])
         y = np.random.default_rng(1).integers(0, classes, input_shape[0])
-        return ModelSizes(layers, *perfmodel.measure_keras(model, x, y))
+        return ModelSizes(layers, *perfmodel.measure_keras(model, x, y), adapter=adapter)
     if compute_s is None:
         raise SystemExit("give --compute-ms (forward+backward+optimizer per step) or --measure")
-    return ModelSizes(layers, compute_s / 3, 2 * compute_s / 3)
+    return ModelSizes(layers, compute_s / 3, 2 * compute_s / 3, adapter=adapter)
 
 
 # -- the table --------------------------------------------------------------------------------

@@ -257,10 +257,6 @@ def staleness_histogram(counters: dict[str, float]) -> dict[int, int]:
     return dict(sorted(hist.items()))
 
 
-def _nothing() -> None:
-    pass
-
-
 @dataclass
 class _InFlight:
     """One layer's part of one step's global gradient."""
@@ -388,7 +384,7 @@ class DelayedGradients(Transport):
         reduced = [{li: layer.pending.wait() for li, layer in part.items()} for part in parts]
         for part in parts:  # lowrank=: the residuals of what is folded in join its memory
             for layer in part.values():
-                getattr(layer.pending, "used", _nothing)()
+                layer.pending.used()
         own = bool(fold) and fold[0] == t  # this step's global gradient is back: use it
         current = parts[0] if own else self._in_flight[t]
         corrections = list(zip(parts[1:], reduced[1:])) if own else list(zip(parts, reduced))
@@ -447,7 +443,7 @@ class DelayedGradients(Transport):
         layers = [layer for part in self._in_flight.values() for layer in part.values()]
         for pending in finish_dropped([layer.pending for layer in layers],
                                       "outstanding global gradients"):
-            getattr(pending, "discard", _nothing)()  # lowrank=: the error feedback comes back
+            pending.discard()  # lowrank=: the error feedback comes back
         self._in_flight.clear()
         self._average_after_step = False
         if n:

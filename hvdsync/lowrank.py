@@ -54,7 +54,6 @@ import numpy as np
 
 from hvdsync.config import coerce_config
 from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, Transport
-from hvdsync.watchdog import guard
 
 
 @dataclass(frozen=True)
@@ -131,15 +130,13 @@ class _DelayedLowRank(Pending):
         # Keras: eager Horovod ops block its background thread, so the Q round runs there
         # right behind the step's flush (the same order on every rank); torch starts it when
         # this rank first sees P arrived (Horovod matches async collectives by name)
-        chain = getattr(owner.comm, "after_flush", None)
-        self._chained = chain(self._q_round_blocking) if chain is not None else None
+        self._chained = owner.comm.after_flush(self._q_round_blocking)
 
-    def _q_round_blocking(self) -> None:
-        ops, comm = self.owner.ops, self.owner.comm
+    def _q_round_blocking(self, reduce) -> None:
+        ops = self.owner.ops
         self._p = [ops.orthonormal(p) for p in self.p_round.wait()]
         qs = [ops.matmul(m, p, transpose_a=True) for m, p in zip(self.ms, self._p)]
-        with guard(f"the allreduce '{self.name}.Q'"):
-            self._q = Pending.resolved(comm.reduce(qs, name=f"{self.name}.Q"))
+        self._q = Pending.resolved(reduce(f"{self.name}.Q", qs))
 
     def _start_q(self) -> None:
         if self._chained is not None:

@@ -58,6 +58,9 @@ class ModelSizes:
     backward_s: float
     optimizer_s: float = 0.0
     value_bytes: int = 4
+    #: the adapter that trains it: ``"torch"`` or ``"keras"`` (a decider runs on the host in
+    #: torch, compiled into the train function in Keras: different costs)
+    adapter: str = "torch"
 
     @property
     def params(self) -> int:
@@ -119,6 +122,10 @@ class Constants:
     #: per step: a decider's decisions and control round bookkeeping (threshold=, select=);
     #: delay='s background exchange and local steps; DDP's communication hook
     decider_s: float = 5.0e-4
+    #: Keras' compiled decider instead (graph ops, one control allreduce, one host call):
+    #: per step, and per parameter (the held tensor added, norms, the memory's selects)
+    keras_decider_s: float = 5.0e-4
+    keras_keep_s: float = 1.0e-9
     delay_s: float = 5.0e-4
     ddp_s: float = 5.0e-4
     #: per parameter: an fp16 cast there and back; a norm; an accumulation or residual update
@@ -230,17 +237,38 @@ TECHNIQUES: dict[str, dict[str, Any]] = {
 def predict(technique: str, model: ModelSizes, cluster: Cluster,
             c: Constants = CALIBRATED, **settings: Any) -> Prediction:
     """The predicted step of ``technique`` (a key of :data:`TECHNIQUES`; ``settings``
-    override its defaults: ``send_fraction``, ``lowrank``, ``staleness``, ``fp16``...)."""
+    override its defaults: ``send_fraction``, ``lowrank``, ``staleness``, ``fp16``...;
+    ``warmup_share``: the share of a run's steps that went plain before compression or
+    local steps began, for a per-step average over that run -- steady state without it)."""
     if technique not in TECHNIQUES:
         raise ValueError(f"unknown technique {technique!r}; known: {', '.join(TECHNIQUES)}")
     s = {**TECHNIQUES[technique], **settings}
+    warmup = s.pop("warmup_share", 0.0)
     p = _predict(technique, s, model, cluster, c)
+    compressed = ("lowrank", "powersgd", "local_every")
+    if warmup and any(s.get(k) for k in compressed):
+        # a run's first steps go plain (lowrank='s and PowerSGD's warm-up; post-local SGD's
+        # synchronous start): over a run, a share of its steps costs what plain ones cost
+        plain = _predict(technique, {k: v for k, v in s.items() if k not in compressed},
+                         model, cluster, c)
+        p = _blend(p, plain, warmup)
+        p.notes.append(f"{warmup:.1%} of the steps plain (warm-up)")
     n = cluster.ranks
     if c.cores is not None and n > c.cores:
         slow = 1 + (c.oversubscribed - 1) * (n / c.cores - 1)
         p.step_s *= slow
         p.notes.append(f"{n} ranks on {c.cores} cores: x{slow:.1f}")
     return p
+
+
+def _blend(p: Prediction, plain: Prediction, share: float) -> Prediction:
+    """``p`` with ``share`` of its steps replaced by ``plain`` ones (averages per step)."""
+    def mix(a: float, b: float) -> float:
+        return (1 - share) * a + share * b
+    return Prediction(p.technique, mix(p.step_s, plain.step_s),
+                      mix(p.bytes_per_step, plain.bytes_per_step),
+                      mix(p.collectives, plain.collectives), mix(p.compute_s, plain.compute_s),
+                      mix(p.exposed_comm_s, plain.exposed_comm_s), p.memory_bytes, p.notes)
 
 
 @dataclass
@@ -259,7 +287,8 @@ def _overheads(s: dict, model: ModelSizes, c: Constants) -> float:
     if s.get("hvdsync"):
         extra += c.layer_s * len(model.layers)
     if "send_fraction" in s:
-        extra += c.decider_s + c.accumulate_s * model.params
+        extra += (c.keras_decider_s + c.keras_keep_s * model.params if model.adapter == "keras"
+                  else c.decider_s + c.accumulate_s * model.params)
     if s.get("staleness") or s.get("outer"):
         extra += c.delay_s
     if s.get("staleness"):

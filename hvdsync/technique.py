@@ -50,6 +50,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, Optional, Protocol
 
 from hvdsync.watchdog import guard
@@ -62,6 +63,10 @@ class Pending:
     call does the work; later calls return the same result); ``ready()`` says, without
     blocking, whether ``wait()`` would return at once. ``nbytes`` and ``collectives`` are
     what this rank handed to Horovod for it (for :class:`hvdsync.stats.SyncStats`)."""
+
+    nbytes: int
+    collectives: int
+    what: str
 
     def __init__(self, wait: Optional[Callable[[], Any]] = None,
                  ready: Optional[Callable[[], bool]] = None, nbytes: int = 0,
@@ -119,6 +124,15 @@ class Pending:
         if self._done:
             return True
         return self._ready is not None and self._ready()
+
+    def used(self) -> None:
+        """Its result went into an update: a transport that lends memory to an exchange
+        (``lowrank=``'s error feedback inside ``delay=``) commits it here. Nothing by
+        default."""
+
+    def discard(self) -> None:
+        """Its result is dropped unused (a flush, a restore): what the exchange took from a
+        technique's memory goes back. Nothing by default."""
 
     def then(self, fn: Callable[[Any], Any]) -> "Pending":
         """A pending that waits for this one and returns ``fn(result)``; same counts."""
@@ -283,6 +297,14 @@ class Communicator(Protocol):
         pending's ``wait()`` gives, per tensor, the ranks' pieces concatenated in rank order."""
     def gather_json(self, obj: Any, name: str) -> list:
         """Every rank's ``obj`` (JSON data), in rank order (a blocking exchange)."""
+    def after_flush(self, fn: Callable[[Callable[[str, list], list]], Any]
+                    ) -> Optional[Future]:
+        """Where collectives block their caller (Keras' eager Horovod ops): run ``fn(reduce)``
+        in the background thread right after the next background :meth:`flush`, in the same
+        order on every rank, and return its future; ``reduce(name, tensors)`` is a blocking
+        allreduce for the rounds that depend on the flush. ``None`` where collectives run
+        asynchronously (torch): the caller starts those rounds itself, once the flush's have
+        arrived."""
 
 
 # -- the roles -------------------------------------------------------------------------------

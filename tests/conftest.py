@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import pytest
 
+from tests.keras_models import one_tensorflow_thread
 from tests.models import call, run_cases
 
 #: the job's time bound: a hang becomes a failure with every rank's output after this long
@@ -42,6 +43,9 @@ def shared_job(request: pytest.FixtureRequest,
         cases = {f"{mod.__name__}:{name}": case
                  for mod in modules if hasattr(mod, "shared_job_cases")
                  for name, case in mod.shared_job_cases(np_, directory).items()}
+        # first, whichever files take part: TensorFlow's threads are fixed once it starts, so
+        # a case that does not set them (an example) must not decide them for the ones after
+        cases = {"conftest:one TensorFlow thread": (one_tensorflow_thread,), **cases}
         return run_cases(call, np_, cases,
                          timeout=BASE_TIMEOUT_S + PER_CASE_TIMEOUT_S * len(cases))
 

@@ -26,6 +26,13 @@ def key(v) -> str:
     return "/".join(v.path.split("/")[-2:])
 
 
+def one_tensorflow_thread() -> None:
+    """On a rank, before TensorFlow runs anything: one intra-op thread (ranks share the
+    cores; and TensorFlow refuses a change once it has started)."""
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+
+
 def teacher_data(rank: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``n`` samples labelled by a fixed random linear teacher; rank-specific inputs."""
     teacher = np.random.default_rng(seed).standard_normal((IN, CLASSES))

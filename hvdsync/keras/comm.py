@@ -19,6 +19,7 @@ import json
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, Optional
 
 import numpy as np
@@ -200,13 +201,18 @@ class KerasCommunicator:
             r.future, r.index = future, i
             i += len(r.tensors)
 
-    def after_flush(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` in the background thread right after the next background flush (eager
-        Horovod ops block, so collectives that depend on that flush's result -- low-rank Q
-        rounds inside ``delay=`` -- are queued behind it, in the same order on every rank)."""
+    def after_flush(self, fn: Callable[[Callable[[str, list], list]], Any]) -> Future:
+        """Run ``fn(reduce)`` in the background thread right after the next background flush
+        (eager Horovod ops block, so collectives that depend on that flush's result -- low-rank
+        Q rounds inside ``delay=`` -- are queued behind it, in the same order on every rank);
+        ``reduce(name, tensors)``: a blocking allreduce, under the watchdog."""
         placeholder: Future = Future()
-        self._after.append((fn, placeholder))
+        self._after.append((partial(fn, self._reduce_now), placeholder))
         return placeholder
+
+    def _reduce_now(self, name: str, tensors: list) -> list:
+        with guard(f"the allreduce {name!r}"):
+            return self.reduce(tensors, name=name)
 
     @staticmethod
     def _result(request: _Request) -> list:

@@ -172,6 +172,11 @@ class TorchCommunicator:
             i += n
         return out
 
+    def after_flush(self, fn) -> None:
+        """Nothing to chain: torch's Horovod collectives run asynchronously, so a round that
+        depends on an earlier one starts once that one has arrived (the caller's)."""
+        return None
+
     def gather_json(self, obj, name: str) -> list:
         """Every rank's ``obj`` (JSON data), in rank order."""
         return [json.loads(b.decode()) for b in self.gather_bytes(json.dumps(obj).encode(),

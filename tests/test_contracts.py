@@ -1,0 +1,78 @@
+"""The core's contracts are closed (issue 30): everything the framework-neutral core calls on a
+port or a technique is declared on the interface it goes through (hvdsync/technique.py), so
+an adapter that implements the interfaces runs every technique, and no technique reaches into
+an adapter's extras by name. A static check of the core's source: it fails the moment a core
+module calls a member the interface does not declare."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+
+import pytest
+
+from hvdsync import technique
+from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps, Technique,
+                               Transform, Transport)
+
+#: the core's modules (technique.py defines the interfaces; testing.py is the test harness)
+CORE = sorted(p for p in pathlib.Path(technique.__file__).parent.glob("*.py")
+              if p.name not in ("technique.py", "testing.py"))
+
+#: how the core names each port or technique -> the interfaces that declare what it may call
+RECEIVERS = {
+    "self.comm": (Communicator,), "comm": (Communicator,), "self.owner.comm": (Communicator,),
+    "self.ops": (TensorOps,), "ops": (TensorOps,), "self.owner.ops": (TensorOps,),
+    "self.grads": (Gradients,), "self.owner.grads": (Gradients,),
+    "self.decider": (Decider,),
+    "layer.pending": (Pending,), "pending": (Pending,), "p": (Pending,),
+}
+#: in the pipeline only, where ``t`` is always a technique
+PIPELINE_RECEIVERS = {"t": (Technique, Transform, Transport)}
+
+
+def declared(interface: type) -> set[str]:
+    """What ``interface`` declares: its methods, properties and annotated attributes, with
+    those of its bases."""
+    names: set[str] = set()
+    for cls in inspect.getmro(interface):
+        if cls is object:
+            continue
+        names |= {n for n in vars(cls) if not n.startswith("__")}
+        names |= set(getattr(cls, "__annotations__", {}))
+    return names
+
+
+def calls(path: pathlib.Path, receivers: dict) -> list[tuple[int, str, str]]:
+    """``(line, receiver, member)`` for every member the module reads on a receiver."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            receiver = ast.unparse(node.value)
+            if receiver in receivers:
+                out.append((node.lineno, receiver, node.attr))
+    return out
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+def test_the_core_calls_only_what_the_interfaces_declare(path):
+    receivers = dict(RECEIVERS)
+    if path.name == "pipeline.py":
+        receivers.update(PIPELINE_RECEIVERS)
+    if path.name in ("select.py", "perfmodel.py", "advise.py"):  # their own local names
+        receivers = {k: v for k, v in receivers.items() if k not in ("p", "pending")}
+    undeclared = [f"{path.name}:{line}: {receiver}.{member}"
+                  for line, receiver, member in calls(path, receivers)
+                  if not any(member in declared(i) for i in receivers[receiver])]
+    assert not undeclared, "called but not declared on the interface: " + ", ".join(undeclared)
+
+
+def test_the_check_sees_an_undeclared_call(tmp_path):
+    """The check is not vacuous: a core module calling a port's extra is reported."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(self):\n    self.comm.reduce([], name='x')\n"
+                   "    self.comm.allreduce('x', [])\n")
+    found = [(r, m) for _, r, m in calls(bad, RECEIVERS)
+             if not any(m in declared(i) for i in RECEIVERS[r])]
+    assert found == [("self.comm", "reduce")]
