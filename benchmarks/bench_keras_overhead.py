@@ -16,7 +16,7 @@ end of its first step to the end of its last; the warm-up ``fit`` (2 steps, with
 train function costs each method. A round's time per step is the slowest rank's; the figure
 is the ratio to the plain path's (and to Horovod's) time per step *in the same round*,
 averaged over rounds, with a 95 % interval (Student t).
-Results: ``benchmarks/results/keras_overhead_np<N>[_<rate>mbit].{json,md}``.
+Results: ``benchmarks/results/keras_overhead_np<N>[_<rate>mbit].{json,md}`` (or ``--name``).
 """
 
 from __future__ import annotations
@@ -111,6 +111,8 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--net", default="loopback",
                     help="'loopback' or a link rate in Mbit/s for the emulated network")
+    ap.add_argument("--name", help="results file name (default: keras_overhead_np<N>"
+                                   "[_<rate>mbit])")
     args = ap.parse_args(argv)
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (the interval needs a spread)")
@@ -141,7 +143,7 @@ def main(argv=None) -> None:
     link = "loopback" if args.net == "loopback" else f"{args.net} Mbit/s emulated links"
     suffix = "" if args.net == "loopback" else f"_{args.net}mbit"
     model = f"{args.depth}-layer MLP width {args.width}, batch {args.batch}/rank, Adam"
-    report(f"keras_overhead_np{args.np}{suffix}",
+    report(args.name or f"keras_overhead_np{args.np}{suffix}",
            f"hvdsync.keras step overhead with nothing skipped, {model}, {args.np} ranks x 1 "
            f"core, {link}, {args.rounds} interleaved rounds x {args.steps} steps", table,
            dict(rounds=args.rounds, steps=args.steps, np=args.np, model=model,

@@ -94,6 +94,34 @@ PLAIN_START = 10
 KERAS_UNTIMED = 5
 
 
+#: the Keras overhead bench's runs the compiled deciders' costs come from (not the Keras cells,
+#: which stay held out): ``python -m benchmarks.bench_keras_overhead --net 100 --rounds 8
+#: --steps 20 --width W --methods "hvdsync (plain path)" "threshold=0" "select (every layer)"
+#: --name keras_overhead_np2_100mbit_wW`` for W = 256 and 512
+KERAS_DECIDER_RUNS = ("keras_overhead_np2_100mbit_w256", "keras_overhead_np2_100mbit_w512")
+
+
+def keras_decider_costs() -> tuple[float, float]:
+    """``(keras_decider_s, keras_keep_s)``: a straight line through the compiled deciders'
+    extra seconds per step (each run's mean ratio to the plain path, both deciders averaged)
+    against the model's parameter count, over the two widths."""
+    from benchmarks.bench_keras import FEATURES, CLASSES
+    points = []
+    for name in KERAS_DECIDER_RUNS:
+        data = json.load(open(os.path.join(RESULTS, f"{name}.json")))
+        width = int(re.search(r"width (\d+)", data["model"]).group(1))
+        depth = int(re.search(r"(\d+)-layer", data["model"]).group(1))
+        params = (FEATURES * width + width + (depth - 2) * (width * width + width)
+                  + width * CLASSES + CLASSES)
+        plain = data["vs_plain"]["hvdsync (plain path)"]["step_ms"] / 1e3
+        extra = statistics.mean((data["vs_plain"][m]["ratio"] - 1) * plain
+                                for m in ("threshold=0", "select (every layer)"))
+        points.append((params, extra))
+    (p0, e0), (p1, e1) = points
+    per_param = (e1 - e0) / (p1 - p0)
+    return e0 - per_param * p0, per_param
+
+
 def _keras_sizes() -> ModelSizes:
     """The Keras bench's MLP (benchmarks.bench_keras' defaults) and its compiled local step,
     measured here with one TensorFlow thread, as its ranks run."""
@@ -129,8 +157,15 @@ def _sizes(workload: str) -> ModelSizes:
     return ModelSizes(layers, f, b, o)
 
 
+#: a loopback cell's "link": no rate of its own; what caps it is the reduction's own speed
+#: (Constants.max_gbit, fitted on the emulated links) and a few microseconds a hop
+LOOPBACK = dict(bandwidth_gbit=1000.0, latency_us=5.0)
+
+
 def _cell_cluster(cell: str) -> Cluster:
     ranks = int(re.search(r"(\d+) ranks", cell).group(1))
+    if cell.endswith("loopback"):
+        return Cluster(ranks=ranks, algorithm="ring", **LOOPBACK)
     mbit = float(re.search(r"(\d+) Mbit/s", cell).group(1))
     # the emulated link: a token bucket per rank, no delay emulated (no netem on this kernel);
     # the bridge and veth pairs: ~50 us a hop
@@ -139,7 +174,7 @@ def _cell_cluster(cell: str) -> Cluster:
 
 
 def _keras_cells() -> list[dict]:
-    """The Keras bench's cells at a link rate (loopback has no rate to model: not included)."""
+    """The Keras bench's cells: at a link rate, and on loopback (:data:`LOOPBACK`)."""
     path = os.path.join(RESULTS, f"{KERAS_RESULTS}.json")
     if not os.path.exists(path):
         return []
@@ -147,9 +182,8 @@ def _keras_cells() -> list[dict]:
     data = json.load(open(path))
     for c in data["cells"].values():
         match = re.match(r"(\d+) Mbit/s", c["network"])
-        if not match:
-            continue
-        cell = f"{KERAS_WORKLOAD}, {c['ranks']} ranks, {match.group(1)} Mbit/s"
+        link = f"{match.group(1)} Mbit/s" if match else "loopback"
+        cell = f"{KERAS_WORKLOAD}, {c['ranks']} ranks, {link}"
         for method, v in c["methods"].items():
             out.append(dict(file=KERAS_RESULTS, cell=cell, method=method, step_s=v["step_s"],
                             recommended="", bytes=v["bytes_per_step"], local_step_s=None,
@@ -186,6 +220,8 @@ def _predict(row: dict, sizes: ModelSizes, c: Constants) -> tuple[float, float, 
     cluster = _cell_cluster(row["cell"])
     settings = dict(settings)
     said = ""
+    if row["cell"].endswith("loopback"):
+        said = "loopback: capped by the reduction's own speed (max_gbit)"
     if row.get("steps"):  # the run's plain first steps are in its averages
         plain = PLAIN_START - (KERAS_UNTIMED if row["file"] == KERAS_RESULTS else 0)
         settings["warmup_share"] = plain / row["steps"]
@@ -210,7 +246,11 @@ def _predict(row: dict, sizes: ModelSizes, c: Constants) -> tuple[float, float, 
         elif row["recommended"].startswith("delay= (staleness"):  # the preset before issue 29
             technique, settings = "hvdsync delay", {"fp16": True}
     p = perfmodel.predict(technique, sizes, cluster, c, **settings)
-    return p.step_s, p.bytes_per_step, said
+    nbytes = p.bytes_per_step
+    if technique == "ddp+powersgd":  # bench_suite counts its factors' bytes, warm-up aside
+        nbytes = perfmodel.predict(technique, sizes, cluster, c,
+                                   **{**settings, "warmup_share": 0.0}).bytes_per_step
+    return p.step_s, nbytes, said
 
 
 def _modelled(row: dict, sizes: ModelSizes) -> str | None:
@@ -357,6 +397,7 @@ def main(argv=None) -> None:
                           "", "", "", r["why_not"]])
             continue
         step, nbytes, said = _predict(r, sizes[r["workload"]], c)
+        r["predicted_s"], r["predicted_bytes"] = step, nbytes
         err = step / r["step_s"] - 1
         errors["fit" if r["fit"] else "held out"].append(abs(err))
         table.append([r["file"], r["cell"], r["method"], f"{r['step_s'] * 1e3:.1f}",

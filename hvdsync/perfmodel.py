@@ -151,8 +151,11 @@ class Constants:
 #: Gloo, emulated links. What fitted to nothing is 0 (a collective's fixed cost and the
 #: per-layer hook vanish beside the rest there; lowrank='s products are negligible beside its
 #: per-matrix cost). ``cores`` is the bed's own (2) only while fitting: one machine per rank.
+#: Keras' compiled deciders: from the Keras overhead bench at two model widths
+#: (``benchmarks.bench_perfmodel.keras_decider_costs``), not from the Keras cells.
 CALIBRATED = Constants(link_efficiency=0.95, max_gbit=0.99, collective_s=0.0, overlap=1.0,
-                       layer_s=0.0, decider_s=5.4e-3, delay_s=1.8e-3, ddp_s=0.0, cast_s=1.9e-8,
+                       layer_s=0.0, decider_s=5.4e-3, keras_decider_s=5.9e-4,
+                       keras_keep_s=5.3e-9, delay_s=1.8e-3, ddp_s=0.0, cast_s=1.9e-8,
                        norm_s=5e-10, accumulate_s=7.0e-8, flops=1e15, matrix_s=1.8e-3,
                        step_s=1.6e-3, oversubscribed=5.4)
 

@@ -106,6 +106,66 @@ def test_delay_is_paced_by_the_slower_of_link_and_compute():
             assert p.step_s == pytest.approx(max(link, compute_s)), (compute_s, staleness)
 
 
+def test_a_runs_plain_first_steps_are_averaged_in():
+    """``warmup_share``: that share of the steps costs what a plain step costs (lowrank='s
+    warm-up); a technique without a plain start is unchanged."""
+    c, m = Cluster(ranks=2, bandwidth_gbit=0.1), _model()
+    steady = perfmodel.predict("hvdsync lowrank", m, c, PLAIN)
+    plain = perfmodel.predict("hvdsync", m, c, PLAIN)
+    run = perfmodel.predict("hvdsync lowrank", m, c, PLAIN, warmup_share=0.25)
+    for field in ("bytes_per_step", "step_s", "collectives"):
+        assert getattr(run, field) == pytest.approx(
+            0.75 * getattr(steady, field) + 0.25 * getattr(plain, field)), field
+    assert steady.bytes_per_step < plain.bytes_per_step / 10
+    same = perfmodel.predict("hvdsync", m, c, PLAIN, warmup_share=0.25)
+    assert same.bytes_per_step == plain.bytes_per_step and same.step_s == plain.step_s
+
+
+def test_keras_decider_costs_are_the_overhead_benchs():
+    """The compiled Keras deciders' constants are what the committed overhead runs give (a
+    line through two widths), and a Keras model is charged them, a torch one the host's."""
+    from benchmarks.bench_perfmodel import keras_decider_costs
+    fixed, per_param = keras_decider_costs()
+    c = perfmodel.CALIBRATED
+    assert c.keras_decider_s == pytest.approx(fixed, rel=0.02)
+    assert c.keras_keep_s == pytest.approx(per_param, rel=0.02)
+    cl = Cluster(ranks=2, bandwidth_gbit=0.1)
+    torch_model = _model()
+    keras_model = ModelSizes(torch_model.layers, torch_model.forward_s, torch_model.backward_s,
+                             adapter="keras")
+    host = perfmodel.predict("hvdsync threshold", torch_model, cl, c, send_fraction=1.0)
+    graph = perfmodel.predict("hvdsync threshold", keras_model, cl, c, send_fraction=1.0)
+    plain = perfmodel.predict("hvdsync", torch_model, cl, c)
+    params = torch_model.params
+    assert graph.step_s - plain.step_s == pytest.approx(
+        c.keras_decider_s + c.keras_keep_s * params + perfmodel.allreduce_s(16, cl, c))
+    assert host.step_s - plain.step_s == pytest.approx(
+        c.decider_s + c.accumulate_s * params + perfmodel.allreduce_s(16, cl, c))
+
+
+@pytest.mark.parametrize("method, technique, rel", [
+    ("hvdsync lowrank", "hvdsync lowrank", 0.01),
+    # each seed ran its own number of steps: the mean of bytes/steps is not bytes/mean steps
+    ("ddp post-local sgd", "ddp post-local sgd", 0.03),
+])
+def test_runs_with_a_plain_start_measured_what_the_model_averages(method, technique, rel):
+    """The LM's bench runs: 10 plain steps (lowrank='s warm-up, post-local SGD's synchronous
+    start) counted in the run's bytes per step."""
+    from benchmarks.workloads import WORKLOADS
+    sizes = ModelSizes(perfmodel.layers_of(WORKLOADS["stdlib_lm"].make_model(False)), 0.01,
+                       0.02)
+    runs = {}
+    for path in sorted((ROOT / "benchmarks" / "results").glob("suite*.json")):
+        for cell, c in json.loads(path.read_text())["cells"].items():
+            if cell.startswith("stdlib_lm,") and method in c["methods"]:
+                runs[path.name] = c["methods"][method]
+    assert runs
+    for name, run in runs.items():
+        p = perfmodel.predict(technique, sizes, Cluster(ranks=2, bandwidth_gbit=0.1),
+                              warmup_share=10 / run["steps"])
+        assert p.bytes_per_step == pytest.approx(run["bytes_per_step"], rel=rel), name
+
+
 @pytest.mark.parametrize("workload, method, technique, settings", [
     ("stdlib_lm", "horovod", "horovod", {}),
     ("stdlib_lm", "horovod fp16", "horovod fp16", {}),
