@@ -9,7 +9,8 @@ every method on its own copy of the same model (bench_keras' MLP, Adam) through 
 Horovod's tape; hvdsync with nothing enabled (the plain graph path); ``clip`` with a limit
 never reached; ``threshold=0`` and ``select`` with every layer (the deciders, compiled: every
 layer sent every step); ``delay`` with staleness 0 (sends everything through the eager step
-pipeline, for scale). Rounds interleave the methods (the order rotates every round); each
+pipeline, for scale); and, by name only (``--methods``), ``delay="diloco"`` and
+``delay="streaming"``: local steps, what an inner step costs in Keras. Rounds interleave the methods (the order rotates every round); each
 method trains ``--steps`` steps per round after a warm-up ``fit`` (tracing), timed from the
 end of its first step to the end of its last; the warm-up ``fit`` (2 steps, with
 ``BroadcastGlobalVariablesCallback``) is timed too, the slowest rank's: what tracing the
@@ -36,8 +37,13 @@ METHODS: dict[str, Any] = {
     "threshold=0": dict(threshold=0.0),
     "select (every layer)": dict(select=dict(k=1.0)),
     "delay staleness=0 (eager path)": dict(delay=dict(staleness=0)),
+    # local steps (nothing exchanged between synchronizations): what an inner step costs
+    "delay diloco (local steps)": dict(delay="diloco"),
+    "delay streaming (local steps)": dict(delay="streaming"),
 }
 BASE = "hvdsync (plain path)"
+#: what runs unless ``--methods`` says otherwise: everything sent every step
+DEFAULT = [m for m in METHODS if "local steps" not in m]
 
 
 def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth: int,
@@ -108,7 +114,7 @@ def main(argv=None) -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--batch", type=int, default=128, help="per rank")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=DEFAULT, choices=list(METHODS))
     ap.add_argument("--net", default="loopback",
                     help="'loopback' or a link rate in Mbit/s for the emulated network")
     ap.add_argument("--name", help="results file name (default: keras_overhead_np<N>"

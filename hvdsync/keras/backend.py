@@ -47,6 +47,61 @@ def _zero() -> tf.Tensor:
     return _ZERO[0]
 
 
+def one_call_when_eager(fn: Callable, reduce_retracing: bool = False) -> Callable:
+    """``fn`` (TensorFlow ops, no Python state) as one traced function when called eagerly --
+    the step pipeline inside ``tf.py_function``, where each eager op costs 50-150 us of
+    dispatch here, more than its arithmetic (``bad()`` over a 12-tensor model: ~1 ms eager,
+    ~0.1 ms as one call) -- and as plain ops inside a trace (the compiled train function
+    builds them into its own graph). Same ops either way: the same numbers."""
+    traced = tf.function(fn, reduce_retracing=reduce_retracing)
+
+    def run(*args):
+        return traced(*args) if tf.executing_eagerly() else fn(*args)
+    run.__doc__ = fn.__doc__
+    return run
+
+
+def _bad_ops(tensors: list) -> tf.Tensor:
+    finite = [tf.reduce_all(tf.math.is_finite(t.values if isinstance(t, tf.IndexedSlices)
+                                              else t)) for t in tensors]
+    return 1.0 - tf.cast(tf.reduce_all(tf.stack(finite)), tf.float32)
+
+
+#: shapes do not matter to it: one trace per list of ranks and dtypes
+_bad = one_call_when_eager(_bad_ops, reduce_retracing=True)
+
+
+@one_call_when_eager
+def _encode(tensors: list, codec: str, chunk: int) -> list:
+    """The outer exchange's encoding (:meth:`KerasOps.encode`); traced per fragment shape."""
+    flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
+    if codec == "bf16":
+        return [tf.bitcast(tf.cast(flat, tf.bfloat16), tf.int16)]
+    n = int(flat.shape[0])
+    rows = tf.reshape(tf.pad(flat, [[0, -n % chunk]]), [-1, chunk])
+    scale = tf.reduce_max(tf.abs(rows), axis=1) / 127.0
+    safe = tf.where(scale > 0, scale, tf.ones_like(scale))
+    codes = tf.cast(tf.clip_by_value(tf.round(rows / safe[:, None]), -127, 127), tf.int8)
+    return [tf.reshape(codes, [-1])[:n], scale]  # the padding is not sent
+
+
+@one_call_when_eager
+def _decode(parts: list, like: tuple, codec: str, chunk: int) -> list:
+    """:meth:`KerasOps.decode`; ``like``: the ``(shape, dtype name)`` to decode into."""
+    if codec == "bf16":
+        flat = tf.cast(tf.bitcast(parts[0], tf.bfloat16), tf.float32)
+    else:
+        codes, scale = parts
+        rows = tf.pad(tf.cast(codes, tf.float32), [[0, -int(codes.shape[0]) % chunk]])
+        flat = tf.reshape(tf.reshape(rows, [-1, chunk]) * scale[:, None], [-1])
+    out, i = [], 0
+    for shape, dtype in like:
+        n = int(np.prod(shape))
+        out.append(tf.cast(tf.reshape(flat[i:i + n], shape), dtype))
+        i += n
+    return out
+
+
 class KerasOps:
     """:class:`hvdsync.technique.TensorOps` on TensorFlow tensors (immutable: new tensors)."""
 
@@ -56,11 +111,9 @@ class KerasOps:
 
     @staticmethod
     def bad(tensors: Sequence) -> tf.Tensor:
-        finite = [tf.reduce_all(tf.math.is_finite(t.values if isinstance(t, tf.IndexedSlices)
-                                                  else t)) for t in tensors]
-        if not finite:
+        if not tensors:
             return _zero()
-        return 1.0 - tf.cast(tf.reduce_all(tf.stack(finite)), tf.float32)
+        return _bad(list(tensors))
 
     @staticmethod
     def all_finite(tensors: Sequence) -> bool:
@@ -157,30 +210,13 @@ class KerasOps:
 
     @staticmethod
     def encode(tensors: Sequence, codec: str, chunk: int) -> list:
-        flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
-        if codec == "bf16":
-            return [tf.bitcast(tf.cast(flat, tf.bfloat16), tf.int16)]
-        n = int(flat.shape[0])
-        rows = tf.reshape(tf.pad(flat, [[0, -n % chunk]]), [-1, chunk])
-        scale = tf.reduce_max(tf.abs(rows), axis=1) / 127.0
-        safe = tf.where(scale > 0, scale, tf.ones_like(scale))
-        codes = tf.cast(tf.clip_by_value(tf.round(rows / safe[:, None]), -127, 127), tf.int8)
-        return [tf.reshape(codes, [-1])[:n], scale]  # the padding is not sent
+        return _encode(list(tensors), codec, chunk)
 
     @staticmethod
     def decode(parts: Sequence, like: Sequence, codec: str, chunk: int) -> list:
-        if codec == "bf16":
-            flat = tf.cast(tf.bitcast(parts[0], tf.bfloat16), tf.float32)
-        else:
-            codes, scale = parts
-            rows = tf.pad(tf.cast(codes, tf.float32), [[0, -int(codes.shape[0]) % chunk]])
-            flat = tf.reshape(tf.reshape(rows, [-1, chunk]) * scale[:, None], [-1])
-        out, i = [], 0
-        for t in like:
-            n = int(np.prod(t.shape))
-            out.append(tf.cast(tf.reshape(flat[i:i + n], t.shape), t.dtype))
-            i += n
-        return out
+        return _decode(list(parts), tuple((tuple(int(d) for d in t.shape),
+                                           tf.as_dtype(t.dtype).name) for t in like),
+                       codec, chunk)
 
     @staticmethod
     def part(gathered, rank: int, size: int):
