@@ -273,7 +273,10 @@ def _fit(rows: list[dict], sizes: dict) -> Constants:
     names = ("link_efficiency", "max_gbit", "collective_s", "overlap", "layer_s", "decider_s",
              "delay_s", "ddp_s", "cast_s", "accumulate_s", "flops", "matrix_s", "step_s",
              "oversubscribed")
-    start = Constants()  # the starting point: plausible round values
+    # the starting point: plausible round values; Keras' compiled deciders' costs are not
+    # fitted here (they come from the Keras overhead bench: keras_decider_costs)
+    keras_fixed, keras_per_param = keras_decider_costs()
+    start = Constants(keras_decider_s=keras_fixed, keras_keep_s=keras_per_param)
 
     def constants(z: np.ndarray) -> Constants:
         vals = {n: float(x) for n, x in zip(names, np.exp(z))}
