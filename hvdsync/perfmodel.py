@@ -49,6 +49,10 @@ class LayerSize:
     tensors: int = 1
 
 
+#: the adapters the model knows the costs of (:attr:`ModelSizes.adapter`)
+ADAPTERS = ("torch", "keras")
+
+
 @dataclass(frozen=True)
 class ModelSizes:
     """The model: its layers, bytes per gradient value, and its compute per step on one rank
@@ -61,6 +65,10 @@ class ModelSizes:
     #: the adapter that trains it: ``"torch"`` or ``"keras"`` (a decider runs on the host in
     #: torch, compiled into the train function in Keras: different costs)
     adapter: str = "torch"
+
+    def __post_init__(self):
+        if self.adapter not in ADAPTERS:
+            raise ValueError(f"adapter must be one of {ADAPTERS}, got {self.adapter!r}")
 
     @property
     def params(self) -> int:

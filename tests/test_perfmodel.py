@@ -56,6 +56,8 @@ def test_a_fast_link_inside_the_node_shortens_the_allreduce():
 
 
 def test_bad_input_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="adapter must be one of"):
+        ModelSizes((), 0.1, 0.2, adapter="jax")
     with pytest.raises(ValueError, match="multiple of"):
         Cluster(ranks=6, bandwidth_gbit=1.0, ranks_per_node=4)
     with pytest.raises(ValueError, match="algorithm"):
