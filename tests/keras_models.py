@@ -150,10 +150,9 @@ def fit_body(options: dict, opt_name: str = "sgd", lr: float = 0.1, steps: int =
              loss_scale: Optional[float] = None, mixed: bool = False) -> dict[str, Any]:
     """Train on this rank's data through ``model.fit`` with hvdsync's optimizer."""
     import keras
-    import tensorflow as tf
     import hvdsync.keras as hvd
     hvd.init()
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    one_tensorflow_thread()
     # mixed: a mixed_float16 model (Keras wraps the optimizer in its LossScaleOptimizer)
     keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
     if model == "mlp":

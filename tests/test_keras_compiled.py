@@ -32,11 +32,11 @@ def compiled_case(options: dict, opt_name: str, lr: float) -> dict:
     import os
 
     import keras
-    import tensorflow as tf
     import hvdsync.keras as hvd
-    from tests.keras_models import Recorder, make_optimizer, mlp, teacher_data
+    from tests.keras_models import (Recorder, make_optimizer, mlp, one_tensorflow_thread,
+                                    teacher_data)
     hvd.init()
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    one_tensorflow_thread()
     x, y = teacher_data(hvd.rank(), STEPS * BATCH)
     out = {}
     for mode in MODES:

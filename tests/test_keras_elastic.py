@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 
 from hvdsync.testing import run_elastic
-from tests.keras_models import embedding_model, key, mlp, teacher_data, token_data
+from tests.keras_models import (embedding_model, key, mlp, one_tensorflow_thread,
+                                teacher_data, token_data)
 from tests.test_torch_elastic import (COMMIT_EVERY, FINAL, GLOO_TIMEOUT_S, Faults,
                                       check_final_sizes, check_identical_and_finite,
                                       check_learns, check_steps_lost)
@@ -69,7 +70,7 @@ def keras_elastic_body(scenario: str) -> dict:
 
     import hvdsync.keras as hvd
     hvd.init()
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    one_tensorflow_thread()
     faults = Faults(scenario, hvd)
     models = {case: _compiled(case, options) for case, options in CASES.items()}
     for case, model in models.items():  # built (KerasState needs it): one batch of inputs
@@ -169,12 +170,11 @@ def round_trip_body() -> dict:
     variables and technique state come back; then ``sync()``, fit, ``flush()`` -> identical
     replicas. A 2-rank job without a fault (``KerasState`` outside elastic mode)."""
     import keras
-    import tensorflow as tf
 
     import hvdsync.keras as hvd
     from hvdsync import checkpoint
     hvd.init()
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    one_tensorflow_thread()
     out = {}
     for case, (options, mixed, passes) in ROUND_TRIP.items():
         keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
