@@ -10,7 +10,9 @@ Horovod's tape; hvdsync with nothing enabled (the plain graph path); ``clip`` wi
 never reached; ``threshold=0`` and ``select`` with every layer (the deciders, compiled: every
 layer sent every step); ``delay`` with staleness 0 (sends everything through the eager step
 pipeline, for scale); and, by name only (``--methods``), ``delay="diloco"`` and
-``delay="streaming"``: local steps, what an inner step costs in Keras. Rounds interleave the methods (the order rotates every round); each
+``delay="streaming"``: local steps, what an inner step costs in Keras -- compiled, through the
+eager step pipeline (``HVDSYNC_KERAS_PIPELINE=1``), and the wrapped optimizer alone (no
+exchange at all). Rounds interleave the methods (the order rotates every round); each
 method trains ``--steps`` steps per round after a warm-up ``fit`` (tracing), timed from the
 end of its first step to the end of its last; the warm-up ``fit`` (2 steps, with
 ``BroadcastGlobalVariablesCallback``) is timed too, the slowest rank's: what tracing the
@@ -37,13 +39,18 @@ METHODS: dict[str, Any] = {
     "threshold=0": dict(threshold=0.0),
     "select (every layer)": dict(select=dict(k=1.0)),
     "delay staleness=0 (eager path)": dict(delay=dict(staleness=0)),
-    # local steps (nothing exchanged between synchronizations): what an inner step costs
+    # local steps (nothing exchanged between synchronizations): what an inner step costs,
+    # compiled, through the eager step pipeline (as before they were compiled), and the
+    # wrapped optimizer alone (no hvdsync, no exchange: the floor)
     "delay diloco (local steps)": dict(delay="diloco"),
     "delay streaming (local steps)": dict(delay="streaming"),
+    "delay diloco (local steps, eager pipeline)": dict(delay="diloco"),
+    "delay streaming (local steps, eager pipeline)": dict(delay="streaming"),
+    "keras alone (no exchange)": "alone",
 }
 BASE = "hvdsync (plain path)"
 #: what runs unless ``--methods`` says otherwise: everything sent every step
-DEFAULT = [m for m in METHODS if "local steps" not in m]
+DEFAULT = [m for m in METHODS if "local steps" not in m and METHODS[m] != "alone"]
 
 
 def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth: int,
@@ -76,7 +83,9 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
         opt = keras.optimizers.Adam(1e-3)
         if METHODS[name] is None:
             model = horovod_tape_model(model)
-        else:
+        elif METHODS[name] != "alone":
+            # read when the optimizer is built (by the callback in the first fit)
+            os.environ["HVDSYNC_KERAS_PIPELINE"] = "1" if "eager pipeline" in name else "0"
             opt = hvd.DistributedOptimizer(opt, **METHODS[name])
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True))
@@ -85,6 +94,7 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
         # the first fit traces the train function (once: the callback builds the optimizer)
         model.fit(x[:2 * batch], y[:2 * batch], batch_size=batch, verbose=0,
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        os.environ.pop("HVDSYNC_KERAS_PIPELINE", None)
         compile_s[name] = float(htf.allreduce(
             tf.constant([time.perf_counter() - start], tf.float64), op=htf.Max,
             name=f"c.{name}").numpy()[0])

@@ -308,6 +308,11 @@ class DelayedGradients(Transport):
         #: the outer synchronization (DiLoCo class), or None: plain K-step averaging
         self.outer = (OuterSync(config, grads, ops, comm, layer_names, stats)
                       if config.outer else None)
+        # Local steps send nothing: a tracing adapter builds them into the step (check_local)
+        # and runs the moments on the host around the update. Exchanging every step's
+        # gradient in the background, across steps, is not traced (docs/keras.md says why).
+        self.sends_in_step = config.exchange_gradients
+        self.traceable = not config.exchange_gradients
 
     @property
     def outstanding(self) -> list[int]:
@@ -350,14 +355,25 @@ class DelayedGradients(Transport):
             layers, self._local = self._local, []
             local = [self.grads.get(li, k) for li, ks in layers for k in ks]
             if not self.ops.all_finite(local):  # one read; zeroing only when needed
-                bad = self.ops.bad(local)
+                zeroed, bad = self.check_local(local)
                 self._bad.append(bad)
-                zeroed = iter(self.ops.zero_if(bad, local))
+                it = iter(zeroed)
                 for li, ks in layers:
                     for k in ks:
-                        self.grads.set(li, k, next(zeroed))
+                        self.grads.set(li, k, next(it))
         self.comm.flush(background=True)  # Keras: the step's allreduce goes to a thread
         return {}
+
+    def check_local(self, tensors: list) -> tuple[list, Any]:
+        bad = self.ops.bad(tensors)
+        return self.ops.zero_if(bad, tensors), bad
+
+    def host_before_update(self) -> bool:
+        return not self.outer.has_anchors  # taken before the first update only
+
+    def end_local_step(self, bad: bool) -> None:
+        self._bad = []
+        self._count_nonfinite(int(bad))
 
     def before_optimizer_step(self) -> None:
         """Set this step's update ``g_t + sum_j (G_j - g_j)`` over the arrived (or due) global
@@ -404,7 +420,11 @@ class DelayedGradients(Transport):
 
     def end_step(self, ok: bool) -> None:
         flags, self._bad = self._bad, []
-        bad_layers = int(sum(self.ops.to_host(flags))) if flags else 0
+        self._count_nonfinite(int(sum(self.ops.to_host(flags))) if flags else 0)
+
+    def _count_nonfinite(self, bad_layers: int) -> None:
+        """``bad_layers`` non-finite local gradients (a step's whole check counts once with
+        local steps) were replaced by zeros on this rank this step."""
         self.local_nonfinite = bad_layers > 0
         if bad_layers:
             self.stats.count("nonfinite", bad_layers)

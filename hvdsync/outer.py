@@ -36,6 +36,7 @@ import atexit
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 from hvdsync.stats import SyncStats
@@ -76,6 +77,55 @@ def start_offsets(average_every: int, fragments: int) -> list[int]:
 
 #: how long a rank's exit waits for the other ranks to start its last exchanges
 EXIT_WAIT_S = 60.0
+
+
+# -- the arithmetic, per fragment (pure: each runs as one call where ops are dear, TensorOps.fused)
+def pseudo_gradients(ops: TensorOps, anchors: list, params: list, residuals: list) -> list:
+    """``anchor - theta``, plus this rank's residual where it has one (``None``: none)."""
+    out = []
+    for a, p, r in zip(anchors, params, residuals):
+        delta = ops.accumulate(ops.clone(a), p, sign=-1)
+        out.append(delta if r is None else ops.accumulate(delta, r))
+    return out
+
+
+def residuals_of(ops: TensorOps, sent: list, decoded: list) -> list:
+    """Error feedback: what compression lost (``sent - decoded``)."""
+    return [ops.accumulate(ops.clone(s), d, sign=-1) for s, d in zip(sent, decoded)]
+
+
+def average_gathered(ops: TensorOps, size: int, codec: str, gathered: list,
+                     like: list) -> list:
+    """Every rank's decoded contribution, averaged in rank order (the same bits on every
+    rank)."""
+    total: Optional[list] = None
+    for r in range(size):
+        mine = ops.decode([ops.part(t, r, size) for t in gathered], like, codec, INT8_CHUNK)
+        total = mine if total is None else [ops.accumulate(a, b) for a, b in zip(total, mine)]
+    return [ops.add_scaled(ops.zeros_like(t), t, 1.0 / size) for t in total]
+
+
+def outer_step(ops: TensorOps, config: Any, averaged: list, momenta: list, anchors: list,
+               params: list) -> tuple[list, list, list]:
+    """The outer optimizer and the merge on one fragment: ``(momenta, anchors, parameters)``
+    after it (momenta ``None`` without outer momentum; a ``None`` momentum starts at ``d``)."""
+    c = config
+    new_m, new_anchor, new_param = [], [], []
+    for d, m, anchor, p in zip(averaged, momenta, anchors, params):
+        update = d
+        if c.outer_momentum:
+            m = ops.clone(d) if m is None else ops.add_scaled(ops.clone(d), m, c.outer_momentum)
+            update = ops.add_scaled(ops.clone(d), m, c.outer_momentum) if c.nesterov else m
+        anchor = ops.add_scaled(anchor, update, -c.outer_lr)
+        if c.mix:  # theta = anchor + mix * (theta - anchor)
+            local = ops.accumulate(ops.clone(p), anchor, sign=-1)
+            p = ops.add_scaled(ops.clone(anchor), local, c.mix)
+        else:
+            p = anchor
+        new_m.append(m)
+        new_anchor.append(anchor)
+        new_param.append(p)
+    return new_m, new_anchor, new_param
 
 
 def _finish_at_exit(ref: "weakref.ref[OuterSync]") -> None:
@@ -127,6 +177,10 @@ class OuterSync:
         self._in_flight: dict[int, _Exchange] = {}  # fragment -> its exchange
         #: fragments merged after the last step's update
         self.last_merged: list[int] = []
+        self._pseudo_gradients = ops.fused(partial(pseudo_gradients, ops))
+        self._residuals_of = ops.fused(partial(residuals_of, ops))
+        self._average_gathered = ops.fused(partial(average_gathered, ops))
+        self._outer_step = ops.fused(partial(outer_step, ops, config))
         # A script that ends without flush() leaves its last exchange in flight: a rank that
         # exits at once shuts Horovod down under a slower rank that is still starting it
         # ("Horovod has been shut down" there). Before Horovod's own exit hook (registered
@@ -156,6 +210,11 @@ class OuterSync:
         return [f for f, o in enumerate(self.offsets) if step % k == o]
 
     # -- the step -----------------------------------------------------------------------------
+    @property
+    def has_anchors(self) -> bool:
+        """Whether the anchors are taken (else the next update is a first one)."""
+        return bool(self.anchor)
+
     def before_first_update(self) -> None:
         """Take the anchors (the parameters every rank starts from) before the first update."""
         if self.anchor:
@@ -185,13 +244,10 @@ class OuterSync:
         """Start the exchange of fragment ``f``'s pseudo-gradients (compressed, with this
         rank's residual folded in); the pending gives ``{key: average}``."""
         ops, codec = self.ops, self.config.compress
-        keys, deltas = [], []
-        for key, p in self._params(f):
-            delta = ops.accumulate(ops.clone(self.anchor[key]), p, sign=-1)
-            if key in self.residual:
-                delta = ops.accumulate(delta, self.residual[key])
-            keys.append(key)
-            deltas.append(delta)
+        keys = [key for key, _ in self._params(f)]
+        deltas = self._pseudo_gradients([self.anchor[k] for k in keys],
+                                        [p for _, p in self._params(f)],
+                                        [self.residual.get(k) for k in keys])
         name = f"hvdsync.outer.f{f}"
         if codec in ("none", "fp16"):
             sent = [ops.cast(d, "float16") for d in deltas] if codec == "fp16" else deltas
@@ -207,7 +263,8 @@ class OuterSync:
             if self.config.error_feedback:
                 self._keep_residuals(keys, deltas, ops.decode(parts, deltas, codec, INT8_CHUNK))
             pending = self.comm.allgather_async(name, parts)
-            result = pending.then(lambda out: self._average_gathered(keys, deltas, codec, out))
+            result = pending.then(lambda out: dict(zip(keys, self._average_gathered(
+                self.comm.size, codec, out, deltas))))
         self.stats.control(pending.nbytes, pending.collectives)
         self.stats.count("outer_started")
         self.stats.count("outer_bytes", pending.nbytes)
@@ -215,20 +272,7 @@ class OuterSync:
 
     def _keep_residuals(self, keys: list[str], sent: list, decoded: list) -> None:
         """Error feedback: what compression lost joins this rank's next pseudo-gradient."""
-        for key, s, d in zip(keys, sent, decoded):
-            self.residual[key] = self.ops.accumulate(self.ops.clone(s), d, sign=-1)
-
-    def _average_gathered(self, keys: list[str], like: list, codec: str,
-                          gathered: list) -> dict[str, Any]:
-        """Every rank's decoded contribution, averaged in rank order (the same bits on every
-        rank)."""
-        ops, n = self.ops, self.comm.size
-        total: Optional[list] = None
-        for r in range(n):
-            mine = ops.decode([ops.part(t, r, n) for t in gathered], like, codec, INT8_CHUNK)
-            total = mine if total is None else [ops.accumulate(a, b)
-                                                for a, b in zip(total, mine)]
-        return {k: ops.add_scaled(ops.zeros_like(t), t, 1.0 / n) for k, t in zip(keys, total)}
+        self.residual.update(zip(keys, self._residuals_of(sent, decoded)))
 
     def _merge(self, ex: _Exchange) -> None:
         """The outer step on fragment ``ex.fragment``'s anchors, then the merge into the
@@ -244,22 +288,15 @@ class OuterSync:
                 ops.assign(p, self.anchor[key])
             self.last_merged.append(ex.fragment)
             return
-        for key, p in params:
-            d = averaged[key]
-            update = d
+        keys = [key for key, _ in params]
+        momenta, anchors, values = self._outer_step(
+            [averaged[k] for k in keys], [self.momentum.get(k) for k in keys],
+            [self.anchor[k] for k in keys], [p for _, p in params])
+        for (key, p), m, anchor, value in zip(params, momenta, anchors, values):
             if c.outer_momentum:
-                m = self.momentum.get(key)
-                m = ops.clone(d) if m is None else ops.add_scaled(ops.clone(d), m,
-                                                                   c.outer_momentum)
                 self.momentum[key] = m
-                update = ops.add_scaled(ops.clone(d), m, c.outer_momentum) if c.nesterov else m
-            anchor = ops.add_scaled(self.anchor[key], update, -c.outer_lr)
             self.anchor[key] = anchor
-            if c.mix:  # theta = anchor + mix * (theta - anchor)
-                local = ops.accumulate(ops.clone(p), anchor, sign=-1)
-                ops.assign(p, ops.add_scaled(ops.clone(anchor), local, c.mix))
-            else:
-                ops.assign(p, anchor)
+            ops.assign(p, value)
         self.stats.count("outer_merged")
         self.last_merged.append(ex.fragment)
 

@@ -56,6 +56,16 @@ class StepPipeline:
         if len(deciders) > 1 or not self.transports:
             raise ValueError("a pipeline takes at most one decider and at least one transport")
         self.by_name = {t.name: t for t in techniques}
+        quiet = [t for t in self.transports if not t.sends_in_step]
+        if quiet and len(self.transports) > 1:
+            raise ValueError("a transport that sends nothing in a step must be its only one")
+        #: the transport of a step that sends nothing (:attr:`Transport.sends_in_step` false),
+        #: or None. A tracing adapter builds such a step as: its :meth:`Transport.check_local`
+        #: on every gradient (graph ops), then on the host :meth:`before_local_update` (before
+        #: the update where the transport needs it there, else after it), the update,
+        #: :meth:`end_local_step`, the step's statistics closed, :meth:`after_local_update` --
+        #: the eager step's moments in its order, less the collectives it does not start
+        self.local_step: Optional[Transport] = quiet[0] if quiet else None
         # [0..n-1] by n, built once and shared (read only): a layer's positions, on the hot
         # path (sizes are known only per step in Keras, so not precomputed per layer)
         self._ranges: dict[int, list[int]] = {}
@@ -271,6 +281,22 @@ class StepPipeline:
         self.abandon_step()
         for t in self.techniques:
             t.discard()
+
+    # -- a traced step that sends nothing (delay= local steps in Keras' compiled function) ---
+    def before_local_update(self) -> None:
+        """Host, before the update of a traced step that sends nothing -- or, where
+        :meth:`Transport.host_before_update` says it need not, after the update."""
+        self.local_step.before_optimizer_step()
+
+    def end_local_step(self, bad: bool) -> None:
+        """Host, after that update: ``bad``, the step's :meth:`Transport.check_local` flag."""
+        t = self.local_step
+        t.end_local_step(bad)
+        self.local_nonfinite = t.local_nonfinite
+
+    def after_local_update(self) -> None:
+        """Host, after the step's statistics are closed (as the eager step's moments run)."""
+        self.local_step.after_optimizer_step()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def after_load(self, restored_own: Optional[bool]) -> None:

@@ -275,6 +275,12 @@ class TensorOps(Protocol):
         """Inverse of :meth:`encode`: tensors shaped (and typed) like ``like``."""
     def part(self, gathered: Any, rank: int, size: int) -> Any:
         """Rank ``rank``'s piece of a 1-d allgather result of ``size`` equal pieces."""
+    def fused(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` -- arithmetic of these ops over lists of tensors (``None`` for an absent
+        one), with no host read, no branch on a tensor's value and no collective -- as the
+        adapter runs it best: one compiled call where every op costs a dispatch of its own
+        (Keras, eager: 50-150 us an op), as it is where ops are cheap (torch). Wrap once,
+        call often: a compiled form is kept per call structure."""
 
 
 class Communicator(Protocol):
@@ -477,6 +483,11 @@ class Transport(Technique):
     #: not averaged in the step, so the step's verdict cannot come from exchanged values);
     #: the pipeline then leaves them out of its own check
     checks_own = False
+    #: whether its steps exchange anything (``False``: ``delay=``'s local steps, which send
+    #: nothing until the synchronization after an update). A tracing adapter then builds no
+    #: collective into the step, only :meth:`check_local`, and runs the technique's moments
+    #: on the host around the update (:meth:`hvdsync.pipeline.StepPipeline.local_step`)
+    sends_in_step = True
 
     def owns(self, li: int, k: int) -> bool:
         """Whether this transport moves parameter ``k`` of layer ``li`` (the last transport
@@ -506,3 +517,22 @@ class Transport(Technique):
     def flush(self) -> dict[int, Pending]:
         """Send what was queued; returns what each layer waits for."""
         return {}
+
+    def check_local(self, tensors: list) -> tuple[list, Any]:
+        """A step that sends nothing (:attr:`sends_in_step` false), every gradient of it:
+        the gradients to apply -- this rank's, its non-finite ones replaced by zeros (no
+        exchange tells the other ranks, so the step cannot be skipped on all) -- and a
+        device flag whether any was. Tensor ops only: a trace builds them into the step."""
+        raise NotImplementedError(f"{self.name} exchanges in every step")
+
+    def host_before_update(self) -> bool:
+        """Whether the next traced step that sends nothing must run
+        :meth:`before_optimizer_step` on the host before its update (it reads the parameters
+        as they are then); if not, the step runs it after the update, in the same host call
+        as the rest."""
+        return True
+
+    def end_local_step(self, bad: bool) -> None:
+        """Closes a traced step that sent nothing, in place of :meth:`end_step`: ``bad`` is
+        the flag :meth:`check_local` built, read on the host."""
+        raise NotImplementedError(f"{self.name} exchanges in every step")

@@ -53,6 +53,7 @@ CASES = {
     "outer": (dict(delay=OUTER), "sgd", 0.125, None),
     "outer_fp32_overlap1": (dict(delay=dict(OUTER, compress="none", overlap=1)), "sgd", 0.125,
                             None),
+    "outer_nan": (dict(delay=OUTER), "sgd", 0.125, 1),
     "plain_nan": ({}, "momentum_exact", 0.0625, 1),
     "clip_nan": (dict(clip=dict(max_norm=0.3)), "sgd", 0.125, 1),
     "threshold_nan": (dict(threshold=dict(threshold=0.6, max_skip=3)), "momentum_exact", 0.0625, 1),
@@ -167,6 +168,10 @@ def test_torch_and_keras_agree_step_for_step(runs, case):
         sent = [n for step in keras[case][0]["sent"] for n in step]
         kept = CASES[case][0].keys() & {"threshold", "select"}
         assert not kept or len(sent) < 3 * STEPS, "expected layers kept back"
+    nan_rank = CASES[case][3]
+    if nan_rank is not None and "delay" in CASES[case][0]:  # zeros in place of the NaN
+        assert keras[case][nan_rank]["stats"].get("nonfinite") == 1
+        assert keras[case][1 - nan_rank]["stats"].get("nonfinite", 0) == 0
     if case.startswith("outer"):  # fc1 and fc2 in one fragment, out in the other
         assert keras[case][0]["delay"]["outer"]["fragments"] == [[0, 1], [2]]
         assert keras[case][0]["stats"]["outer_bytes"] > 0

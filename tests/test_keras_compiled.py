@@ -23,6 +23,17 @@ CASES = {
     "select_clip_global": (dict(select=dict(k=2, selector="random"),
                                 clip=dict(max_norm=0.2, mode="global")), "sgd", 0.1),
 }
+#: delay= local steps (nothing sent in a step: the outer synchronization between steps),
+#: compiled as a step that checks its gradients and runs the technique's moments on the host
+LOCAL_CASES = {
+    "diloco": (dict(delay=dict(exchange_gradients=False, average_every=4, outer_lr=0.7,
+                               outer_momentum=0.9)), "adam", 0.01),
+    "streaming_int8": (dict(delay=dict(exchange_gradients=False, average_every=4, fragments=2,
+                                       overlap=1, mix=0.5, compress="int8", outer_lr=0.7,
+                                       outer_momentum=0.9)), "momentum", 0.05),
+    "local_sgd_clip": (dict(delay=dict(exchange_gradients=False, average_every=3),
+                            clip=dict(max_norm=0.3)), "sgd", 0.1),
+}
 STEPS, BATCH = 12, 16
 
 
@@ -56,7 +67,7 @@ def compiled_case(options: dict, opt_name: str, lr: float) -> dict:
 
 def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     """This file's cases in the session's shared rank job (tests/conftest.py)."""
-    return ({name: (compiled_case, *case) for name, case in CASES.items()}
+    return ({name: (compiled_case, *case) for name, case in {**CASES, **LOCAL_CASES}.items()}
             if np_ in KERAS_NP else {})
 
 
@@ -68,21 +79,41 @@ def runs(request, shared_job):
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_deciders_equal_the_step_pipeline(runs, case):
     for r in runs[case]:
-        assert r["compiled"]["graph"] and r["run_eagerly"]["graph"]
-        assert not r["pipeline"]["graph"]
-        ref = r["pipeline"]
-        sent = ref["sent"]
+        sent = r["pipeline"]["sent"]
         flat = [n for step in sent for n in step]
         assert 0 < len(flat) < len(sent) * 3, "expected a mix of sent and kept layers"
-        for mode in ("compiled", "run_eagerly"):
-            got = r[mode]
-            assert got["sent"] == sent, mode
-            for t, (a, b) in enumerate(zip(got["weights"], ref["weights"])):
-                for k in b:
-                    np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-9,
-                                               err_msg=f"{mode} step {t} {k}")
-            for k in ("bytes_sent", "bytes_dense", "layers_sent", "layers_skipped"):
-                assert got["total"][k] == ref["total"][k], (mode, k)
+        _equal_to_the_pipeline(r)
     # and every rank took the same decisions
     for other in runs[case][1:]:
         assert other["compiled"]["sent"] == runs[case][0]["compiled"]["sent"]
+
+
+@pytest.mark.parametrize("case", list(LOCAL_CASES))
+def test_compiled_local_steps_equal_the_step_pipeline(runs, case):
+    """delay= local steps: nothing is sent in a step, the outer synchronization runs on the
+    host between compiled steps -- the same weights and the same outer traffic."""
+    for r in runs[case]:
+        assert r["pipeline"]["sent"] == [[]] * STEPS
+        _equal_to_the_pipeline(r, ("outer_started", "outer_merged", "outer_bytes",
+                                   "collectives"))
+        assert r["pipeline"]["total"]["outer_merged"] > 0
+    first, other = runs[case][0]["compiled"]["weights"][1], runs[case][1]["compiled"]["weights"][1]
+    assert any(not np.array_equal(first[k], other[k]) for k in first), \
+        "the replicas differ between synchronizations (different data per rank)"
+
+
+def _equal_to_the_pipeline(r: dict, counters: tuple = ()) -> None:
+    """The compiled step (in a graph and run eagerly) against the step pipeline: the same
+    layers sent each step, weights to 1e-9 after every step, the same counters."""
+    assert r["compiled"]["graph"] and r["run_eagerly"]["graph"]
+    assert not r["pipeline"]["graph"]
+    ref = r["pipeline"]
+    for mode in ("compiled", "run_eagerly"):
+        got = r[mode]
+        assert got["sent"] == ref["sent"], mode
+        for t, (a, b) in enumerate(zip(got["weights"], ref["weights"])):
+            for k in b:
+                np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-9,
+                                           err_msg=f"{mode} step {t} {k}")
+        for k in ("bytes_sent", "bytes_dense", "layers_sent", "layers_skipped") + counters:
+            assert got["total"][k] == ref["total"][k], (mode, k)

@@ -225,6 +225,11 @@ class KerasOps:
     def part(gathered, rank: int, size: int):
         return tf.reshape(gathered, [size, -1])[rank]
 
+    @staticmethod
+    def fused(fn: Callable) -> Callable:
+        # one trace per shape structure (a fragment's): decoding needs the static shapes
+        return one_call_when_eager(fn)
+
 
 class Slots:
     """The wrapped optimizer's variables that belong to each model variable (momentum, Adam

@@ -1,11 +1,14 @@
 """The compiled train function's side of hvdsync.keras: the plain graph path, and the bridge
 that runs the step pipeline eagerly inside it.
 
-* **Graph path** (every technique declared ``traceable``: the plain exchange, ``clip=``, and
-  a decider, :mod:`hvdsync.keras.compiled`): Horovod's ops are built into the train
-  function, one grouped allreduce per layer, each fed only by its own layer's (clipped)
-  gradient, so the graph executor clips and sends a layer as soon as backward has produced it.
-  Statistics go to the host once per step through one ``tf.numpy_function``.
+* **Graph path** (every technique declared ``traceable``: the plain exchange, ``clip=``,
+  a decider, :mod:`hvdsync.keras.compiled`, and ``delay=``'s local steps): Horovod's ops are
+  built into the train function, one grouped allreduce per layer, each fed only by its own
+  layer's (clipped) gradient, so the graph executor clips and sends a layer as soon as
+  backward has produced it. Statistics go to the host once per step through one
+  ``tf.py_function``. A step that sends nothing (:attr:`StepPipeline.local_step`) builds in
+  no collective, only the transport's ``check_local``; that host call runs its moments after
+  the update (and one before it, while :class:`HostBeforeUpdate` says so).
 * **Pipeline path** (every other technique): they keep memory across steps and decide from
   values shared between ranks, so the step pipeline (:mod:`hvdsync.pipeline`) runs as Python
   inside ``tf.py_function``: gradients go in, the gradients to apply come out; a second
@@ -34,11 +37,29 @@ def graph_runs(techniques: list[Technique]) -> bool:
     return all(t.traceable for t in techniques)
 
 
+class HostBeforeUpdate:
+    """Whether a traced step that sends nothing calls the host before its update
+    (:meth:`hvdsync.technique.Transport.host_before_update`; ``delay=``'s anchors, taken
+    before the first update only): a boolean variable the host writes when the answer
+    changes -- after each step, and after a checkpoint or shared state was taken in."""
+
+    def __init__(self, pipeline: StepPipeline):
+        self.pipeline = pipeline
+        self._written = True
+        self.due = tf.Variable(True, trainable=False, name="hvdsync_host_before_update")
+
+    def refresh(self) -> None:
+        due = bool(self.pipeline.local_step.host_before_update())
+        if due != self._written:  # an eager assign costs ~0.1 ms: only when it changes
+            self.due.assign(due)
+            self._written = due
+
+
 def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                layers: list[tuple[int, list[int]]], grads: list, variables: list,
                apply: Callable[[list, list], None], restored: tf.Variable,
-               decider: Optional[CompiledDecider] = None, keys: Optional[list[str]] = None
-               ) -> None:
+               decider: Optional[CompiledDecider] = None, keys: Optional[list[str]] = None,
+               local: Optional[HostBeforeUpdate] = None) -> None:
     """Build one step of the graph path: per layer (fixed order) clip (local), reduce, clip
     (global); then ``apply(grads, variables)`` and record the step's statistics. With a
     ``decider`` (``keys``: each variable's key), each layer's reduce runs only where the
@@ -46,28 +67,33 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     ``restored``: set when a checkpoint was restored; the step then first runs the
     pipeline's after-restore agreement check (on the host) and clears it -- before the step
     reads any memory or plan: where the check drops per-rank memory, a step that had read it
-    already would go on with it on some ranks only."""
+    already would go on with it on some ranks only. ``local``: with a step that sends nothing
+    (:attr:`StepPipeline.local_step`), when it calls the host before the update."""
     with tf.control_dependencies([_when_restored(restored, pipeline)]):
-        _graph_step(comm, pipeline, layers, grads, variables, apply, decider, keys)
+        _graph_step(comm, pipeline, layers, grads, variables, apply, decider, keys, local)
 
 
 def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 layers: list[tuple[int, list[int]]], grads: list, variables: list,
                 apply: Callable[[list, list], None], decider: Optional[CompiledDecider],
-                keys: Optional[list[str]]) -> None:
+                keys: Optional[list[str]], local_flag: Optional[HostBeforeUpdate]) -> None:
     clip = pipeline.by_name.get("clip")
+    quiet = pipeline.local_step  # its steps send nothing (delay= local steps)
     stats, layer_names = pipeline.stats, pipeline.layer_names
     grads = list(grads)
     records, clipped, sent, dense, collectives = [], [], [], [], []
     mode = clip.config.mode if clip is not None else None
     plan = None
     if decider is not None:
-        decider.trace([(li, sum(payload_bytes(_dense(grads[p], comm)) for p in positions))
+        decider.trace([(li, sum(payload_bytes(_dense(grads[p], comm, decider.decider.name))
+                                for p in positions))
                        for li, positions in layers])
         plan = decider.plan()
     held_norms, bads, steps, params_of = [], [], [], {}
     for li, positions in layers:
         layer = [grads[p] for p in positions]
+        if quiet is not None:
+            layer = [_dense(g, comm, quiet.name) for g in layer]
         params = [variables[p].value for p in positions]
         dense.append(tf.add_n([_bytes(comm, g, wire=False) for g in layer]))
         if mode == "local":
@@ -82,10 +108,12 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 return reduced, []
             reduced, norm, was = clip_layer(reduced, params, clip.config, _limit(clip, li))
             return reduced, [norm, tf.cast(was, tf.float32)]
-        if decider is None:
+        if quiet is not None:
+            reduced = layer
+        elif decider is None:
             reduced, extras = send(layer)
         else:
-            layer = [_dense(g, comm) for g in layer]
+            layer = [_dense(g, comm, decider.decider.name) for g in layer]
             ks = [keys[p] for p in positions]
             reduced, held, bad, extras = decider.exchange(li, ks, layer, plan[li], send,
                                                           2 if mode == "global" else 0)
@@ -100,7 +128,18 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             grads[p] = r
         sent.append(tf.add_n([_bytes(comm, g, wire=True) for g in layer]))
         collectives.append(comm.collectives(layer) if comm.size > 1 else 0)
-    if decider is None:
+    local_bad = before = tf.constant(False)
+    if quiet is not None:
+        grads, local_bad = quiet.check_local(grads)
+        ok = tf.constant(True)
+        shared = local = tf.zeros([0], tf.float64)
+        before = tf.cond(local_flag.due, lambda: _on_host(pipeline.before_local_update),
+                         lambda: tf.constant(False))
+        with tf.control_dependencies([before]):
+            apply(grads, variables)
+        # the host's moments after the update read and assign the variables: after it
+        done = [tf.convert_to_tensor(v.value) for v in variables]
+    elif decider is None:
         # finite on every rank: the exchanged gradients carry any rank's NaN/Inf everywhere
         ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(
             g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads]))
@@ -117,16 +156,17 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     sends = plan if plan is not None else tf.ones([len(layer_names)], tf.bool)
     order = [li for li, _ in layers]
 
-    def finish(sent, dense, record, ok, sends, shared, local):  # eager (decider.settle assigns)
-        sent, dense, record, ok, sends, shared, local = (
-            x.numpy() for x in (sent, dense, record, ok, sends, shared, local))
+    def finish(sent, dense, record, ok, sends, shared, local, local_bad, before):  # eager
+        sent, dense, record, ok, sends, shared, local, local_bad, before = (
+            x.numpy() for x in (sent, dense, record, ok, sends, shared, local, local_bad,
+                                before))
         sends = sends.tolist()
         for li, name, nbytes, d, c in zip(order, names, sent.tolist(), dense.tolist(),
                                           collectives):
             stats.dense(int(d))
             if not sends[li]:
                 stats.skipped(name)
-            elif comm.size > 1 or decider is not None:
+            elif quiet is None and (comm.size > 1 or decider is not None):
                 stats.sent(name, int(nbytes) if comm.size > 1 else 0, c)
         if decider is not None and comm.size > 1:
             stats.control(shared.nbytes)
@@ -136,12 +176,25 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                               if mode == "local" or sends[li]], bool(ok))
         if decider is not None:
             decider.settle(bool(ok), shared, local)
+        if quiet is not None:
+            if not before:  # the transport did not need it before the update
+                pipeline.before_local_update()
+            pipeline.end_local_step(bool(local_bad))
         if not ok:
             pipeline.note_nonfinite()
         stats.end_step()
+        if quiet is not None:
+            pipeline.after_local_update()
+            local_flag.refresh()
         return np.int32(0)
-    tf.py_function(finish, [tf.stack(sent), tf.stack(dense), record, ok, sends, shared, local],
-                   tf.int32)
+    with tf.control_dependencies(done if quiet is not None else []):
+        tf.py_function(finish, [tf.stack(sent), tf.stack(dense), record, ok, sends, shared,
+                                local, local_bad, before], tf.int32)
+
+
+def _on_host(fn: Callable[[], None]) -> tf.Tensor:
+    """``fn()`` in Python when the step runs here; ``True``."""
+    return tf.reshape(tf.py_function(lambda: (fn(), True)[1], [], tf.bool), [])
 
 
 def _when_restored(restored: tf.Variable, pipeline: StepPipeline) -> tf.Tensor:
@@ -156,14 +209,15 @@ def _when_restored(restored: tf.Variable, pipeline: StepPipeline) -> tf.Tensor:
     return tf.cond(restored, check, lambda: tf.constant(False))
 
 
-def _dense(g, comm: KerasCommunicator):
-    """A decider's gradients are dense: ``IndexedSlices`` only with ``sparse_as_dense``."""
+def _dense(g, comm: KerasCommunicator, technique: str):
+    """A decider's or a local step's gradients are dense: ``IndexedSlices`` only with
+    ``sparse_as_dense``."""
     if not isinstance(g, tf.IndexedSlices):
         return g
     if not comm.sparse_as_dense:
-        raise ValueError("threshold=/select= need dense gradients: pass sparse=True (row-"
-                         "sparse layers then take the sparse exchange every step) or "
-                         "sparse_as_dense=True")
+        raise ValueError(f"{technique}= needs dense gradients and a row-sparse one reached it: "
+                         "pass sparse_as_dense=True (with threshold=/select=, sparse=True "
+                         "sends row-sparse layers by the sparse exchange every step)")
     return tf.convert_to_tensor(g)
 
 

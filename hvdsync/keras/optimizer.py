@@ -27,7 +27,8 @@ from hvdsync.api import SyncAPI
 from hvdsync.clipping import ClipConfig
 from hvdsync.config import check_bool, reject_unknown_kwargs
 from hvdsync.delay import DelayConfig
-from hvdsync.keras.graph import eager_step, graph_runs, graph_step, in_xla_context
+from hvdsync.keras.graph import (HostBeforeUpdate, eager_step, graph_runs, graph_step,
+                                 in_xla_context)
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
 from hvdsync.keras.backend import KerasGradients, KerasOps, Slots
 from hvdsync.keras.clipping import clip_layer
@@ -99,6 +100,8 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             decider = hv.pipeline.decider
             hv.compiled = (CompiledDecider(decider, hv.grads, hv.comm, names)
                            if hv.graph_path and decider is not None else None)
+            hv.local = (HostBeforeUpdate(hv.pipeline)
+                        if hv.graph_path and hv.pipeline.local_step is not None else None)
             #: a checkpoint was restored: the next compiled step runs the agreement check
             hv.restored = tf.Variable(False, trainable=False, name="hvdsync_restored")
             hv.layer_signatures = [(name, [checkpoint.signature(v.shape, v.dtype) for v in vs])
@@ -162,7 +165,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         if hv.graph_path:
             graph_step(hv.comm, hv.pipeline, hv.grads.layer_positions(variables), grads,
                        variables, self._apply_update, hv.restored, hv.compiled,
-                       [hv.grads.key_of(v) for v in variables])
+                       [hv.grads.key_of(v) for v in variables], hv.local)
             return
         if hv.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g

@@ -3,6 +3,8 @@ variables, ``load_model`` restores it (docs/checkpoints.md). Mixed into the wrap
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from hvdsync import checkpoint
@@ -36,12 +38,11 @@ class KerasCheckpointing:
 
     def _after_restore(self, restored_own: bool) -> None:
         """The next step checks that every rank restored the same shared state (pipeline's
-        ``after_load``); the compiled decider reads the restored plan."""
+        ``after_load``); the compiled step reads the restored state (``_refresh_traced``)."""
         hv = self._hv
         hv.pipeline.after_load(restored_own)
         hv.restored.assign(True)  # the compiled step checks it (the eager one by itself)
-        if hv.compiled is not None:
-            hv.compiled.refresh()
+        _refresh_traced(hv)
 
     def take_shared_state(self, root_rank: int = 0) -> None:
         """Every rank takes ``root_rank``'s shared technique state and drops its own memory
@@ -61,8 +62,7 @@ class KerasCheckpointing:
         # compiled step it would run beside the step's memory updates, not before them)
         hv.pipeline.after_load(None)
         hv.restored.assign(False)
-        if hv.compiled is not None:
-            hv.compiled.refresh()
+        _refresh_traced(hv)
 
     def load_own_variables(self, store) -> None:
         keys = list(store.keys())
@@ -76,3 +76,10 @@ class KerasCheckpointing:
             else:
                 self._hv.pending_state = state
 
+
+def _refresh_traced(hv: Any) -> None:
+    """The technique state changed on the host: the variables the compiled step reads it by
+    (a decider's plan, whether a step that sends nothing calls the host before its update)."""
+    for holder in (hv.compiled, hv.local):
+        if holder is not None:
+            holder.refresh()

@@ -185,6 +185,10 @@ class TorchOps:
     def part(gathered: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         return gathered.view(size, -1)[rank]
 
+    @staticmethod
+    def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return fn  # an eager op costs a few microseconds: nothing to gain
+
 
 class TorchGradients:
     """:class:`hvdsync.technique.Gradients` over ``p.grad`` of the wrapped optimizer's
