@@ -54,9 +54,11 @@ DEFAULT = [m for m in METHODS if "local steps" not in m and METHODS[m] != "alone
 
 
 def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth: int,
-                  batch: int) -> dict:
+                  batch: int, warmup: int = 0) -> dict:
     """One rank: every method on its own model copy, rounds interleaved; per round and
-    method the slowest rank's seconds per step."""
+    method the slowest rank's seconds per step (``warmup``: untimed steps after the first
+    fit, so that what a method traces on first use -- an outer exchange per fragment --
+    is traced before the rounds)."""
     import os
     import time
 
@@ -98,6 +100,9 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
         compile_s[name] = float(htf.allreduce(
             tf.constant([time.perf_counter() - start], tf.float64), op=htf.Max,
             name=f"c.{name}").numpy()[0])
+        if warmup:
+            model.fit(np.resize(x, (warmup * batch, features)), np.resize(y, warmup * batch),
+                      batch_size=batch, verbose=0)
         models[name] = model
     per_round: dict[str, list[float]] = {name: [] for name in methods}
     for r in range(rounds):
@@ -124,6 +129,8 @@ def main(argv=None) -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--batch", type=int, default=128, help="per rank")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="untimed steps per method before the rounds (after the first fit)")
     ap.add_argument("--methods", nargs="+", default=DEFAULT, choices=list(METHODS))
     ap.add_argument("--net", default="loopback",
                     help="'loopback' or a link rate in Mbit/s for the emulated network")
@@ -133,7 +140,7 @@ def main(argv=None) -> None:
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (the interval needs a spread)")
     methods = [BASE] + [m for m in args.methods if m != BASE]
-    call = (methods, args.rounds, args.steps, args.width, args.depth, args.batch)
+    call = (methods, args.rounds, args.steps, args.width, args.depth, args.batch, args.warmup)
     if args.net == "loopback":
         per_rank = run_ranks_on(None, overhead_body, args.np, args=call, timeout=3600)
     else:
@@ -161,8 +168,9 @@ def main(argv=None) -> None:
     model = f"{args.depth}-layer MLP width {args.width}, batch {args.batch}/rank, Adam"
     report(args.name or f"keras_overhead_np{args.np}{suffix}",
            f"hvdsync.keras step overhead with nothing skipped, {model}, {args.np} ranks x 1 "
-           f"core, {link}, {args.rounds} interleaved rounds x {args.steps} steps", table,
-           dict(rounds=args.rounds, steps=args.steps, np=args.np, model=model,
+           f"core, {link}, {args.rounds} interleaved rounds x {args.steps} steps"
+           + (f" after {args.warmup} untimed" if args.warmup else ""), table,
+           dict(rounds=args.rounds, steps=args.steps, warmup=args.warmup, np=args.np, model=model,
                 vs_plain=vs_plain, vs_horovod=vs_horovod, compile_s=compile_s),
            "benchmarks.bench_keras_overhead", argv)
 

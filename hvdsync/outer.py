@@ -79,19 +79,28 @@ def start_offsets(average_every: int, fragments: int) -> list[int]:
 EXIT_WAIT_S = 60.0
 
 
-# -- the arithmetic, per fragment (pure: each runs as one call where ops are dear, TensorOps.fused)
-def pseudo_gradients(ops: TensorOps, anchors: list, params: list, residuals: list) -> list:
-    """``anchor - theta``, plus this rank's residual where it has one (``None``: none)."""
-    out = []
+# -- the arithmetic of one fragment's exchange: pure, so each runs as one call where ops are
+# dear (TensorOps.fused)
+def outgoing(ops: TensorOps, codec: str, feedback: bool, anchors: list, params: list,
+             residuals: list) -> tuple[list, list, list]:
+    """``(deltas, sent, lost)``: the pseudo-gradients ``anchor - theta`` (plus this rank's
+    residual where it has one; ``None``: none), what goes on the wire (``codec``: as they are,
+    in half precision, or :meth:`TensorOps.encode`'s parts) and, with error ``feedback``, what
+    the encoding lost (the next residuals; else ``[]``)."""
+    deltas = []
     for a, p, r in zip(anchors, params, residuals):
         delta = ops.accumulate(ops.clone(a), p, sign=-1)
-        out.append(delta if r is None else ops.accumulate(delta, r))
-    return out
-
-
-def residuals_of(ops: TensorOps, sent: list, decoded: list) -> list:
-    """Error feedback: what compression lost (``sent - decoded``)."""
-    return [ops.accumulate(ops.clone(s), d, sign=-1) for s, d in zip(sent, decoded)]
+        deltas.append(delta if r is None else ops.accumulate(delta, r))
+    if codec == "none":
+        return deltas, deltas, []
+    if codec == "fp16":
+        sent = [ops.cast(d, "float16") for d in deltas]
+        back = [ops.cast(x, like=d) for x, d in zip(sent, deltas)]
+    else:
+        sent = ops.encode(deltas, codec, INT8_CHUNK)
+        back = ops.decode(sent, deltas, codec, INT8_CHUNK)
+    lost = [ops.accumulate(ops.clone(d), b, sign=-1) for d, b in zip(deltas, back)]
+    return deltas, sent, lost if feedback else []
 
 
 def average_gathered(ops: TensorOps, size: int, codec: str, gathered: list,
@@ -106,9 +115,11 @@ def average_gathered(ops: TensorOps, size: int, codec: str, gathered: list,
 
 
 def outer_step(ops: TensorOps, config: Any, averaged: list, momenta: list, anchors: list,
-               params: list) -> tuple[list, list, list]:
-    """The outer optimizer and the merge on one fragment: ``(momenta, anchors, parameters)``
-    after it (momenta ``None`` without outer momentum; a ``None`` momentum starts at ``d``)."""
+               params: list) -> tuple[Any, list, list, list]:
+    """The outer optimizer and the merge on one fragment: ``(bad, momenta, anchors,
+    parameters)`` after it -- ``bad`` a device flag (:meth:`TensorOps.bad`) of ``averaged``:
+    where set, the caller keeps none of it. Momenta ``None`` without outer momentum (a
+    ``None`` momentum starts at the average). Leaves its arguments as they were."""
     c = config
     new_m, new_anchor, new_param = [], [], []
     for d, m, anchor, p in zip(averaged, momenta, anchors, params):
@@ -116,7 +127,7 @@ def outer_step(ops: TensorOps, config: Any, averaged: list, momenta: list, ancho
         if c.outer_momentum:
             m = ops.clone(d) if m is None else ops.add_scaled(ops.clone(d), m, c.outer_momentum)
             update = ops.add_scaled(ops.clone(d), m, c.outer_momentum) if c.nesterov else m
-        anchor = ops.add_scaled(anchor, update, -c.outer_lr)
+        anchor = ops.add_scaled(ops.clone(anchor), update, -c.outer_lr)
         if c.mix:  # theta = anchor + mix * (theta - anchor)
             local = ops.accumulate(ops.clone(p), anchor, sign=-1)
             p = ops.add_scaled(ops.clone(anchor), local, c.mix)
@@ -125,7 +136,7 @@ def outer_step(ops: TensorOps, config: Any, averaged: list, momenta: list, ancho
         new_m.append(m)
         new_anchor.append(anchor)
         new_param.append(p)
-    return new_m, new_anchor, new_param
+    return ops.bad(averaged), new_m, new_anchor, new_param
 
 
 def _finish_at_exit(ref: "weakref.ref[OuterSync]") -> None:
@@ -177,8 +188,8 @@ class OuterSync:
         self._in_flight: dict[int, _Exchange] = {}  # fragment -> its exchange
         #: fragments merged after the last step's update
         self.last_merged: list[int] = []
-        self._pseudo_gradients = ops.fused(partial(pseudo_gradients, ops))
-        self._residuals_of = ops.fused(partial(residuals_of, ops))
+        self._outgoing = ops.fused(partial(outgoing, ops, config.compress,
+                                           config.error_feedback))
         self._average_gathered = ops.fused(partial(average_gathered, ops))
         self._outer_step = ops.fused(partial(outer_step, ops, config))
         # A script that ends without flush() leaves its last exchange in flight: a rank that
@@ -244,25 +255,20 @@ class OuterSync:
         """Start the exchange of fragment ``f``'s pseudo-gradients (compressed, with this
         rank's residual folded in); the pending gives ``{key: average}``."""
         ops, codec = self.ops, self.config.compress
-        keys = [key for key, _ in self._params(f)]
-        deltas = self._pseudo_gradients([self.anchor[k] for k in keys],
-                                        [p for _, p in self._params(f)],
-                                        [self.residual.get(k) for k in keys])
+        params = self._params(f)
+        keys = [key for key, _ in params]
+        deltas, sent, lost = self._outgoing([self.anchor[k] for k in keys],
+                                            [p for _, p in params],
+                                            [self.residual.get(k) for k in keys])
+        self.residual.update(zip(keys, lost))  # error feedback: joins the next exchange
         name = f"hvdsync.outer.f{f}"
         if codec in ("none", "fp16"):
-            sent = [ops.cast(d, "float16") for d in deltas] if codec == "fp16" else deltas
-            if codec == "fp16" and self.config.error_feedback:
-                self._keep_residuals(keys, deltas, [ops.cast(s, like=d)
-                                                    for s, d in zip(sent, deltas)])
             pending = self.comm.allreduce(name, sent)
             self.comm.flush(background=True)  # Keras queues eager requests: send it now
             result = pending.then(lambda out: {k: ops.cast(x, like=d)
                                                for k, x, d in zip(keys, out, deltas)})
         else:
-            parts = ops.encode(deltas, codec, INT8_CHUNK)
-            if self.config.error_feedback:
-                self._keep_residuals(keys, deltas, ops.decode(parts, deltas, codec, INT8_CHUNK))
-            pending = self.comm.allgather_async(name, parts)
+            pending = self.comm.allgather_async(name, sent)
             result = pending.then(lambda out: dict(zip(keys, self._average_gathered(
                 self.comm.size, codec, out, deltas))))
         self.stats.control(pending.nbytes, pending.collectives)
@@ -270,28 +276,23 @@ class OuterSync:
         self.stats.count("outer_bytes", pending.nbytes)
         return result
 
-    def _keep_residuals(self, keys: list[str], sent: list, decoded: list) -> None:
-        """Error feedback: what compression lost joins this rank's next pseudo-gradient."""
-        self.residual.update(zip(keys, self._residuals_of(sent, decoded)))
-
     def _merge(self, ex: _Exchange) -> None:
         """The outer step on fragment ``ex.fragment``'s anchors, then the merge into the
         parameters; a non-finite average resets the fragment to its anchors on every rank."""
         ops, c = self.ops, self.config
         averaged = ex.pending.wait_idle()  # the other ranks may still be computing
-        finite = ops.all_finite(list(averaged.values()))
         params = self._params(ex.fragment)
-        if not finite:
+        keys = [key for key, _ in params]
+        bad, momenta, anchors, values = self._outer_step(
+            [averaged[k] for k in keys], [self.momentum.get(k) for k in keys],
+            [self.anchor[k] for k in keys], [p for _, p in params])
+        if ops.to_host([bad])[0]:
             self.stats.count("outer_nonfinite")
             for key, p in params:
                 self.residual.pop(key, None)
                 ops.assign(p, self.anchor[key])
             self.last_merged.append(ex.fragment)
             return
-        keys = [key for key, _ in params]
-        momenta, anchors, values = self._outer_step(
-            [averaged[k] for k in keys], [self.momentum.get(k) for k in keys],
-            [self.anchor[k] for k in keys], [p for _, p in params])
         for (key, p), m, anchor, value in zip(params, momenta, anchors, values):
             if c.outer_momentum:
                 self.momentum[key] = m
