@@ -35,7 +35,11 @@ from tests.test_torch_elastic import (COMMIT_EVERY, FINAL, GLOO_TIMEOUT_S, Fault
                                       check_learns, check_steps_lost)
 from tests.test_torch_flush import TECHNIQUES
 
-CASES = {"none": {}, **TECHNIQUES}
+#: and delay='s local steps (compiled: the train function holds a host call around the update)
+CASES = {"none": {}, **TECHNIQUES,
+         "outer": dict(delay=dict(exchange_gradients=False, average_every=4, fragments=2,
+                                  overlap=1, mix=0.5, compress="int8", outer_lr=0.7,
+                                  outer_momentum=0.9))}
 EPOCHS, STEPS_PER_EPOCH, BATCH = 3, 8, 16
 #: Gloo's timeout bounds both noticing a dead peer (``kill``: short) and waiting at the
 #: rendezvous for a rank that starts (``remove``: a new Keras process imports TensorFlow and
