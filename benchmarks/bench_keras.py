@@ -40,6 +40,10 @@ METHODS = {
     "lowrank r=4 + fp16": dict(lowrank=dict(rank=4), fp16=True),
     "lowrank r=4 + delay s=1 K=32": dict(lowrank=dict(rank=4),
                                          delay=dict(staleness=1, average_every=32)),
+    # local steps (compiled): DiLoCo (K 32, Nesterov outer SGD) and its streamed preset (K 8
+    # in 4 fragments, overlap 1, int8)
+    "delay diloco (local steps)": dict(delay="diloco"),
+    "delay streaming (local steps)": dict(delay="streaming"),
 }
 TOLERANCE = 0.01  # time to target: Horovod's final accuracy less this
 FEATURES, CLASSES = 32, 10  # the teacher task's inputs and classes
