@@ -33,6 +33,10 @@ LOCAL_CASES = {
                                        outer_momentum=0.9)), "momentum", 0.05),
     "local_sgd_clip": (dict(delay=dict(exchange_gradients=False, average_every=3),
                             clip=dict(max_norm=0.3)), "sgd", 0.1),
+    # the step inside Keras' accumulation branch: a host call in a tf.cond
+    "diloco_two_passes": (dict(delay=dict(exchange_gradients=False, average_every=2,
+                                          outer_lr=0.7, outer_momentum=0.9),
+                               backward_passes_per_step=2), "momentum", 0.05),
 }
 STEPS, BATCH = 12, 16
 
@@ -94,6 +98,7 @@ def test_compiled_local_steps_equal_the_step_pipeline(runs, case):
     host between compiled steps -- the same weights and the same outer traffic."""
     for r in runs[case]:
         assert r["pipeline"]["sent"] == [[]] * STEPS
+        assert r["pipeline"]["total"]["step"] == STEPS // (2 if "two_passes" in case else 1)
         _equal_to_the_pipeline(r, ("outer_started", "outer_merged", "outer_bytes",
                                    "collectives"))
         assert r["pipeline"]["total"]["outer_merged"] > 0
