@@ -295,6 +295,85 @@ def test_nan_on_one_rank_is_not_spread(compressed_runs):
         assert r["total"].get("outer_nonfinite", 0) == 0
 
 
+# -- the local step's traced moments (what Keras' compiled function runs), here in torch ------
+def traced_moments_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> dict:
+    """The same float64 model and batches twice: the eager step (``backward``, ``step()``),
+    then the moments a tracing adapter runs instead (StepPipeline.local_step: the transport's
+    ``check_local`` on every gradient, ``before_local_update`` before the update where
+    ``host_before_update`` asks, else after it, ``end_local_step``, the step's statistics
+    closed, ``after_local_update``). The parameters after every step, the counters."""
+    import hvdsync.torch as hvd
+    from hvdsync.torch.optimizer import _DistributedOptimizer
+    hvd.init()
+    torch.set_num_threads(1)
+    out = {}
+    for mode in ("eager", "traced"):
+        torch.manual_seed(0)
+        model = MLP().double()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), delay=cfg)
+        params, pipeline, before_asked = list(model.parameters()), opt._pipeline, []
+        weights = []
+        for step, (x, y) in enumerate(teacher_batches(hvd.rank(), steps), start=1):
+            x = x.double() * (float("nan") if hvd.rank() == nan_rank and step == nan_step
+                              else 1.0)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if mode == "eager":
+                loss.backward()
+                opt.step()
+            else:  # autograd.grad: the hooks that start the eager step do not fire
+                t = pipeline.local_step
+                grads, bad = t.check_local(list(torch.autograd.grad(loss, params)))
+                for p, g in zip(params, grads):
+                    p.grad = g
+                before = t.host_before_update()
+                before_asked.append(before)
+                if before:
+                    pipeline.before_local_update()
+                super(_DistributedOptimizer, opt).step()  # the wrapped optimizer's own
+                if not before:
+                    pipeline.before_local_update()
+                pipeline.end_local_step(bool(bad))
+                opt.stats.end_step()
+                pipeline.after_local_update()
+            weights.append(torch.cat([p.detach().flatten() for p in params]))
+        total = opt.stats.as_dict()["total"]
+        opt.flush()  # (nothing left in flight before the next mode's exchanges)
+        out[mode] = dict(weights=torch.stack(weights).numpy(), total=total,
+                         before_asked=before_asked)
+    return out
+
+
+TRACED = {
+    "diloco_nan": (dict(exchange_gradients=False, average_every=4, outer_lr=0.7,
+                        outer_momentum=0.9), 12, 1, 3),
+    "streaming_int8": (dict(exchange_gradients=False, average_every=4, fragments=2, overlap=1,
+                            mix=0.5, compress="int8", outer_lr=0.7, outer_momentum=0.9),
+                       12, -1, -1),
+}
+
+
+@pytest.mark.parametrize("case", list(TRACED))
+def test_the_traced_local_step_moments_equal_the_eager_step(case):
+    """In process (2 simulated ranks): the moments Keras' compiled local step runs give the
+    eager step's parameters bit for bit and its counters; the host call before the update
+    is asked for on the first step only (the anchors)."""
+    runs = run_cases(traced_moments_body, 2, {case: TRACED[case]}, timeout=120,
+                     launcher="simulated")[case]
+    for rank, r in enumerate(runs):
+        np.testing.assert_array_equal(r["traced"]["weights"], r["eager"]["weights"])
+        # (bytes_dense: the adapter's count of what Horovod would send, not a moment's)
+        for counter in ("step", "bytes_sent", "outer_started", "outer_merged", "outer_bytes",
+                        "nonfinite"):
+            assert r["traced"]["total"].get(counter) == r["eager"]["total"].get(counter), \
+                (rank, counter)
+        assert r["traced"]["before_asked"] == [True] + [False] * 11
+        assert r["eager"]["total"]["outer_merged"] > 0
+    if case == "diloco_nan":  # rank 1 stepped on zeros once
+        assert [r["traced"]["total"].get("nonfinite", 0) for r in runs] == [0, 1]
+
+
 def test_flush_merges_what_is_in_flight(compressed_runs):
     """bf16, tau 2: fragment 1's exchange started after step 60 (offsets: 2 and 0) is still in
     flight at the end; flush() merges it (returns 1) before averaging."""
