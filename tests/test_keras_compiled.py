@@ -69,10 +69,46 @@ def compiled_case(options: dict, opt_name: str, lr: float) -> dict:
     return out
 
 
+#: several steps per call of the train function (Keras' ``steps_per_execution``): a decider's
+#: plan and the local step's host calls are read and made inside Keras' loop over the steps
+EXECUTION_CASES = {"select_hypernet": CASES["select_hypernet"],
+                   "threshold": CASES["threshold"], "diloco": LOCAL_CASES["diloco"]}
+STEPS_PER_EXECUTION = 3
+
+
+def execution_case(options: dict, opt_name: str, lr: float) -> dict:
+    """The compiled step with ``STEPS_PER_EXECUTION`` steps per call, and the eager pipeline
+    one step per call: final weights and counters of each."""
+    import os
+
+    import keras
+    import hvdsync.keras as hvd
+    from tests.keras_models import key, make_optimizer, mlp, one_tensorflow_thread, teacher_data
+    hvd.init()
+    one_tensorflow_thread()
+    x, y = teacher_data(hvd.rank(), STEPS * BATCH)
+    out = {}
+    for mode, per_call in (("compiled", STEPS_PER_EXECUTION), ("pipeline", 1)):
+        os.environ["HVDSYNC_KERAS_PIPELINE"] = "1" if mode == "pipeline" else "0"
+        model = mlp(dtype="float64")
+        opt = hvd.DistributedOptimizer(make_optimizer(opt_name, lr), **options)
+        model.compile(optimizer=opt, steps_per_execution=per_call,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        out[mode] = dict(weights={key(v): np.array(v.numpy()) for v in model.trainable_variables},
+                         graph=opt._hv.graph_path, total=opt.stats.total.as_dict())
+    os.environ.pop("HVDSYNC_KERAS_PIPELINE")
+    return out
+
+
 def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     """This file's cases in the session's shared rank job (tests/conftest.py)."""
-    return ({name: (compiled_case, *case) for name, case in {**CASES, **LOCAL_CASES}.items()}
-            if np_ in KERAS_NP else {})
+    if np_ not in KERAS_NP:
+        return {}
+    return {**{name: (compiled_case, *case) for name, case in {**CASES, **LOCAL_CASES}.items()},
+            **{f"{name}_per_execution": (execution_case, *case)
+               for name, case in EXECUTION_CASES.items()}}
 
 
 @pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
@@ -122,3 +158,19 @@ def _equal_to_the_pipeline(r: dict, counters: tuple = ()) -> None:
                                            err_msg=f"{mode} step {t} {k}")
         for k in ("bytes_sent", "bytes_dense", "layers_sent", "layers_skipped") + counters:
             assert got["total"][k] == ref["total"][k], (mode, k)
+
+
+@pytest.mark.parametrize("case", list(EXECUTION_CASES))
+def test_several_steps_per_execution_equal_one_step_per_call(runs, case):
+    """``steps_per_execution=3``: the compiled step reads the plan and makes its host calls
+    inside Keras' loop over the steps -- the same weights (1e-9) and counters as the eager
+    pipeline stepping once per call."""
+    for r in runs[f"{case}_per_execution"]:
+        got, ref = r["compiled"], r["pipeline"]
+        assert got["graph"] and not ref["graph"]
+        for k in ref["weights"]:
+            np.testing.assert_allclose(got["weights"][k], ref["weights"][k], rtol=0, atol=1e-9,
+                                       err_msg=k)
+        for k in ("step", "bytes_sent", "layers_sent", "layers_skipped", "outer_merged"):
+            assert got["total"].get(k) == ref["total"].get(k), k
+        assert ref["total"]["step"] == STEPS
