@@ -201,9 +201,7 @@ def _when_restored(restored: tf.Variable, pipeline: StepPipeline) -> tf.Tensor:
     """After a restore only (no host call otherwise): the pipeline's agreement check, a
     collective on the host, then clear ``restored``; what the rest of the step waits on."""
     def check():
-        done = tf.numpy_function(lambda: (pipeline.check_load(), np.int32(0))[1], [],
-                                 tf.int32, stateful=True)
-        with tf.control_dependencies([done]):
+        with tf.control_dependencies([_on_host(pipeline.check_load)]):
             restored.assign(False)
         return tf.constant(True)
     return tf.cond(restored, check, lambda: tf.constant(False))
