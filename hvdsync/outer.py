@@ -93,14 +93,14 @@ def outgoing(ops: TensorOps, codec: str, feedback: bool, anchors: list, params: 
         deltas.append(delta if r is None else ops.accumulate(delta, r))
     if codec == "none":
         return deltas, deltas, []
-    if codec == "fp16":
-        sent = [ops.cast(d, "float16") for d in deltas]
-        back = [ops.cast(x, like=d) for x, d in zip(sent, deltas)]
-    else:
-        sent = ops.encode(deltas, codec, INT8_CHUNK)
-        back = ops.decode(sent, deltas, codec, INT8_CHUNK)
-    lost = [ops.accumulate(ops.clone(d), b, sign=-1) for d, b in zip(deltas, back)]
-    return deltas, sent, lost if feedback else []
+    fp16 = codec == "fp16"
+    sent = ([ops.cast(d, "float16") for d in deltas] if fp16
+            else ops.encode(deltas, codec, INT8_CHUNK))
+    if not feedback:  # nothing kept: no decoding
+        return deltas, sent, []
+    back = ([ops.cast(x, like=d) for x, d in zip(sent, deltas)] if fp16
+            else ops.decode(sent, deltas, codec, INT8_CHUNK))
+    return deltas, sent, [ops.accumulate(ops.clone(d), b, sign=-1) for d, b in zip(deltas, back)]
 
 
 def average_gathered(ops: TensorOps, size: int, codec: str, gathered: list,
@@ -228,7 +228,7 @@ class OuterSync:
 
     def before_first_update(self) -> None:
         """Take the anchors (the parameters every rank starts from) before the first update."""
-        if self.anchor:
+        if self.has_anchors:
             return
         for f in range(len(self.fragments)):
             for key, p in self._params(f):

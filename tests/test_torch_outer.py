@@ -244,6 +244,9 @@ COMPRESSED = {
     "bf16": (dict(exchange_gradients=False, average_every=4, fragments=2, overlap=2,
                   compress="bf16", outer_lr=0.7, outer_momentum=0.9), 60),
     "fp16": (dict(exchange_gradients=False, average_every=4, fragments=2, compress="fp16"), 60),
+    "int8_no_feedback": (dict(exchange_gradients=False, average_every=4, fragments=2,
+                              overlap=1, mix=0.5, compress="int8", outer_lr=0.7,
+                              outer_momentum=0.9, error_feedback=False), 60),
     "nan": (dict(exchange_gradients=False, average_every=4, fragments=2, overlap=1, mix=0.5,
                  compress="int8", outer_lr=0.7, outer_momentum=0.9), 20, 1, 6),
     # the seed's stale global gradient every step, plus the outer step every K
@@ -283,6 +286,15 @@ def test_compressed_training_converges(compressed_runs, case):
     for r in compressed_runs[case]:
         first, last = np.mean(r["losses"][:5]), np.mean(r["losses"][-5:])
         assert last < 0.6 * first, (case, first, last)
+
+
+def test_without_error_feedback_nothing_is_kept(compressed_runs):
+    """``error_feedback=False``: the same int8 bytes, no residual kept, replicas identical
+    after flush (above), and it still learns."""
+    for r, with_feedback in zip(compressed_runs["int8_no_feedback"], compressed_runs["int8"]):
+        assert r["residuals"] == 0
+        assert r["total"]["outer_bytes"] == with_feedback["total"]["outer_bytes"]
+        assert np.mean(r["losses"][-5:]) < 0.6 * np.mean(r["losses"][:5])
 
 
 def test_nan_on_one_rank_is_not_spread(compressed_runs):
