@@ -368,6 +368,9 @@ class DelayedGradients(Transport):
         bad = self.ops.bad(tensors)
         return self.ops.zero_if(bad, tensors), bad
 
+    def host_flags(self) -> dict[str, bool]:
+        return {"before_update": self.host_before_update()} if self.traceable else {}
+
     def host_before_update(self) -> bool:
         return not self.outer.has_anchors  # taken before the first update only
 

@@ -48,12 +48,14 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
 
 from hvdsync.config import coerce_config
-from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, Transport
+from hvdsync.technique import (Communicator, Gradients, Pending, TensorOps, Transport,
+                               refill)
 
 
 @dataclass(frozen=True)
@@ -243,15 +245,17 @@ class LowRankCompression(Transport):
         """The rank parameter ``k`` of layer ``li`` is compressed to (0: it goes plain)."""
         r = self._rank.get((li, k))
         if r is None:
-            shape = self.ops.matrix_shape(self.grads.value(li, k))
-            r = 0
-            if shape is not None:
-                n, m = shape
-                r = min(self.config.rank, n, m)
-                if r * (n + m) * self.config.min_compression > n * m:
-                    r = 0
-            self._rank[(li, k)] = r
+            r = self._rank[(li, k)] = self._rank_of(self.grads.value(li, k))
         return r
+
+    def _rank_of(self, t: Any) -> int:
+        """The rank a parameter shaped like ``t`` is compressed to (0: it goes plain)."""
+        shape = self.ops.matrix_shape(t)
+        if shape is None:
+            return 0
+        n, m = shape
+        r = min(self.config.rank, n, m)
+        return 0 if r * (n + m) * self.config.min_compression > n * m else r
 
     def owns(self, li: int, k: int) -> bool:
         """After warm-up: the compressible matrices, and the other dense parameters of their
@@ -391,6 +395,104 @@ class LowRankCompression(Transport):
             self.step += 1
         self._new_step()
 
+    # -- the traced step (Keras' compiled train function) ------------------------------------
+    # The same rounds as :meth:`start` / :meth:`flush` / :meth:`end_step`, built into the step:
+    # ``Q`` and ``E`` live in the adapter's device variables (every matrix holds its seeded
+    # ``Q`` and a zero ``E`` while it holds nothing: adding a zero ``E`` changes no bit), and
+    # warm-up is a branch on a flag the host writes (:meth:`host_flags`). Beside ``clip=`` only:
+    # with a decider a bucket goes with the members the plan sends, and ``delay=`` carries the
+    # exchange across steps -- both run the eager pipeline.
+    traceable = True
+    traced_with = ("clip", "plain")
+
+    def host_flags(self) -> dict[str, bool]:
+        return {"compressing": self.step >= self.config.warmup_steps}
+
+    def traced_groups(self) -> list[list[int]]:
+        present = {li for li in range(len(self.layer_names)) if self.grads.size(li)}
+        return [g for g in ([li for li in sorted(members) if li in present]
+                            for members in self._members_by_bucket()) if g]
+
+    def _members_by_bucket(self) -> list[list[int]]:
+        self._buckets()
+        return self._members if self._bucket_of else []
+
+    def memory_to_trace(self, params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        q, err = {}, {}
+        for key, p in params.items():
+            r = self._rank_of(p)
+            if r:
+                n, m = self.ops.matrix_shape(p)
+                q[key] = self._seeded_q(key, m, r)
+                err[key] = np.zeros((n, m))
+        return {"q": q, "err": err}
+
+    def use_memory(self, memory: dict[str, Any]) -> None:
+        self.q, self.err = memory["q"], memory["err"]
+
+    def trace_exchange(self, layers: list[tuple[int, list[int]]],
+                       reduce: Callable[[str, list], list],
+                       plain: Callable[[int, list], list], flags: dict[str, Any]
+                       ) -> tuple[dict[int, list], Callable[[Any], None]]:
+        g, ops = self.grads, self.ops
+        names = [self.layer_names[li] for li, _ in layers]
+        label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        # per layer: its compressible positions and the rest of its dense ones; row-sparse
+        # ones are not this transport's (the plain exchange, in either branch)
+        split = [(li, [k for k in ks if self.rank_for(li, k) and not g.is_row_sparse(li, k)],
+                  [k for k in ks if not self.rank_for(li, k) and not g.is_row_sparse(li, k)])
+                 for li, ks in layers]
+        keys = [g.key(li, k) for li, comp, _ in split for k in comp]
+
+        def compressed() -> tuple[list, list, list]:
+            # the eager step's rounds (start, flush), in its order
+            ms = [ops.add(ops.matrix(g.get(li, k)), self.err.read(g.key(li, k)))
+                  for li, comp, _ in split for k in comp]
+            ps, sent = iter([ops.matmul(m, self.q.read(key)) for m, key in zip(ms, keys)]), []
+            for li, comp, dense in split:
+                sent += [next(ps) for _ in comp] + [g.get(li, k) for k in dense]
+            arrived = iter(reduce(f"hvdsync.lowrank.P.{label}", sent))
+            orth, rest = [], []
+            for li, comp, dense in split:
+                orth += [ops.orthonormal(next(arrived)) for _ in comp]
+                rest += [next(arrived) for _ in dense]
+            qs = reduce(f"hvdsync.lowrank.Q.{label}",
+                        [ops.matmul(m, p, transpose_a=True) for m, p in zip(ms, orth)])
+            approx = [ops.matmul(p, q, transpose_b=True) for p, q in zip(orth, qs)]
+            residuals = [ops.accumulate(ops.clone(m), a, sign=-1) for m, a in zip(ms, approx)]
+            at, out = iter(approx), []
+            for li, comp, _ in split:
+                out += [ops.from_matrix(next(at), g.get(li, k)) for k in comp]
+            return out + rest, list(qs), residuals
+
+        def warming_up() -> tuple[list, list, list]:
+            sent = [plain(li, [g.get(li, k) for k in comp + dense]) for li, comp, dense in split]
+            return ([x for (_, comp, _), xs in zip(split, sent) for x in xs[:len(comp)]]
+                    + [x for (_, comp, _), xs in zip(split, sent) for x in xs[len(comp):]],
+                    [self.q.read(k) for k in keys], [self.err.read(k) for k in keys])
+        active = flags["compressing"]
+        delivered, new_q, new_err = ops.cond(active, compressed, warming_up)
+        matrices, rest = iter(delivered[:len(keys)]), iter(delivered[len(keys):])
+        result: dict[int, list] = {}
+        for li, comp, dense in split:
+            by_k = {**{k: next(matrices) for k in comp}, **{k: next(rest) for k in dense}}
+            sparse = [k for k in dict(layers)[li] if k not in by_k]
+            by_k.update(zip(sparse, plain(li, [g.get(li, k) for k in sparse]) if sparse else []))
+            result[li] = [by_k[k] for k in dict(layers)[li]]
+
+        def commit(ok: Any) -> None:
+            def write() -> None:
+                for key, q, e in zip(keys, new_q, new_err):
+                    self.q.write(key, q, ok)
+                    self.err.write(key, e, ok)
+            ops.cond(active, write, lambda: None)
+        return result, commit
+
+    def end_traced_step(self, ok: bool) -> None:
+        if ok:  # as end_step: a skipped step does not count
+            self.step += 1
+        self._new_step()
+
     # -- inside delay= ----------------------------------------------------------------------
     def exchange(self, li: int, ks: list[int], grads: list, step: int, lag: int,
                  name: str) -> Pending:
@@ -454,11 +556,15 @@ class LowRankCompression(Transport):
         """The matrix's last Q, or the seeded first one (the same on every rank)."""
         q = self.q.get(key)
         if q is None:
-            # drawn on the host: the same numbers in every adapter, on every rank
-            seed = (self.config.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**31
-            q = self.q[key] = self.ops.from_host(np.random.default_rng(seed).standard_normal(
-                (self.ops.matrix_shape(m)[1], self.rank_for(li, k))), m)
+            q = self.q[key] = self.ops.from_host(
+                self._seeded_q(key, self.ops.matrix_shape(m)[1], self.rank_for(li, k)), m)
         return q
+
+    def _seeded_q(self, key: str, cols: int, rank: int) -> np.ndarray:
+        """A matrix's first Q, drawn on the host: the same numbers in every adapter, on every
+        rank."""
+        seed = (self.config.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**31
+        return np.random.default_rng(seed).standard_normal((cols, rank))
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -476,8 +582,9 @@ class LowRankCompression(Transport):
         g = self.grads
         self._new_step()
         self.step = int(state["step"])
-        self.q = {k: g.from_saved(k, v) for k, v in state["q"].items()}
-        self.err = {k: g.from_saved(k, v) for k, v in state.get("err", {}).items()}
+        # in place: the mappings may be a traced step's variables (use_memory)
+        refill(self.q, {k: g.from_saved(k, v) for k, v in state["q"].items()})
+        refill(self.err, {k: g.from_saved(k, v) for k, v in state.get("err", {}).items()})
         self._no_q.clear()
 
     def forget(self) -> None:

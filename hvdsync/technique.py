@@ -275,6 +275,10 @@ class TensorOps(Protocol):
         """Inverse of :meth:`encode`: tensors shaped (and typed) like ``like``."""
     def part(self, gathered: Any, rank: int, size: int) -> Any:
         """Rank ``rank``'s piece of a 1-d allgather result of ``size`` equal pieces."""
+    def cond(self, flag: Any, yes: Callable[[], Any], no: Callable[[], Any]) -> Any:
+        """``yes()`` where the device boolean ``flag`` holds, else ``no()`` (both give the same
+        structure of tensors): a Python ``if`` where the step runs eagerly, a branch of the
+        graph where it is traced (both branches are built; one runs)."""
     def fused(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` -- arithmetic of these ops over lists of tensors (``None`` for an absent
         one), with no host read, no branch on a tensor's value and no collective -- as the
@@ -337,6 +341,9 @@ class Technique:
     #: whether a tracing adapter builds it into the traced step itself (Keras' compiled train
     #: function, :mod:`hvdsync.keras.graph`; else the step pipeline runs eagerly inside it)
     traceable: bool = False
+    #: the other techniques (by name) its traced form is built beside; ``None``: any traceable
+    #: one (a tracing adapter runs the step pipeline eagerly for any other combination)
+    traced_with: Optional[tuple[str, ...]] = None
     #: the techniques whose exchange it runs when both are enabled (``delay=`` carries
     #: ``lowrank=``'s compressed exchange): :meth:`carry` is given each one present
     carries: tuple[str, ...] = ()
@@ -347,6 +354,20 @@ class Technique:
 
     def layer_ready(self, li: int, ks: list[int]) -> None:
         """Layer ``li``'s local gradient is final (its missing gradients filled)."""
+
+    def memory_to_trace(self, params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The per-parameter memory a traced step keeps in device variables: per memory name,
+        the keys (of ``params``, every parameter by :meth:`Gradients.key`) it may hold and
+        each one's value while it holds nothing (a host array). The adapter hands the
+        variable-backed mappings back through ``use_memory`` (:meth:`Transport.use_memory`;
+        a decider's is declared by :class:`Decider`). Default: none."""
+        return {}
+
+    def host_flags(self) -> dict[str, bool]:
+        """What the host decides between steps that a traced step branches on (by name; a
+        tracing adapter keeps each in a device boolean, written whenever it changed: after a
+        step, a restore, shared state taken). Default: none."""
+        return {}
 
     def before_optimizer_step(self) -> None:
         """Every reduced gradient is in place; the wrapped optimizer steps next."""
@@ -537,3 +558,36 @@ class Transport(Technique):
         """Closes a traced step that sent nothing, in place of :meth:`end_step`: ``bad`` is
         the flag :meth:`check_local` built, read on the host."""
         raise NotImplementedError(f"{self.name} exchanges in every step")
+
+    # -- a traced step that exchanges through this transport's own rounds ------------------
+    # (``lowrank=``: a tracing adapter builds these into the step; the plain exchange needs
+    # none of them, the adapter builds its one collective per layer itself)
+    def traced_groups(self) -> list[list[int]]:
+        """The layers whose exchange :meth:`trace_exchange` builds, by group (the layers of
+        one group share their collectives), in sending order; called at trace time with the
+        step's (symbolic) gradients in :class:`Gradients`. Default: none (the plain
+        exchange)."""
+        return []
+
+    def use_memory(self, memory: dict[str, Any]) -> None:
+        """Keep the memories :meth:`memory_to_trace` named in these mappings (the dict
+        interface, as the eager step uses them, plus ``read(key)`` -- the value, or the empty
+        one -- and ``write(key, value, when)`` -- a device flag -- for the traced step)."""
+        raise NotImplementedError(f"{self.name} keeps no memory for a trace")
+
+    def trace_exchange(self, layers: list[tuple[int, list[int]]],
+                       reduce: Callable[[str, list], list],
+                       plain: Callable[[int, list], list], flags: dict[str, Any]
+                       ) -> tuple[dict[int, list], Callable[[Any], None]]:
+        """Build one group's exchange (:meth:`traced_groups`; ``layers``: its layers in the
+        step, each ``(li, ks)``, their gradients in :class:`Gradients`): ``reduce(name,
+        tensors)`` averages over ranks (one collective), ``plain(li, tensors)`` is a layer's
+        plain exchange; ``flags``: :meth:`host_flags` as device booleans. Returns each layer's
+        gradients to apply and ``commit(ok)``, which builds the memory's update for a step
+        finite on every rank (``ok``: a device boolean, the same everywhere)."""
+        raise NotImplementedError(f"{self.name} has no traced exchange")
+
+    def end_traced_step(self, ok: bool) -> None:
+        """Closes a traced step that exchanged through :meth:`trace_exchange`, in place of
+        :meth:`end_step` (``ok``: the step was finite on every rank)."""
+        raise NotImplementedError(f"{self.name} has no traced exchange")

@@ -1,7 +1,8 @@
-"""threshold= and select= compiled into Keras' train function (hvdsync.keras.compiled) against
-the same techniques run eagerly through the step pipeline (``HVDSYNC_KERAS_PIPELINE=1``) and
-the compiled step run eagerly (``run_eagerly=True``): the same layers sent at every step and
-the same weights, on 2 and 3 real ranks with different data per rank (float64)."""
+"""threshold=, select=, lowrank= and delay='s local steps compiled into Keras' train function
+(hvdsync.keras.graph, hvdsync.keras.compiled) against the same techniques run eagerly through
+the step pipeline (``HVDSYNC_KERAS_PIPELINE=1``) and the compiled step run eagerly
+(``run_eagerly=True``): the same layers sent at every step and the same weights, on 2 and 3
+real ranks with different data per rank (float64)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ LOCAL_CASES = {
                                           outer_lr=0.7, outer_momentum=0.9),
                                backward_passes_per_step=2), "momentum", 0.05),
 }
+#: lowrank= compiled: its P and Q rounds built into the step (a bucket's layers share them),
+#: Q and the error feedback in variables, warm-up a branch on a flag the host writes
+LOWRANK_CASES = {
+    "lowrank": (dict(lowrank=dict(rank=2, warmup_steps=3, min_compression=0)), "momentum",
+                0.05),
+    "lowrank_bucketed_clip_global": (
+        dict(lowrank=dict(rank=1, warmup_steps=2, min_compression=0, bucket_bytes=1 << 20),
+             clip=dict(max_norm=0.2, mode="global")), "sgd", 0.1),
+    "lowrank_clip_adam": (dict(lowrank=dict(rank=2, warmup_steps=0), clip=dict(max_norm=0.3)),
+                          "adam", 0.01),
+}
 STEPS, BATCH = 12, 16
 
 
@@ -64,7 +76,9 @@ def compiled_case(options: dict, opt_name: str, lr: float) -> dict:
         model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), rec])
         out[mode] = dict(sent=rec.sent, weights=rec.weights, graph=opt._hv.graph_path,
-                         total=opt.stats.total.as_dict())
+                         total=opt.stats.total.as_dict(),
+                         lowrank=opt.techniques["lowrank"].status()
+                         if "lowrank" in options else None)
     os.environ.pop("HVDSYNC_KERAS_PIPELINE")
     return out
 
@@ -99,7 +113,8 @@ def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     """This file's cases in the session's shared rank job (tests/conftest.py)."""
     if np_ not in KERAS_NP:
         return {}
-    return {**{name: (compiled_case, *case) for name, case in {**CASES, **LOCAL_CASES}.items()},
+    return {**{name: (compiled_case, *case)
+               for name, case in {**CASES, **LOCAL_CASES, **LOWRANK_CASES}.items()},
             **{f"{name}_per_execution": (execution_case, *case)
                for name, case in EXECUTION_CASES.items()}}
 
@@ -134,6 +149,21 @@ def test_compiled_local_steps_equal_the_step_pipeline(runs, case):
     first, other = runs[case][0]["compiled"]["weights"][1], runs[case][1]["compiled"]["weights"][1]
     assert any(not np.array_equal(first[k], other[k]) for k in first), \
         "the replicas differ between synchronizations (different data per rank)"
+
+
+@pytest.mark.parametrize("case", list(LOWRANK_CASES))
+def test_compiled_lowrank_equals_the_step_pipeline(runs, case):
+    """lowrank= compiled: the same weights, layers and bytes as the step pipeline (warm-up
+    steps plain, then the factors), the same residuals (their norm) and step count."""
+    for r in runs[case]:
+        _equal_to_the_pipeline(r)
+        total, status = r["compiled"]["total"], r["compiled"]["lowrank"]
+        assert total["bytes_sent"] < 0.7 * total["bytes_dense"], total  # it compressed
+        for mode in ("compiled", "run_eagerly"):
+            got, ref = r[mode]["lowrank"], r["pipeline"]["lowrank"]
+            assert got["step"] == ref["step"] == STEPS and got["layers"] == ref["layers"]
+            np.testing.assert_allclose(got["residual_norm"], ref["residual_norm"], rtol=1e-9)
+        assert status["residual_norm"] > 0
 
 
 def _equal_to_the_pipeline(r: dict, counters: tuple = ()) -> None:

@@ -186,15 +186,15 @@ def test_lowrank_with_threshold(runs):
 
 def test_lowrank_buckets_change_the_rounds_not_the_result(runs):
     """fc1 and fc2 (compressed, each with its bias riding in its P round) in one bucket: the
-    same training and bytes as a round pair per layer. (Keras sends a step's queued rounds
-    in one grouped allreduce per flush anyway: the collectives are the same.)"""
+    same training and bytes as a round pair per layer, in fewer collectives (the compiled
+    step builds a bucket's P and its Q round as one grouped allreduce each)."""
     _, r = runs
     for a, b in zip(r["lowrank_alone"], r["lowrank_bucketed"]):
         for k, v in a["final"].items():
             np.testing.assert_allclose(b["final"][k], v, rtol=0, atol=1e-9, err_msg=k)
         ta, tb = a["stats"]["total"], b["stats"]["total"]
         assert ta["bytes_sent"] == tb["bytes_sent"]
-        assert ta["collectives"] == tb["collectives"]
+        assert tb["collectives"] < ta["collectives"]
 
 
 def test_lowrank_inside_delay(runs):

@@ -234,6 +234,10 @@ class KerasOps:
         return tf.reshape(gathered, [size, -1])[rank]
 
     @staticmethod
+    def cond(flag, yes: Callable, no: Callable):
+        return tf.cond(flag, yes, no)
+
+    @staticmethod
     def fused(fn: Callable) -> Callable:
         # one trace per shape structure (a fragment's): decoding needs the static shapes
         traced = one_call_when_eager(fn)

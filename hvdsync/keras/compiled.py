@@ -30,7 +30,7 @@ them on the host (``plan_from``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -41,65 +41,8 @@ from horovod.tensorflow.mpi_ops import Average
 
 from hvdsync.keras.backend import KerasGradients, KerasOps, norm_of
 from hvdsync.keras.comm import KerasCommunicator
+from hvdsync.keras.memory import VariableMemory
 from hvdsync.technique import LOCAL_STEP, Decider
-
-
-class VariableMemory(MutableMapping):
-    """Per-parameter tensors in ``tf.Variable``s, by key (:meth:`KerasGradients.key`); a key
-    is present while its layer's flag (``flags[li]``, a boolean variable) is set.
-
-    ``with_slots=False``: one tensor per key (an accumulation); ``True``: the parameter and
-    its optimizer slots, as :meth:`KerasGradients.snapshot` gives them (``{"value", "state"}``).
-    The mapping methods read the flags on the host: they are for use outside the step
-    (checkpoints, status); the compiled step uses ``flags`` and ``store`` directly."""
-
-    def __init__(self, grads: KerasGradients, with_slots: bool, name: str):
-        self.with_slots = with_slots
-        self.layer_keys = [[grads.key_of(v) for v in vs] for vs in grads.layer_vars]
-        self._layer = {k: li for li, ks in enumerate(self.layer_keys) for k in ks}
-        self.flags = [tf.Variable(False, trainable=False, name=f"hvdsync_{name}_flag{li}")
-                      for li in range(len(self.layer_keys))]
-        self.store: dict[str, list[tf.Variable]] = {}
-        for vs in grads.layer_vars:
-            for v in vs:
-                like = [v] + (grads.slots.of[v.path] if with_slots else [])
-                self.store[grads.key_of(v)] = [
-                    tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False,
-                                name=f"hvdsync_{name}") for x in like]
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self._layer or not bool(self.flags[self._layer[key]].numpy()):
-            raise KeyError(key)
-        values = [tf.identity(x) for x in self.store[key]]
-        return {"value": values[0], "state": values[1:]} if self.with_slots else values[0]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        values = [value["value"], *value["state"]] if self.with_slots else [value]
-        for x, v in zip(self.store[key], values):
-            x.assign(v)
-        self.flags[self._layer[key]].assign(True)
-
-    def __delitem__(self, key: str) -> None:
-        if key not in self:
-            raise KeyError(key)
-        self._empty(self._layer[key])
-
-    def _empty(self, li: int) -> None:
-        self.flags[li].assign(False)
-        if not self.with_slots:  # the compiled step adds a held tensor without looking
-            for key in self.layer_keys[li]:
-                self.store[key][0].assign(tf.zeros_like(self.store[key][0]))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([k for li, ks in enumerate(self.layer_keys)
-                     if bool(self.flags[li].numpy()) for k in ks])
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def clear(self) -> None:
-        for li in range(len(self.layer_keys)):
-            self._empty(li)
 
 
 class CompiledDecider:
@@ -114,8 +57,8 @@ class CompiledDecider:
         self.local_step = decider.kept_layers == LOCAL_STEP
         self.comm = comm
         self.layer_names = layer_names
-        self.held = VariableMemory(grads, with_slots=False, name="held")
-        self.copies = VariableMemory(grads, with_slots=True, name="copy")
+        self.held = VariableMemory.of_parameters(grads, with_slots=False, name="held")
+        self.copies = VariableMemory.of_parameters(grads, with_slots=True, name="copy")
         #: per key, the model variable and its optimizer slots (what ``copies`` mirror)
         self.targets = {grads.key_of(v): [v, *grads.slots.of[v.path]]
                         for vs in grads.layer_vars for v in vs}

@@ -8,7 +8,7 @@ that runs the step pipeline eagerly inside it.
   backward has produced it. Statistics go to the host once per step through one
   ``tf.py_function``. A step that sends nothing (:attr:`StepPipeline.local_step`) builds in
   no collective, only the transport's ``check_local``; that host call runs its moments after
-  the update (and one before it, while :class:`HostBeforeUpdate` says so).
+  the update (and one before it, while :class:`HostFlags` says so).
 * **Pipeline path** (every other technique): they keep memory across steps and decide from
   values shared between ranks, so the step pipeline (:mod:`hvdsync.pipeline`) runs as Python
   inside ``tf.py_function``: gradients go in, the gradients to apply come out; a second
@@ -33,55 +33,98 @@ from hvdsync.technique import Technique
 
 def graph_runs(techniques: list[Technique]) -> bool:
     """Whether the compiled graph path can run these techniques (else: the pipeline path):
-    every one declares a traced form (:attr:`hvdsync.technique.Technique.traceable`)."""
-    return all(t.traceable for t in techniques)
+    every one declares a traced form (:attr:`hvdsync.technique.Technique.traceable`) that is
+    built beside the others (:attr:`~hvdsync.technique.Technique.traced_with`)."""
+    names = {t.name for t in techniques}
+    return all(t.traceable and (t.traced_with is None or names - {t.name} <= set(t.traced_with))
+               for t in techniques)
 
 
-class HostBeforeUpdate:
-    """Whether a traced step that sends nothing calls the host before its update
-    (:meth:`hvdsync.technique.Transport.host_before_update`; ``delay=``'s anchors, taken
-    before the first update only): a boolean variable the host writes when the answer
-    changes -- after each step, and after a checkpoint or shared state was taken in."""
+class Traffic:
+    """Bytes and collectives per layer that a transport's traced rounds sent, counted on the
+    device (which branch ran -- warm-up or compressed -- is known at run time only): a
+    growing ``[layers, 2]`` variable; :meth:`since_last` gives the step's share on the host."""
 
-    def __init__(self, pipeline: StepPipeline):
-        self.pipeline = pipeline
-        self._written = True
-        self.due = tf.Variable(True, trainable=False, name="hvdsync_host_before_update")
+    def __init__(self, n_layers: int):
+        self.variable = tf.Variable(tf.zeros([n_layers, 2], tf.int64), trainable=False,
+                                    name="hvdsync_traffic")
+        self._seen = np.zeros([n_layers, 2], np.int64)
+
+    def add(self, li: int, nbytes: int, collectives: int) -> None:
+        """In the step: layer ``li`` sent ``nbytes`` in ``collectives`` (where this runs)."""
+        row = np.zeros(self._seen.shape, np.int64)
+        row[li] = (nbytes, collectives)
+        self.variable.assign_add(tf.constant(row))
+
+    def since_last(self, total: np.ndarray) -> np.ndarray:
+        """On the host: what was counted since the last call (``total``: the variable read
+        at the end of a step)."""
+        step, self._seen = total - self._seen, total
+        return step
+
+
+class HostFlags:
+    """What the host decides between steps that the traced step branches on
+    (:meth:`hvdsync.technique.Technique.host_flags`: ``delay=``'s anchors taken before the
+    first update only, ``lowrank=``'s warm-up): a boolean variable each, which the host
+    writes when the answer changed -- after each step, and after a checkpoint or shared
+    state was taken in."""
+
+    def __init__(self, techniques: list[Technique]):
+        self.techniques = techniques
+        self._written = self._now()
+        self.variables = {name: tf.Variable(value, trainable=False, name=f"hvdsync_{name}")
+                          for name, value in self._written.items()}
+
+    def _now(self) -> dict[str, bool]:
+        return {f"{t.name}.{flag}": bool(value)
+                for t in self.techniques for flag, value in t.host_flags().items()}
+
+    def of(self, technique: Technique) -> dict[str, tf.Tensor]:
+        """``technique``'s flags, read in the step."""
+        prefix = f"{technique.name}."
+        return {name[len(prefix):]: v.read_value() for name, v in self.variables.items()
+                if name.startswith(prefix)}
 
     def refresh(self) -> None:
-        due = bool(self.pipeline.local_step.host_before_update())
-        if due != self._written:  # an eager assign costs ~0.1 ms: only when it changes
-            self.due.assign(due)
-            self._written = due
+        for name, value in self._now().items():
+            if value != self._written[name]:  # an eager assign costs ~0.1 ms: on change only
+                self.variables[name].assign(value)
+                self._written[name] = value
 
 
 def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                layers: list[tuple[int, list[int]]], grads: list, variables: list,
                apply: Callable[[list, list], None], restored: tf.Variable,
-               decider: Optional[CompiledDecider] = None, keys: Optional[list[str]] = None,
-               local: Optional[HostBeforeUpdate] = None) -> None:
+               flags: HostFlags, traffic: Traffic,
+               decider: Optional[CompiledDecider] = None,
+               keys: Optional[list[str]] = None) -> None:
     """Build one step of the graph path: per layer (fixed order) clip (local), reduce, clip
     (global); then ``apply(grads, variables)`` and record the step's statistics. With a
     ``decider`` (``keys``: each variable's key), each layer's reduce runs only where the
-    step's plan sends it, and the decider's memory and control round are built around.
+    step's plan sends it, and the decider's memory and control round are built around. A
+    transport with rounds of its own (:meth:`hvdsync.technique.Transport.traced_groups`:
+    ``lowrank=``) builds its layers' exchange itself; what it sent is counted in ``traffic``
+    (bytes and collectives per layer, a variable: which branch ran is known at run time).
     ``restored``: set when a checkpoint was restored; the step then first runs the
     pipeline's after-restore agreement check (on the host) and clears it -- before the step
     reads any memory or plan: where the check drops per-rank memory, a step that had read it
-    already would go on with it on some ranks only. ``local``: with a step that sends nothing
-    (:attr:`StepPipeline.local_step`), when it calls the host before the update."""
+    already would go on with it on some ranks only. ``flags``: the techniques' host flags."""
     with tf.control_dependencies([_when_restored(restored, pipeline)]):
-        _graph_step(comm, pipeline, layers, grads, variables, apply, decider, keys, local)
+        _graph_step(comm, pipeline, layers, grads, variables, apply, flags, traffic, decider,
+                    keys)
 
 
 def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 layers: list[tuple[int, list[int]]], grads: list, variables: list,
-                apply: Callable[[list, list], None], decider: Optional[CompiledDecider],
-                keys: Optional[list[str]], local_flag: Optional[HostBeforeUpdate]) -> None:
+                apply: Callable[[list, list], None], flags: HostFlags, traffic: Traffic,
+                decider: Optional[CompiledDecider], keys: Optional[list[str]]) -> None:
     clip = pipeline.by_name.get("clip")
     quiet = pipeline.local_step  # its steps send nothing (delay= local steps)
     stats, layer_names = pipeline.stats, pipeline.layer_names
     grads = list(grads)
-    records, clipped, sent, dense, collectives = [], [], [], [], []
+    records: dict[int, tf.Tensor] = {}  # per clipped layer: its norm and whether it clipped
+    sent, collectives, dense = {}, {}, []
     mode = clip.config.mode if clip is not None else None
     plan = None
     if decider is not None:
@@ -89,25 +132,36 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                                 for p in positions))
                        for li, positions in layers])
         plan = decider.plan()
+    groups: list[tuple[Technique, list[int]]] = []
+    if quiet is None and decider is None:  # the step's gradients, as the transports see them
+        pipeline.grads.begin_step(variables, grads)
+        groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
+    grouped = {li for _, group in groups for li in group}
     held_norms, bads, steps, params_of = [], [], [], {}
+
+    def global_clip(li: int, reduced: list, params: list) -> tuple[list, list]:
+        if mode != "global":
+            return reduced, []
+        reduced, norm, was = clip_layer(reduced, params, clip.config, _limit(clip, li))
+        return reduced, [norm, tf.cast(was, tf.float32)]
     for li, positions in layers:
         layer = [grads[p] for p in positions]
         if quiet is not None:
             layer = [_dense(g, comm, quiet.name) for g in layer]
-        params = [variables[p].value for p in positions]
+        params = params_of[li] = [variables[p].value for p in positions]
         dense.append(tf.add_n([_bytes(comm, g, wire=False) for g in layer]))
         if mode == "local":
             layer, norm, was = clip_layer(layer, params, clip.config, _limit(clip, li))
-            records.append(tf.stack([norm, tf.cast(was, tf.float32)]))
-            clipped.append(li)
+            records[li] = tf.stack([norm, tf.cast(was, tf.float32)])
+        if li in grouped:  # its transport's rounds, below
+            for k, g in enumerate(layer):
+                pipeline.grads.set(li, k, g)
+            continue
 
         def send(xs: list, li=li, params=params) -> tuple[list, list]:
             reduced = comm.reduce(xs, name=None if decider is None
                                   else f"hvdsync.{layer_names[li]}")
-            if mode != "global":
-                return reduced, []
-            reduced, norm, was = clip_layer(reduced, params, clip.config, _limit(clip, li))
-            return reduced, [norm, tf.cast(was, tf.float32)]
+            return global_clip(li, reduced, params)
         if quiet is not None:
             reduced = layer
         elif decider is None:
@@ -120,20 +174,34 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             held_norms.append(held)
             bads.append(bad)
             steps.append((li, ks, layer))
-            params_of[li] = params
         if mode == "global":
-            records.append(tf.stack(extras))
-            clipped.append(li)
+            records[li] = tf.stack(extras)
         for p, r in zip(positions, reduced):
             grads[p] = r
-        sent.append(tf.add_n([_bytes(comm, g, wire=True) for g in layer]))
-        collectives.append(comm.collectives(layer) if comm.size > 1 else 0)
+        sent[li] = tf.add_n([_bytes(comm, g, wire=True) for g in layer])
+        collectives[li] = comm.collectives(layer) if comm.size > 1 else 0
+    positions_of = dict(layers)
+    commits = []
+    for t, group in groups:
+        delivered, commit = t.trace_exchange(
+            [(li, list(range(len(positions_of[li])))) for li in group],
+            _counted(comm, traffic, group[0]),
+            lambda li, xs: _counted(comm, traffic, li)(f"hvdsync.{layer_names[li]}", xs),
+            flags.of(t))
+        commits.append(commit)
+        for li in group:
+            reduced, extras = global_clip(li, delivered[li], params_of[li])
+            if mode == "global":
+                records[li] = tf.stack(extras)
+            for p, r in zip(positions_of[li], reduced):
+                grads[p] = r
     local_bad = before = tf.constant(False)
     if quiet is not None:
         grads, local_bad = quiet.check_local(grads)
         ok = tf.constant(True)
         shared = local = tf.zeros([0], tf.float64)
-        before = tf.cond(local_flag.due, lambda: _on_host(pipeline.before_local_update),
+        before = tf.cond(flags.of(quiet)["before_update"],
+                         lambda: _on_host(pipeline.before_local_update),
                          lambda: tf.constant(False))
         with tf.control_dependencies([before]):
             apply(grads, variables)
@@ -144,6 +212,8 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(
             g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads]))
         shared = local = tf.zeros([0], tf.float64)
+        for commit in commits:
+            commit(ok)
         _apply_if(ok, apply, grads, variables)
     else:
         shared, local, ok = decider.control([(li, layer) for li, _, layer in steps],
@@ -151,23 +221,32 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         put_back = decider.commit(steps, plan, ok)
         _apply_if(ok, apply, grads, variables)
         put_back()
-    record = tf.stack(records) if records else tf.zeros([0, 2], tf.float32)
-    names = [layer_names[li] for li, _ in layers]
-    sends = plan if plan is not None else tf.ones([len(layer_names)], tf.bool)
+    clipped = sorted(records)
+    record = (tf.stack([records[li] for li in clipped]) if records
+              else tf.zeros([0, 2], tf.float32))
     order = [li for li, _ in layers]
+    names = [layer_names[li] for li in order]
+    sends = plan if plan is not None else tf.ones([len(layer_names)], tf.bool)
+    static_bytes = tf.stack([sent.get(li, tf.constant(0, tf.int64)) for li in order])
+    counted = traffic.variable.read_value() if groups else tf.zeros([0, 2], tf.int64)
 
-    def finish(sent, dense, record, ok, sends, shared, local, local_bad, before):  # eager
-        sent, dense, record, ok, sends, shared, local, local_bad, before = (
+    def finish(sent, dense, record, ok, sends, shared, local, local_bad, before,
+               counted):  # eager
+        sent, dense, record, ok, sends, shared, local, local_bad, before, counted = (
             x.numpy() for x in (sent, dense, record, ok, sends, shared, local, local_bad,
-                                before))
+                                before, counted))
         sends = sends.tolist()
-        for li, name, nbytes, d, c in zip(order, names, sent.tolist(), dense.tolist(),
-                                          collectives):
+        if groups:
+            counted = traffic.since_last(counted)
+        for li, name, nbytes, d in zip(order, names, sent.tolist(), dense.tolist()):
             stats.dense(int(d))
             if not sends[li]:
                 stats.skipped(name)
+            elif li in grouped:
+                if comm.size > 1:
+                    stats.sent(name, int(counted[li][0]), int(counted[li][1]))
             elif quiet is None and (comm.size > 1 or decider is not None):
-                stats.sent(name, int(nbytes) if comm.size > 1 else 0, c)
+                stats.sent(name, int(nbytes) if comm.size > 1 else 0, collectives[li])
         if decider is not None and comm.size > 1:
             stats.control(shared.nbytes)
         if clip is not None:
@@ -176,6 +255,8 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                               if mode == "local" or sends[li]], bool(ok))
         if decider is not None:
             decider.settle(bool(ok), shared, local)
+        for t in {t for t, _ in groups}:
+            t.end_traced_step(bool(ok))
         if quiet is not None:
             if not before:  # the transport did not need it before the update
                 pipeline.before_local_update()
@@ -185,11 +266,25 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         stats.end_step()
         if quiet is not None:
             pipeline.after_local_update()
-            local_flag.refresh()
+        flags.refresh()
         return np.int32(0)
     with tf.control_dependencies(done if quiet is not None else []):
-        tf.py_function(finish, [tf.stack(sent), tf.stack(dense), record, ok, sends, shared,
-                                local, local_bad, before], tf.int32)
+        tf.py_function(finish, [static_bytes, tf.stack(dense), record, ok, sends, shared,
+                                local, local_bad, before, counted], tf.int32)
+
+
+def _counted(comm: KerasCommunicator, traffic: Traffic, li: int
+             ) -> Callable[[str, list], list]:
+    """``reduce(name, tensors)`` for a transport's traced rounds: one collective, counted on
+    layer ``li`` where it runs (inside a branch: only when the branch is taken)."""
+    def reduce(name: str, tensors: list) -> list:
+        if not tensors:
+            return []
+        out = comm.reduce(tensors, name=name)
+        if comm.size > 1:
+            traffic.add(li, sum(comm.wire_bytes(t) for t in tensors), comm.collectives(tensors))
+        return out
+    return reduce
 
 
 def _on_host(fn: Callable[[], None]) -> tf.Tensor:

@@ -27,13 +27,14 @@ from hvdsync.api import SyncAPI
 from hvdsync.clipping import ClipConfig
 from hvdsync.config import check_bool, reject_unknown_kwargs
 from hvdsync.delay import DelayConfig
-from hvdsync.keras.graph import (HostBeforeUpdate, eager_step, graph_runs, graph_step,
+from hvdsync.keras.graph import (HostFlags, Traffic, eager_step, graph_runs, graph_step,
                                  in_xla_context)
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
 from hvdsync.keras.backend import KerasGradients, KerasOps, Slots
 from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.compiled import CompiledDecider
 from hvdsync.keras.comm import KerasCommunicator
+from hvdsync.keras.memory import VariableMemory
 from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
 from hvdsync.keras.sparse import SparseExchange
 from hvdsync.keras.state import KerasCheckpointing
@@ -100,8 +101,18 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             decider = hv.pipeline.decider
             hv.compiled = (CompiledDecider(decider, hv.grads, hv.comm, names)
                            if hv.graph_path and decider is not None else None)
-            hv.local = (HostBeforeUpdate(hv.pipeline)
-                        if hv.graph_path and hv.pipeline.local_step is not None else None)
+            #: what the compiled step branches on that the host decides, and what a
+            #: transport's traced rounds sent (hvdsync.keras.graph)
+            hv.flags = HostFlags(hv.techniques) if hv.graph_path else None
+            hv.traffic = Traffic(len(names)) if hv.graph_path else None
+            if hv.graph_path:  # technique memory in variables, for the compiled step
+                params = {hv.grads.key_of(v): v for vs in layer_vars for v in vs}
+                for t in hv.techniques:
+                    memory = t.memory_to_trace(params)
+                    if memory:
+                        t.use_memory({name: VariableMemory.of_host_values(
+                            hv.grads, values, name=f"{t.name}_{name}")
+                            for name, values in memory.items()})
             #: a checkpoint was restored: the next compiled step runs the agreement check
             hv.restored = tf.Variable(False, trainable=False, name="hvdsync_restored")
             hv.layer_signatures = [(name, [checkpoint.signature(v.shape, v.dtype) for v in vs])
@@ -164,8 +175,8 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             return
         if hv.graph_path:
             graph_step(hv.comm, hv.pipeline, hv.grads.layer_positions(variables), grads,
-                       variables, self._apply_update, hv.restored, hv.compiled,
-                       [hv.grads.key_of(v) for v in variables], hv.local)
+                       variables, self._apply_update, hv.restored, hv.flags, hv.traffic,
+                       hv.compiled, [hv.grads.key_of(v) for v in variables])
             return
         if hv.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g

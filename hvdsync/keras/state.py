@@ -79,7 +79,7 @@ class KerasCheckpointing:
 
 def _refresh_traced(hv: Any) -> None:
     """The technique state changed on the host: the variables the compiled step reads it by
-    (a decider's plan, whether a step that sends nothing calls the host before its update)."""
-    for holder in (hv.compiled, hv.local):
+    (a decider's plan, the techniques' host flags)."""
+    for holder in (hv.compiled, hv.flags):
         if holder is not None:
             holder.refresh()

@@ -186,6 +186,10 @@ class TorchOps:
         return gathered.view(size, -1)[rank]
 
     @staticmethod
+    def cond(flag: Any, yes: Callable[[], Any], no: Callable[[], Any]) -> Any:
+        return yes() if bool(flag) else no()
+
+    @staticmethod
     def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn  # an eager op costs a few microseconds: nothing to gain
 

@@ -1,0 +1,109 @@
+"""Technique memory in ``tf.Variable``s, for the compiled train function: what a technique
+keeps between steps per parameter (a decider's accumulations and sync points, ``lowrank=``'s
+``Q`` and error feedback), readable and writable by the traced step, and a mapping with the
+dict interface the technique's eager code uses (checkpoints, ``status()``, ``forget()``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from hvdsync.keras.backend import KerasGradients
+
+
+class VariableMemory(MutableMapping):
+    """Per-parameter tensors in ``tf.Variable``s, by key (:meth:`KerasGradients.key`); a key
+    is present while its layer's flag (``flags[li]``, a boolean variable) is set.
+
+    ``empty``: per key, the tensors it holds while absent (the variables start so, and
+    go back to them when emptied); ``with_slots=False``: one tensor per key, ``True``: the
+    parameter and its optimizer slots, as :meth:`KerasGradients.snapshot` gives them
+    (``{"value", "state"}``, not reset when emptied: a sync point is read only while present).
+    The mapping methods read the flags on the host: they are for use outside the step
+    (checkpoints, status); the traced step uses :meth:`read` and :meth:`write` (or ``flags``
+    and ``store`` directly)."""
+
+    def __init__(self, layer_keys: list[list[str]], empty: dict[str, list], name: str,
+                 with_slots: bool = False):
+        self.with_slots = with_slots
+        self.layer_keys = layer_keys
+        self._layer = {k: li for li, ks in enumerate(layer_keys) for k in ks}
+        self._empty_values = empty
+        self.flags = [tf.Variable(False, trainable=False, name=f"hvdsync_{name}_flag{li}")
+                      for li in range(len(layer_keys))]
+        self.store: dict[str, list[tf.Variable]] = {
+            key: [tf.Variable(x, trainable=False, name=f"hvdsync_{name}") for x in empty[key]]
+            for ks in layer_keys for key in ks}
+
+    @classmethod
+    def of_parameters(cls, grads: KerasGradients, with_slots: bool,
+                      name: str) -> "VariableMemory":
+        """Zeros like every parameter (and, ``with_slots``, its optimizer slots)."""
+        empty = {grads.key_of(v): [tf.zeros(x.shape, x.dtype) for x in
+                                   [v] + (grads.slots.of[v.path] if with_slots else [])]
+                 for vs in grads.layer_vars for v in vs}
+        return cls([[grads.key_of(v) for v in vs] for vs in grads.layer_vars], empty, name,
+                   with_slots)
+
+    @classmethod
+    def of_host_values(cls, grads: KerasGradients, values: dict[str, np.ndarray],
+                       name: str) -> "VariableMemory":
+        """One tensor for each key of ``values`` (those of a layer share its flag), holding
+        ``values[key]`` (in its parameter's dtype) while absent."""
+        by_key = {grads.key_of(v): v for vs in grads.layer_vars for v in vs}
+        layer_keys = [[grads.key_of(v) for v in vs if grads.key_of(v) in values]
+                      for vs in grads.layer_vars]
+        empty = {key: [tf.constant(values[key], by_key[key].dtype)] for key in values}
+        return cls(layer_keys, empty, name)
+
+    # -- in the traced step ---------------------------------------------------------------
+    def read(self, key: str) -> tf.Tensor:
+        """The value of a one-tensor key (its empty value while absent)."""
+        return self.store[key][0].read_value()
+
+    def write(self, key: str, value: tf.Tensor, when: tf.Tensor) -> None:
+        """Where the device boolean ``when`` holds: ``value`` for the key, which is present
+        afterwards (keys of one layer are written together)."""
+        x = self.store[key][0]
+        x.assign(tf.where(when, tf.cast(value, x.dtype), x))
+        flag = self.flags[self._layer[key]]
+        flag.assign(tf.logical_or(flag, when))
+
+    # -- the mapping, on the host -----------------------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._layer or not bool(self.flags[self._layer[key]].numpy()):
+            raise KeyError(key)
+        values = [tf.identity(x) for x in self.store[key]]
+        return {"value": values[0], "state": values[1:]} if self.with_slots else values[0]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        values = [value["value"], *value["state"]] if self.with_slots else [value]
+        for x, v in zip(self.store[key], values):
+            x.assign(v)
+        self.flags[self._layer[key]].assign(True)
+
+    def __delitem__(self, key: str) -> None:
+        if key not in self:
+            raise KeyError(key)
+        self._empty(self._layer[key])
+
+    def _empty(self, li: int) -> None:
+        self.flags[li].assign(False)
+        if not self.with_slots:  # the compiled step reads a key without looking at its flag
+            for key in self.layer_keys[li]:
+                for x, e in zip(self.store[key], self._empty_values[key]):
+                    x.assign(e)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([k for li, ks in enumerate(self.layer_keys)
+                     if bool(self.flags[li].numpy()) for k in ks])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def clear(self) -> None:
+        for li in range(len(self.layer_keys)):
+            self._empty(li)
