@@ -12,6 +12,10 @@ import pytest
 from tests.keras_models import KERAS_NP, KERAS_NP_IDS
 
 MODES = ("compiled", "run_eagerly", "pipeline")
+#: the cases that also run the compiled step eagerly (``run_eagerly=True``): one per traced
+#: form (a decider of each kind of kept layer, local steps, lowrank=) -- the same Python builds
+#: every case's step, so more cases would repeat it at ~1 s of the shared job a fit
+RUN_EAGERLY = ("threshold", "select_hypernet", "diloco", "lowrank_bucketed_clip_global")
 
 CASES = {
     "threshold": (dict(threshold=dict(threshold=0.6, max_skip=3)), "momentum", 0.05),
@@ -53,9 +57,9 @@ LOWRANK_CASES = {
 STEPS, BATCH = 12, 16
 
 
-def compiled_case(options: dict, opt_name: str, lr: float) -> dict:
-    """One case in each mode: per mode, the layers sent per step, the weights after every
-    step, whether the graph path ran, and the final technique state's per-rank keys."""
+def compiled_case(options: dict, opt_name: str, lr: float, modes: tuple = MODES) -> dict:
+    """One case in each of ``modes``: per mode, the layers sent per step, the weights after
+    every step, whether the graph path ran, the totals (and lowrank='s status)."""
     import os
 
     import keras
@@ -66,7 +70,7 @@ def compiled_case(options: dict, opt_name: str, lr: float) -> dict:
     one_tensorflow_thread()
     x, y = teacher_data(hvd.rank(), STEPS * BATCH)
     out = {}
-    for mode in MODES:
+    for mode in modes:
         os.environ["HVDSYNC_KERAS_PIPELINE"] = "1" if mode == "pipeline" else "0"
         model = mlp(dtype="float64")
         opt = hvd.DistributedOptimizer(make_optimizer(opt_name, lr), **options)
@@ -113,7 +117,8 @@ def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     """This file's cases in the session's shared rank job (tests/conftest.py)."""
     if np_ not in KERAS_NP:
         return {}
-    return {**{name: (compiled_case, *case)
+    return {**{name: (compiled_case, *case,
+                      MODES if name in RUN_EAGERLY else ("compiled", "pipeline"))
                for name, case in {**CASES, **LOCAL_CASES, **LOWRANK_CASES}.items()},
             **{f"{name}_per_execution": (execution_case, *case)
                for name, case in EXECUTION_CASES.items()}}
@@ -159,7 +164,7 @@ def test_compiled_lowrank_equals_the_step_pipeline(runs, case):
         _equal_to_the_pipeline(r)
         total, status = r["compiled"]["total"], r["compiled"]["lowrank"]
         assert total["bytes_sent"] < 0.7 * total["bytes_dense"], total  # it compressed
-        for mode in ("compiled", "run_eagerly"):
+        for mode in _traced_modes(r):
             got, ref = r[mode]["lowrank"], r["pipeline"]["lowrank"]
             assert got["step"] == ref["step"] == STEPS and got["layers"] == ref["layers"]
             np.testing.assert_allclose(got["residual_norm"], ref["residual_norm"], rtol=1e-9)
@@ -169,10 +174,10 @@ def test_compiled_lowrank_equals_the_step_pipeline(runs, case):
 def _equal_to_the_pipeline(r: dict, counters: tuple = ()) -> None:
     """The compiled step (in a graph and run eagerly) against the step pipeline: the same
     layers sent each step, weights to 1e-9 after every step, the same counters."""
-    assert r["compiled"]["graph"] and r["run_eagerly"]["graph"]
+    assert all(r[mode]["graph"] for mode in _traced_modes(r))
     assert not r["pipeline"]["graph"]
     ref = r["pipeline"]
-    for mode in ("compiled", "run_eagerly"):
+    for mode in _traced_modes(r):
         got = r[mode]
         assert got["sent"] == ref["sent"], mode
         for t, (a, b) in enumerate(zip(got["weights"], ref["weights"])):
@@ -196,3 +201,14 @@ def test_several_steps_per_execution_equal_one_step_per_call(runs, case):
         for k in ("step", "bytes_sent", "layers_sent", "layers_skipped", "outer_merged"):
             assert got["total"].get(k) == ref["total"].get(k), k
         assert ref["total"]["step"] == STEPS
+
+
+def _traced_modes(r: dict) -> list[str]:
+    """The modes of a case that ran the compiled step (:data:`RUN_EAGERLY`: also eagerly)."""
+    return [mode for mode in ("compiled", "run_eagerly") if mode in r]
+
+
+def test_one_case_per_traced_form_runs_eagerly(runs):
+    """The run_eagerly cases exist and ran that mode (a rename would silently drop them)."""
+    for case in RUN_EAGERLY:
+        assert all("run_eagerly" in r for r in runs[case]), case
