@@ -409,13 +409,10 @@ class LowRankCompression(Transport):
         return {"compressing": self.step >= self.config.warmup_steps}
 
     def traced_groups(self) -> list[list[int]]:
+        self._buckets()  # (fills _members)
         present = {li for li in range(len(self.layer_names)) if self.grads.size(li)}
-        return [g for g in ([li for li in sorted(members) if li in present]
-                            for members in self._members_by_bucket()) if g]
-
-    def _members_by_bucket(self) -> list[list[int]]:
-        self._buckets()
-        return self._members if self._bucket_of else []
+        return [group for group in ([li for li in sorted(members) if li in present]
+                                    for members in self._members) if group]
 
     def memory_to_trace(self, params: dict[str, Any]) -> dict[str, dict[str, Any]]:
         q, err = {}, {}
@@ -460,25 +457,26 @@ class LowRankCompression(Transport):
                         [ops.matmul(m, p, transpose_a=True) for m, p in zip(ms, orth)])
             approx = [ops.matmul(p, q, transpose_b=True) for p, q in zip(orth, qs)]
             residuals = [ops.accumulate(ops.clone(m), a, sign=-1) for m, a in zip(ms, approx)]
-            at, out = iter(approx), []
-            for li, comp, _ in split:
-                out += [ops.from_matrix(next(at), g.get(li, k)) for k in comp]
-            return out + rest, list(qs), residuals
+            delivered, approx_at, rest_at = [], iter(approx), iter(rest)
+            for li, comp, dense in split:  # per layer: its matrices, then the rest
+                delivered += [ops.from_matrix(next(approx_at), g.get(li, k)) for k in comp]
+                delivered += [next(rest_at) for _ in dense]
+            return delivered, list(qs), residuals
 
-        def warming_up() -> tuple[list, list, list]:
-            sent = [plain(li, [g.get(li, k) for k in comp + dense]) for li, comp, dense in split]
-            return ([x for (_, comp, _), xs in zip(split, sent) for x in xs[:len(comp)]]
-                    + [x for (_, comp, _), xs in zip(split, sent) for x in xs[len(comp):]],
+        def warming_up() -> tuple[list, list, list]:  # every layer plain, memory untouched
+            return ([x for li, comp, dense in split
+                     for x in plain(li, [g.get(li, k) for k in comp + dense])],
                     [self.q.read(k) for k in keys], [self.err.read(k) for k in keys])
         active = flags["compressing"]
         delivered, new_q, new_err = ops.cond(active, compressed, warming_up)
-        matrices, rest = iter(delivered[:len(keys)]), iter(delivered[len(keys):])
         result: dict[int, list] = {}
-        for li, comp, dense in split:
-            by_k = {**{k: next(matrices) for k in comp}, **{k: next(rest) for k in dense}}
-            sparse = [k for k in dict(layers)[li] if k not in by_k]
-            by_k.update(zip(sparse, plain(li, [g.get(li, k) for k in sparse]) if sparse else []))
-            result[li] = [by_k[k] for k in dict(layers)[li]]
+        at = iter(delivered)
+        for (li, ks), (_, comp, dense) in zip(layers, split):
+            by_k = {k: next(at) for k in comp + dense}
+            sparse = [k for k in ks if k not in by_k]
+            if sparse:
+                by_k.update(zip(sparse, plain(li, [g.get(li, k) for k in sparse])))
+            result[li] = [by_k[k] for k in ks]
 
         def commit(ok: Any) -> None:
             def write() -> None:
