@@ -228,6 +228,8 @@ class LowRankCompression(Transport):
         self.delayed = False
         self._q_at: dict[str, dict[int, Any]] = {}
         self._no_q: list[_DelayedLowRank] = []  # torch: exchanges whose Q round waits for P
+        #: a traced step's memory updates, for trace_commit: (keys, Q, E, whether compressing)
+        self._traced: list[tuple[list, list, list, Any]] = []
         self._bucket_of: Optional[dict[int, int]] = None  # see _buckets
         self._members: list[list[int]] = []
         self._new_step()
@@ -400,8 +402,9 @@ class LowRankCompression(Transport):
     # ``Q`` and ``E`` live in the adapter's device variables (every matrix holds its seeded
     # ``Q`` and a zero ``E`` while it holds nothing: adding a zero ``E`` changes no bit), and
     # warm-up is a branch on a flag the host writes (:meth:`host_flags`). Beside ``clip=`` only:
-    # with a decider a bucket goes with the members the plan sends, and ``delay=`` carries the
-    # exchange across steps -- both run the eager pipeline.
+    # beside a decider the rounds would sit inside the branch that sends the layer, and their
+    # memory assignments there made the compiled step slower than the eager pipeline (21.5 vs
+    # 17.1 ms, docs/keras.md); ``delay=`` carries the exchange across steps.
     traceable = True
     traced_with = ("clip", "plain")
 
@@ -430,7 +433,7 @@ class LowRankCompression(Transport):
     def trace_exchange(self, layers: list[tuple[int, list[int]]],
                        reduce: Callable[[str, list], list],
                        plain: Callable[[int, list], list], flags: dict[str, Any]
-                       ) -> tuple[dict[int, list], Callable[[Any], None]]:
+                       ) -> dict[int, list]:
         g, ops = self.grads, self.ops
         names = [self.layer_names[li] for li, _ in layers]
         label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
@@ -463,12 +466,15 @@ class LowRankCompression(Transport):
                 delivered += [next(rest_at) for _ in dense]
             return delivered, list(qs), residuals
 
-        def warming_up() -> tuple[list, list, list]:  # every layer plain, memory untouched
+        def warming_up() -> tuple[list, list, list]:  # every layer plain, memory as it is
             return ([x for li, comp, dense in split
                      for x in plain(li, [g.get(li, k) for k in comp + dense])],
                     [self.q.read(k) for k in keys], [self.err.read(k) for k in keys])
         active = flags["compressing"]
+        # the memory's next values come out of the branch, written by trace_commit (an
+        # assignment inside a branch with collectives made the step 2.4x slower, measured)
         delivered, new_q, new_err = ops.cond(active, compressed, warming_up)
+        self._traced.append((keys, new_q, new_err, active))
         result: dict[int, list] = {}
         at = iter(delivered)
         for (li, ks), (_, comp, dense) in zip(layers, split):
@@ -477,14 +483,16 @@ class LowRankCompression(Transport):
             if sparse:
                 by_k.update(zip(sparse, plain(li, [g.get(li, k) for k in sparse])))
             result[li] = [by_k[k] for k in ks]
+        return result
 
-        def commit(ok: Any) -> None:
-            def write() -> None:
+    def trace_commit(self, ok: Any) -> None:
+        traced, self._traced = self._traced, []
+        for keys, new_q, new_err, active in traced:  # as end_step: only a step that counts
+            def write(keys=keys, new_q=new_q, new_err=new_err) -> None:
                 for key, q, e in zip(keys, new_q, new_err):
                     self.q.write(key, q, ok)
                     self.err.write(key, e, ok)
-            ops.cond(active, write, lambda: None)
-        return result, commit
+            self.ops.cond(active, write, lambda: None)
 
     def end_traced_step(self, ok: bool) -> None:
         if ok:  # as end_step: a skipped step does not count

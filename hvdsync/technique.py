@@ -571,20 +571,26 @@ class Transport(Technique):
 
     def use_memory(self, memory: dict[str, Any]) -> None:
         """Keep the memories :meth:`memory_to_trace` named in these mappings (the dict
-        interface, as the eager step uses them, plus ``read(key)`` -- the value, or the empty
-        one -- and ``write(key, value, when)`` -- a device flag -- for the traced step)."""
+        interface, as the eager step uses them, plus, for the traced step, ``read(key)`` --
+        the value, or the empty one -- and ``write(key, value, when)``: where the device
+        boolean ``when`` holds)."""
         raise NotImplementedError(f"{self.name} keeps no memory for a trace")
 
     def trace_exchange(self, layers: list[tuple[int, list[int]]],
                        reduce: Callable[[str, list], list],
                        plain: Callable[[int, list], list], flags: dict[str, Any]
-                       ) -> tuple[dict[int, list], Callable[[Any], None]]:
+                       ) -> dict[int, list]:
         """Build one group's exchange (:meth:`traced_groups`; ``layers``: its layers in the
         step, each ``(li, ks)``, their gradients in :class:`Gradients`): ``reduce(name,
         tensors)`` averages over ranks (one collective), ``plain(li, tensors)`` is a layer's
         plain exchange; ``flags``: :meth:`host_flags` as device booleans. Returns each layer's
-        gradients to apply and ``commit(ok)``, which builds the memory's update for a step
-        finite on every rank (``ok``: a device boolean, the same everywhere)."""
+        gradients to apply; what the memory should become waits for :meth:`trace_commit`."""
+        raise NotImplementedError(f"{self.name} has no traced exchange")
+
+    def trace_commit(self, ok: Any) -> None:
+        """Build the step's memory update, once a step (after every exchange): what the
+        step's :meth:`trace_exchange` calls computed becomes the memory where ``ok`` (a device
+        boolean, the same on every rank: the step was finite everywhere) holds."""
         raise NotImplementedError(f"{self.name} has no traced exchange")
 
     def end_traced_step(self, ok: bool) -> None:

@@ -261,8 +261,8 @@ class _DeviceMemory(dict):
 def traced_exchange_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> dict:
     """The same float64 model and batches twice: the eager step, then the traced form a
     tracing adapter builds (``traced_groups``, ``trace_exchange`` with blocking collectives,
-    ``commit``, ``end_traced_step``; memory from ``memory_to_trace``). Parameters after every
-    step, the technique's status."""
+    ``trace_commit``, ``end_traced_step``; memory from ``memory_to_trace``). Parameters after
+    every step, the technique's status."""
     import hvdsync.torch as hvd
     from hvdsync.torch.optimizer import _DistributedOptimizer
     hvd.init()
@@ -293,21 +293,18 @@ def traced_exchange_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) ->
                 for p, grad in zip(params, torch.autograd.grad(loss, params)):
                     p.grad = grad
                 flags = {k: torch.tensor(v) for k, v in t.host_flags().items()}
-                commits = []
                 for group in t.traced_groups():
                     layers = [(li, list(range(g.size(li)))) for li in group]
-                    delivered, commit = t.trace_exchange(
+                    delivered = t.trace_exchange(
                         layers, lambda name, xs: comm.allreduce(name, xs).wait(),
                         lambda li, xs: comm.allreduce(f"hvdsync.{t.layer_names[li]}",
                                                       xs).wait(), flags)
-                    commits.append(commit)
                     for li, ks in layers:
                         for k, d in zip(ks, delivered[li]):
                             g.set(li, k, d)
                 # (the MLP's every layer has a compressible matrix: no plain exchange left)
                 ok = all(bool(torch.isfinite(p.grad).all()) for p in params)
-                for commit in commits:
-                    commit(torch.tensor(ok))
+                t.trace_commit(torch.tensor(ok))
                 if ok:
                     super(_DistributedOptimizer, opt).step()  # the wrapped optimizer's own
                 t.end_traced_step(ok)

@@ -181,14 +181,11 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         sent[li] = tf.add_n([_bytes(comm, g, wire=True) for g in layer])
         collectives[li] = comm.collectives(layer) if comm.size > 1 else 0
     positions_of = dict(layers)
-    commits = []
     for t, group in groups:
-        delivered, commit = t.trace_exchange(
+        delivered = t.trace_exchange(
             [(li, list(range(len(positions_of[li])))) for li in group],
-            _counted(comm, traffic, group[0]),
-            lambda li, xs: _counted(comm, traffic, li)(f"hvdsync.{layer_names[li]}", xs),
+            _counted(comm, traffic, group[0]), _plain(comm, traffic, layer_names),
             flags.of(t))
-        commits.append(commit)
         for li in group:
             reduced, extras = global_clip(li, delivered[li], params_of[li])
             if mode == "global":
@@ -212,12 +209,13 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(
             g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads]))
         shared = local = tf.zeros([0], tf.float64)
-        for commit in commits:
-            commit(ok)
         _apply_if(ok, apply, grads, variables)
     else:
         shared, local, ok = decider.control([(li, layer) for li, _, layer in steps],
                                             held_norms, bads, params_of, grads)
+    for t in {t.name: t for t, _ in groups}.values():  # what the rounds staged, if ok
+        t.trace_commit(ok)
+    if decider is not None:  # (no transport rounds beside a decider: Technique.traced_with)
         put_back = decider.commit(steps, plan, ok)
         _apply_if(ok, apply, grads, variables)
         put_back()
@@ -285,6 +283,13 @@ def _counted(comm: KerasCommunicator, traffic: Traffic, li: int
             traffic.add(li, sum(comm.wire_bytes(t) for t in tensors), comm.collectives(tensors))
         return out
     return reduce
+
+
+def _plain(comm: KerasCommunicator, traffic: Traffic,
+           layer_names: list[str]) -> Callable[[int, list], list]:
+    """``plain(li, tensors)`` for a transport's traced rounds: layer ``li``'s plain exchange,
+    counted on it."""
+    return lambda li, xs: _counted(comm, traffic, li)(f"hvdsync.{layer_names[li]}", xs)
 
 
 def _on_host(fn: Callable[[], None]) -> tf.Tensor:
