@@ -412,6 +412,7 @@ class LowRankCompression(Transport):
         return {"compressing": self.step >= self.config.warmup_steps}
 
     def traced_groups(self) -> list[list[int]]:
+        self._traced = []  # a new traced step (a trace that failed midway leaves nothing)
         self._buckets()  # (fills _members)
         present = {li for li in range(len(self.layer_names)) if self.grads.size(li)}
         return [group for group in ([li for li in sorted(members) if li in present]

@@ -73,6 +73,27 @@ LOGIC_JOBS = [(2, "horovodrun"), (3, "simulated")]
 LOGIC_IDS = [f"np{n}-{launcher}" for n, launcher in LOGIC_JOBS]
 
 
+def eager_or_traced_steps(model: nn.Module, opt: Any, rank: int, steps: int, nan_rank: int,
+                          nan_step: int,
+                          traced: Callable[[list], None] | None = None) -> torch.Tensor:
+    """A float64 ``model`` stepped through the teacher batches (NaN inputs on ``nan_rank`` at
+    ``nan_step``): eagerly (``backward``, ``opt.step()``), or by ``traced(grads)`` -- what a
+    tracing adapter runs instead, given the step's gradients from ``autograd.grad`` (the hooks
+    that start the eager step do not fire). The parameters after every step, stacked."""
+    params, weights = list(model.parameters()), []
+    for step, (x, y) in enumerate(teacher_batches(rank, steps), start=1):
+        x = x.double() * (float("nan") if rank == nan_rank and step == nan_step else 1.0)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        if traced is None:
+            loss.backward()
+            opt.step()
+        else:
+            traced(list(torch.autograd.grad(loss, params)))
+        weights.append(torch.cat([p.detach().flatten() for p in params]))
+    return torch.stack(weights)
+
+
 def apply_each(body: Callable[..., Any], cases: list[tuple]) -> list:
     """On a rank: ``body(*case)`` for every case."""
     return [body(*case) for case in cases]

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from hvdsync import LowRankConfig
-from tests.models import LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails, run_cases, teacher_batches
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails,
+                          eager_or_traced_steps, run_cases, teacher_batches)
 
 HIDDEN = 32
 
@@ -274,43 +275,37 @@ def traced_exchange_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) ->
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
                                                        momentum=0.9),
                                        named_parameters=model.named_parameters(), lowrank=cfg)
-        t, params, weights = opt.techniques["lowrank"], list(model.parameters()), []
+        t, params = opt.techniques["lowrank"], list(model.parameters())
         g, comm = t.grads, t.comm
         if mode == "traced":
             keyed = {key: g.param(li, k) for li in range(len(t.layer_names))
                      for k, key in enumerate(g.param_keys(li))}
             t.use_memory({name: _DeviceMemory(empty)
                           for name, empty in t.memory_to_trace(keyed).items()})
-        for step, (x, y) in enumerate(teacher_batches(hvd.rank(), steps), start=1):
-            x = x.double() * (float("nan") if hvd.rank() == nan_rank and step == nan_step
-                              else 1.0)
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            if mode == "eager":
-                loss.backward()
-                opt.step()
-            else:  # autograd.grad: the hooks that start the eager step do not fire
-                for p, grad in zip(params, torch.autograd.grad(loss, params)):
-                    p.grad = grad
-                flags = {k: torch.tensor(v) for k, v in t.host_flags().items()}
-                for group in t.traced_groups():
-                    layers = [(li, list(range(g.size(li)))) for li in group]
-                    delivered = t.trace_exchange(
-                        layers, lambda name, xs: comm.allreduce(name, xs).wait(),
-                        lambda li, xs: comm.allreduce(f"hvdsync.{t.layer_names[li]}",
-                                                      xs).wait(), flags)
-                    for li, ks in layers:
-                        for k, d in zip(ks, delivered[li]):
-                            g.set(li, k, d)
-                # (the MLP's every layer has a compressible matrix: no plain exchange left)
-                ok = all(bool(torch.isfinite(p.grad).all()) for p in params)
-                t.trace_commit(torch.tensor(ok))
-                if ok:
-                    super(_DistributedOptimizer, opt).step()  # the wrapped optimizer's own
-                t.end_traced_step(ok)
-            weights.append(torch.cat([p.detach().flatten() for p in params]))
+
+        def traced(step_grads: list) -> None:
+            for p, grad in zip(params, step_grads):
+                p.grad = grad
+            flags = {k: torch.tensor(v) for k, v in t.host_flags().items()}
+            for group in t.traced_groups():
+                layers = [(li, list(range(g.size(li)))) for li in group]
+                delivered = t.trace_exchange(
+                    layers, lambda name, xs: comm.allreduce(name, xs).wait(),
+                    lambda li, xs: comm.allreduce(f"hvdsync.{t.layer_names[li]}", xs).wait(),
+                    flags)
+                for li, ks in layers:
+                    for k, d in zip(ks, delivered[li]):
+                        g.set(li, k, d)
+            # (the MLP's every layer has a compressible matrix: no plain exchange left)
+            ok = all(bool(torch.isfinite(p.grad).all()) for p in params)
+            t.trace_commit(torch.tensor(ok))
+            if ok:
+                super(_DistributedOptimizer, opt).step()  # the wrapped optimizer's own
+            t.end_traced_step(ok)
+        weights = eager_or_traced_steps(model, opt, hvd.rank(), steps, nan_rank, nan_step,
+                                        traced if mode == "traced" else None)
         status = t.status()
-        out[mode] = dict(weights=torch.stack(weights).numpy(), status=status,
+        out[mode] = dict(weights=weights.numpy(), status=status,
                          err={k: v.numpy() for k, v in t.err.items()})
     return out
 

@@ -20,7 +20,8 @@ from hvdsync import DelayConfig
 from hvdsync.outer import INT8_CHUNK, fragment_layers, start_offsets
 from hvdsync.testing import run_ranks
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS,
-                          assert_construction_fails, run_cases, teacher_batches)
+                          assert_construction_fails, eager_or_traced_steps, run_cases,
+                          teacher_batches)
 
 STEPS = 13
 
@@ -325,35 +326,27 @@ def traced_moments_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> 
         opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters(), delay=cfg)
         params, pipeline, before_asked = list(model.parameters()), opt._pipeline, []
-        weights = []
-        for step, (x, y) in enumerate(teacher_batches(hvd.rank(), steps), start=1):
-            x = x.double() * (float("nan") if hvd.rank() == nan_rank and step == nan_step
-                              else 1.0)
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            if mode == "eager":
-                loss.backward()
-                opt.step()
-            else:  # autograd.grad: the hooks that start the eager step do not fire
-                t = pipeline.local_step
-                grads, bad = t.check_local(list(torch.autograd.grad(loss, params)))
-                for p, g in zip(params, grads):
-                    p.grad = g
-                before = t.host_before_update()
-                before_asked.append(before)
-                if before:
-                    pipeline.before_local_update()
-                super(_DistributedOptimizer, opt).step()  # the wrapped optimizer's own
-                if not before:
-                    pipeline.before_local_update()
-                pipeline.end_local_step(bool(bad))
-                opt.stats.end_step()
-                pipeline.after_local_update()
-            weights.append(torch.cat([p.detach().flatten() for p in params]))
+
+        def traced(step_grads: list) -> None:
+            t = pipeline.local_step
+            grads, bad = t.check_local(step_grads)
+            for p, g in zip(params, grads):
+                p.grad = g
+            before = t.host_before_update()
+            before_asked.append(before)
+            if before:
+                pipeline.before_local_update()
+            super(_DistributedOptimizer, opt).step()  # the wrapped optimizer's own
+            if not before:
+                pipeline.before_local_update()
+            pipeline.end_local_step(bool(bad))
+            opt.stats.end_step()
+            pipeline.after_local_update()
+        weights = eager_or_traced_steps(model, opt, hvd.rank(), steps, nan_rank, nan_step,
+                                        traced if mode == "traced" else None)
         total = opt.stats.as_dict()["total"]
         opt.flush()  # (nothing left in flight before the next mode's exchanges)
-        out[mode] = dict(weights=torch.stack(weights).numpy(), total=total,
-                         before_asked=before_asked)
+        out[mode] = dict(weights=weights.numpy(), total=total, before_asked=before_asked)
     return out
 
 
