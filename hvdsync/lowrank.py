@@ -101,6 +101,14 @@ class LowRankConfig:
         return coerce_config(cls, value, "lowrank", "rank")
 
 
+def _project(ops: TensorOps, m: Any, p: Any, q: Any) -> tuple[Any, Any]:
+    """From a matrix ``M`` (this rank's, error feedback included), its orthonormal ``P`` and
+    the rank-averaged ``Q``: what is delivered, ``P Q^T``, and what this rank still owes,
+    ``M - P Q^T`` -- the same arithmetic in every path (eager, inside ``delay=``, traced)."""
+    approx = ops.matmul(p, q, transpose_b=True)
+    return approx, ops.accumulate(ops.clone(m), approx, sign=-1)
+
+
 class _Round:
     """One bucket's compression in flight this step: the P round of its layers that go, then
     (once P has arrived) their Q round."""
@@ -176,11 +184,11 @@ class _DelayedLowRank(Pending):
         for i, x in zip(self.plain, self.plain_p.wait()):
             full[i] = x
         for i, key, m, p, q in zip(self.compressed, self.keys, self.ms, self._p, q_avg):
-            approx = ops.matmul(p, q, transpose_b=True)
+            approx, residual = _project(ops, m, p, q)
             # Q is shared: recorded whenever it arrives (the warm start reads only the ones
             # every rank has); the residual is this rank's, committed when used
             self.owner._q_at.setdefault(key, {})[self.step] = q
-            self._residuals.append(ops.accumulate(ops.clone(m), approx, sign=-1))
+            self._residuals.append(residual)
             full[i] = ops.from_matrix(approx, self.grads[i])
         return full
 
@@ -360,9 +368,8 @@ class LowRankCompression(Transport):
             for li, ks, _, _ in rnd.layers:
                 for k, (m, p, q) in zip(ks, at):
                     key = g.key(li, k)
-                    approx = ops.matmul(p, q, transpose_b=True)
+                    approx, self._new_err[key] = _project(ops, m, p, q)
                     self._new_q[key] = q
-                    self._new_err[key] = ops.accumulate(ops.clone(m), approx, sign=-1)
                     g.set(li, k, ops.from_matrix(approx, g.get(li, k)))
         rnd.q, rnd.result = pending, pending.then(deliver)
         self._started.append(rnd)
@@ -459,8 +466,8 @@ class LowRankCompression(Transport):
                 rest += [next(arrived) for _ in dense]
             qs = reduce(f"hvdsync.lowrank.Q.{label}",
                         [ops.matmul(m, p, transpose_a=True) for m, p in zip(ms, orth)])
-            approx = [ops.matmul(p, q, transpose_b=True) for p, q in zip(orth, qs)]
-            residuals = [ops.accumulate(ops.clone(m), a, sign=-1) for m, a in zip(ms, approx)]
+            projected = [_project(ops, m, p, q) for m, p, q in zip(ms, orth, qs)]
+            approx, residuals = [a for a, _ in projected], [r for _, r in projected]
             delivered, approx_at, rest_at = [], iter(approx), iter(rest)
             for li, comp, dense in split:  # per layer: its matrices, then the rest
                 delivered += [ops.from_matrix(next(approx_at), g.get(li, k)) for k in comp]
