@@ -362,6 +362,7 @@ class SelectedPushes(Decider):
         self.ops = ops
         self.comm = comm
         self.layer_names = layer_names
+        self.num_layers = len(layer_names)
         self.stats = stats
         self.residual: Any = {}  # a dict, or the Keras compiled path's variables (use_memory)
         self._second_order = (self.policy.hypernet is not None

@@ -279,6 +279,12 @@ class TensorOps(Protocol):
         """``yes()`` where the device boolean ``flag`` holds, else ``no()`` (both give the same
         structure of tensors): a Python ``if`` where the step runs eagerly, a branch of the
         graph where it is traced (both branches are built; one runs)."""
+    def where(self, flag: Any, yes: Any, no: Any) -> Any:
+        """``yes`` where the device boolean ``flag`` holds, else ``no`` (tensors, or nested
+        dicts and lists of them alike: a snapshot): a Python choice where the step runs
+        eagerly, a select in a trace (no branch)."""
+    def vector(self, scalars: Sequence[Any]) -> Any:
+        """Device scalars as one float64 vector (a traced step's control vector)."""
     def fused(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` -- arithmetic of these ops over lists of tensors (``None`` for an absent
         one), with no host read, no branch on a tensor's value and no collective -- as the
@@ -363,10 +369,11 @@ class Technique:
         a decider's is declared by :class:`Decider`). Default: none."""
         return {}
 
-    def host_flags(self) -> dict[str, bool]:
-        """What the host decides between steps that a traced step branches on (by name; a
-        tracing adapter keeps each in a device boolean, written whenever it changed: after a
-        step, a restore, shared state taken). Default: none."""
+    def host_flags(self) -> dict[str, Any]:
+        """What the host decides between steps that a traced step branches on (by name, a
+        boolean or a list of them; a tracing adapter keeps each in a device boolean or
+        boolean vector, written whenever it changed: after a step, a restore, shared state
+        taken). Default: none."""
         return {}
 
     def before_optimizer_step(self) -> None:
@@ -435,20 +442,25 @@ LOCAL_STEP, WITHHELD = "local step", "withheld"
 
 
 class Decider(Technique):
-    """Chooses which layers go each step. Besides the step's moments it declares the parts of
-    its control plane an adapter builds itself when it traces the step (Keras' compiled
-    train function, :mod:`hvdsync.keras.compiled`): the statistics it shares
-    (:attr:`control`), what a kept-back layer does (:attr:`kept_layers`), where its
+    """Chooses which layers go each step. Besides the step's moments it declares what its
+    traced form (:class:`hvdsync.kept_layers.KeptLayers`, which a tracing adapter builds
+    into the step) needs: the plan as a host flag (:meth:`host_flags`), the statistics it
+    shares (:attr:`control`), what a kept-back layer does (:attr:`kept_layers`), where its
     per-parameter memory lives (:meth:`use_memory`), and the next plan from the shared
     vector (:meth:`plan_from`)."""
 
     role = DECIDER
+    num_layers: int = 0
     #: the statistics of its control vector, in order (names from :data:`CONTROL_STATISTICS`):
     #: one value per layer each, then the ranks' non-finite flag; averaged over ranks
     control: tuple[str, ...] = ()
     #: :data:`LOCAL_STEP` (a kept-back layer is updated with this rank's own gradient from a
     #: sync point it returns to before its next send) or :data:`WITHHELD` (it does not move)
     kept_layers: str = WITHHELD
+
+    def host_flags(self) -> dict[str, Any]:
+        """``plan``: whether each layer is sent this step (:meth:`decision`)."""
+        return {"plan": [bool(self.decision(li)) for li in range(self.num_layers)]}
 
     @property
     def control_name(self) -> str:

@@ -73,6 +73,18 @@ LOGIC_JOBS = [(2, "horovodrun"), (3, "simulated")]
 LOGIC_IDS = [f"np{n}-{launcher}" for n, launcher in LOGIC_JOBS]
 
 
+def float64_mlp(hidden: int, **techniques: Any) -> tuple[nn.Module, Any]:
+    """On a rank: a float64 :class:`MLP` (seed 0) and hvdsync's optimizer around SGD with
+    momentum for it, with ``techniques`` (``lowrank=...``): the model the traced-form tests
+    step twice, eagerly and traced."""
+    import hvdsync.torch as hvd
+    torch.manual_seed(0)
+    model = MLP(hidden=hidden).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), **techniques)
+    return model, opt
+
+
 def eager_or_traced_steps(model: nn.Module, opt: Any, rank: int, steps: int, nan_rank: int,
                           nan_step: int,
                           traced: Callable[[list], None] | None = None) -> torch.Tensor:
@@ -92,6 +104,32 @@ def eager_or_traced_steps(model: nn.Module, opt: Any, rank: int, steps: int, nan
             traced(list(torch.autograd.grad(loss, params)))
         weights.append(torch.cat([p.detach().flatten() for p in params]))
     return torch.stack(weights)
+
+
+class DeviceMemory(dict):
+    """A traced step's memory as a dict (what Keras keeps in variables,
+    hvdsync.keras.memory): ``read`` gives a key's value, or ``empty(key)`` while absent;
+    ``present``, ``write``, ``put`` as a tracing adapter offers them, on torch tensors."""
+
+    def __init__(self, empty: Callable[[str], Any]):
+        super().__init__()
+        self.empty = empty
+
+    def read(self, key: str) -> Any:
+        return self[key] if key in self else self.empty(key)
+
+    def present(self, key: str) -> torch.Tensor:
+        return torch.tensor(key in self)
+
+    def write(self, key: str, value: Any, when: torch.Tensor) -> None:
+        if bool(when):
+            self[key] = value
+
+    def put(self, key: str, value: Any, present: torch.Tensor) -> None:
+        if bool(present):
+            self[key] = value
+        else:
+            self.pop(key, None)
 
 
 def apply_each(body: Callable[..., Any], cases: list[tuple]) -> list:

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from hvdsync import LowRankConfig
-from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, assert_construction_fails,
-                          eager_or_traced_steps, run_cases, teacher_batches)
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, DeviceMemory,
+                          assert_construction_fails, eager_or_traced_steps, float64_mlp,
+                          run_cases, teacher_batches)
 
 HIDDEN = 32
 
@@ -243,22 +244,6 @@ def test_threshold_and_select_still_decide(runs):
 
 
 # -- the traced exchange (what Keras' compiled function builds), here in torch ---------------
-class _DeviceMemory(dict):
-    """A traced step's memory (``read``/``write``, what Keras keeps in variables) as a dict:
-    every key reads its empty value while absent."""
-
-    def __init__(self, empty: dict):
-        super().__init__()
-        self.empty = {k: torch.from_numpy(v) for k, v in empty.items()}
-
-    def read(self, key: str) -> torch.Tensor:
-        return self.get(key, self.empty[key])
-
-    def write(self, key: str, value: torch.Tensor, when: torch.Tensor) -> None:
-        if bool(when):
-            self[key] = value
-
-
 def traced_exchange_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> dict:
     """The same float64 model and batches twice: the eager step, then the traced form a
     tracing adapter builds (``traced_groups``, ``trace_exchange`` with blocking collectives,
@@ -270,17 +255,13 @@ def traced_exchange_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) ->
     torch.set_num_threads(1)
     out = {}
     for mode in ("eager", "traced"):
-        torch.manual_seed(0)
-        model = MLP(hidden=HIDDEN).double()
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
-                                                       momentum=0.9),
-                                       named_parameters=model.named_parameters(), lowrank=cfg)
+        model, opt = float64_mlp(HIDDEN, lowrank=cfg)
         t, params = opt.techniques["lowrank"], list(model.parameters())
         g, comm = t.grads, t.comm
         if mode == "traced":
             keyed = {key: g.param(li, k) for li in range(len(t.layer_names))
                      for k, key in enumerate(g.param_keys(li))}
-            t.use_memory({name: _DeviceMemory(empty)
+            t.use_memory({name: DeviceMemory(lambda key, e=empty: torch.from_numpy(e[key]))
                           for name, empty in t.memory_to_trace(keyed).items()})
 
         def traced(step_grads: list) -> None:

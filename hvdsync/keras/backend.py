@@ -42,7 +42,10 @@ _ZERO: list = []
 
 
 def _zero() -> tf.Tensor:
-    """A float32 zero, made once (an eager op costs more than the arithmetic here)."""
+    """A float32 zero, made once (an eager op costs more than the arithmetic here); in a
+    trace, a constant of that graph (a tensor of another graph cannot be used there)."""
+    if not tf.executing_eagerly():
+        return tf.zeros((), tf.float32)
     if not _ZERO:
         _ZERO.append(tf.zeros((), tf.float32))
     return _ZERO[0]
@@ -236,6 +239,14 @@ class KerasOps:
     @staticmethod
     def cond(flag, yes: Callable, no: Callable):
         return tf.cond(flag, yes, no)
+
+    @staticmethod
+    def where(flag, yes, no):
+        return tf.nest.map_structure(lambda a, b: tf.where(flag, a, b), yes, no)
+
+    @staticmethod
+    def vector(scalars: Sequence) -> tf.Tensor:
+        return tf.stack([tf.cast(s, tf.float64) for s in scalars])
 
     @staticmethod
     def fused(fn: Callable) -> Callable:

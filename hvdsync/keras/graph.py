@@ -2,7 +2,8 @@
 that runs the step pipeline eagerly inside it.
 
 * **Graph path** (every technique declared ``traceable``: the plain exchange, ``clip=``,
-  a decider, :mod:`hvdsync.keras.compiled`, and ``delay=``'s local steps): Horovod's ops are
+  a decider in its traced form (:mod:`hvdsync.kept_layers`), ``lowrank=``'s traced rounds,
+  and ``delay=``'s local steps): Horovod's ops are
   built into the train function, one grouped allreduce per layer, each fed only by its own
   layer's (clipped) gradient, so the graph executor clips and sends a layer as soon as
   backward has produced it. Statistics go to the host once per step through one
@@ -18,15 +19,18 @@ that runs the step pipeline eagerly inside it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from hvdsync.clipping import LayerClip
+from horovod.tensorflow import mpi_ops
+from horovod.tensorflow.mpi_ops import Average
+
 from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.comm import KerasCommunicator, payload_bytes
-from hvdsync.keras.compiled import CompiledDecider
+from hvdsync.kept_layers import KeptLayers
 from hvdsync.pipeline import StepPipeline
 from hvdsync.technique import Technique
 
@@ -66,7 +70,8 @@ class Traffic:
 class HostFlags:
     """What the host decides between steps that the traced step branches on
     (:meth:`hvdsync.technique.Technique.host_flags`: ``delay=``'s anchors taken before the
-    first update only, ``lowrank=``'s warm-up): a boolean variable each, which the host
+    first update only, ``lowrank=``'s warm-up, a decider's plan): a boolean variable (or
+    vector) each, which the host
     writes when the answer changed -- after each step, and after a checkpoint or shared
     state was taken in."""
 
@@ -76,8 +81,9 @@ class HostFlags:
         self.variables = {name: tf.Variable(value, trainable=False, name=f"hvdsync_{name}")
                           for name, value in self._written.items()}
 
-    def _now(self) -> dict[str, bool]:
-        return {f"{t.name}.{flag}": bool(value)
+    def _now(self) -> dict[str, Any]:
+        return {f"{t.name}.{flag}": ([bool(x) for x in value] if isinstance(value, list)
+                                     else bool(value))
                 for t in self.techniques for flag, value in t.host_flags().items()}
 
     def of(self, technique: Technique) -> dict[str, tf.Tensor]:
@@ -97,12 +103,11 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                layers: list[tuple[int, list[int]]], grads: list, variables: list,
                apply: Callable[[list, list], None], restored: tf.Variable,
                flags: HostFlags, traffic: Traffic,
-               decider: Optional[CompiledDecider] = None,
-               keys: Optional[list[str]] = None) -> None:
+               kept: Optional[KeptLayers] = None) -> None:
     """Build one step of the graph path: per layer (fixed order) clip (local), reduce, clip
     (global); then ``apply(grads, variables)`` and record the step's statistics. With a
-    ``decider`` (``keys``: each variable's key), each layer's reduce runs only where the
-    step's plan sends it, and the decider's memory and control round are built around. A
+    decider (``kept``, its traced form), each layer's reduce runs only where the step's plan
+    sends it, and the decider's memory and control round are built around. A
     transport with rounds of its own (:meth:`hvdsync.technique.Transport.traced_groups`:
     ``lowrank=``) builds its layers' exchange itself; what it sent is counted in ``traffic``
     (bytes and collectives per layer, a variable: which branch ran is known at run time).
@@ -111,14 +116,13 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     reads any memory or plan: where the check drops per-rank memory, a step that had read it
     already would go on with it on some ranks only. ``flags``: the techniques' host flags."""
     with tf.control_dependencies([_when_restored(restored, pipeline)]):
-        _graph_step(comm, pipeline, layers, grads, variables, apply, flags, traffic, decider,
-                    keys)
+        _graph_step(comm, pipeline, layers, grads, variables, apply, flags, traffic, kept)
 
 
 def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 layers: list[tuple[int, list[int]]], grads: list, variables: list,
                 apply: Callable[[list, list], None], flags: HostFlags, traffic: Traffic,
-                decider: Optional[CompiledDecider], keys: Optional[list[str]]) -> None:
+                kept: Optional[KeptLayers]) -> None:
     clip = pipeline.by_name.get("clip")
     quiet = pipeline.local_step  # its steps send nothing (delay= local steps)
     stats, layer_names = pipeline.stats, pipeline.layer_names
@@ -127,17 +131,18 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     sent, collectives, dense = {}, {}, []
     mode = clip.config.mode if clip is not None else None
     plan = None
-    if decider is not None:
-        decider.trace([(li, sum(payload_bytes(_dense(grads[p], comm, decider.decider.name))
-                                for p in positions))
-                       for li, positions in layers])
-        plan = decider.plan()
-    groups: list[tuple[Technique, list[int]]] = []
-    if quiet is None and decider is None:  # the step's gradients, as the transports see them
+    if quiet is None:  # the step's gradients, as the techniques see them
         pipeline.grads.begin_step(variables, grads)
+    if kept is not None:
+        decider = kept.decider.name
+        kept.begin([(li, sum(payload_bytes(_dense(grads[p], comm, decider))
+                             for p in positions)) for li, positions in layers])
+        plan = flags.of(kept.decider)["plan"]
+    groups: list[tuple[Technique, list[int]]] = []
+    if quiet is None and kept is None:
         groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
     grouped = {li for _, group in groups for li in group}
-    held_norms, bads, steps, params_of = [], [], [], {}
+    held_norms, bads, steps, params_of = [], [], [], {}  # (steps: a decider's layers)
 
     def global_clip(li: int, reduced: list, params: list) -> tuple[list, list]:
         if mode != "global":
@@ -159,18 +164,21 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             continue
 
         def send(xs: list, li=li, params=params) -> tuple[list, list]:
-            reduced = comm.reduce(xs, name=None if decider is None
+            reduced = comm.reduce(xs, name=None if kept is None
                                   else f"hvdsync.{layer_names[li]}")
+            if kept is not None:  # (a branch's outputs keep the shapes both branches give)
+                for r, x in zip(reduced, xs):
+                    r.set_shape(x.shape)
             return global_clip(li, reduced, params)
         if quiet is not None:
             reduced = layer
-        elif decider is None:
+        elif kept is None:
             reduced, extras = send(layer)
         else:
-            layer = [_dense(g, comm, decider.decider.name) for g in layer]
-            ks = [keys[p] for p in positions]
-            reduced, held, bad, extras = decider.exchange(li, ks, layer, plan[li], send,
-                                                          2 if mode == "global" else 0)
+            layer = [_dense(g, comm, decider) for g in layer]
+            ks = list(range(len(layer)))
+            reduced, held, bad, extras = kept.exchange(li, ks, layer, plan[li], send,
+                                                       2 if mode == "global" else 0)
             held_norms.append(held)
             bads.append(bad)
             steps.append((li, ks, layer))
@@ -204,19 +212,18 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             apply(grads, variables)
         # the host's moments after the update read and assign the variables: after it
         done = [tf.convert_to_tensor(v.value) for v in variables]
-    elif decider is None:
+    elif kept is None:
         # finite on every rank: the exchanged gradients carry any rank's NaN/Inf everywhere
         ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(
             g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads]))
         shared = local = tf.zeros([0], tf.float64)
         _apply_if(ok, apply, grads, variables)
     else:
-        shared, local, ok = decider.control([(li, layer) for li, _, layer in steps],
-                                            held_norms, bads, params_of, grads)
+        shared, local, ok = kept.control(steps, held_norms, bads, grads, _control_round(comm))
     for t in {t.name: t for t, _ in groups}.values():  # what the rounds staged, if ok
         t.trace_commit(ok)
-    if decider is not None:  # (no transport rounds beside a decider: Technique.traced_with)
-        put_back = decider.commit(steps, plan, ok)
+    if kept is not None:  # (no transport rounds beside a decider: Technique.traced_with)
+        put_back = kept.commit(steps, plan, ok)
         _apply_if(ok, apply, grads, variables)
         put_back()
     clipped = sorted(records)
@@ -243,16 +250,16 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             elif li in grouped:
                 if comm.size > 1:
                     stats.sent(name, int(counted[li][0]), int(counted[li][1]))
-            elif quiet is None and (comm.size > 1 or decider is not None):
+            elif quiet is None and (comm.size > 1 or kept is not None):
                 stats.sent(name, int(nbytes) if comm.size > 1 else 0, collectives[li])
-        if decider is not None and comm.size > 1:
+        if kept is not None and comm.size > 1:
             stats.control(shared.nbytes)
         if clip is not None:
             clip.record_step([(li, float(n), bool(w)) for li, (n, w)
                               in zip(clipped, np.asarray(record).reshape(-1, 2))
                               if mode == "local" or sends[li]], bool(ok))
-        if decider is not None:
-            decider.settle(bool(ok), shared, local)
+        if kept is not None:
+            kept.settle(bool(ok), shared.tolist(), local.tolist())
         for t in {t for t, _ in groups}:
             t.end_traced_step(bool(ok))
         if quiet is not None:
@@ -282,6 +289,16 @@ def _counted(comm: KerasCommunicator, traffic: Traffic, li: int
         if comm.size > 1:
             traffic.add(li, sum(comm.wire_bytes(t) for t in tensors), comm.collectives(tensors))
         return out
+    return reduce
+
+
+def _control_round(comm: KerasCommunicator) -> Callable[[str, tf.Tensor], tf.Tensor]:
+    """``reduce(name, vector)`` for a decider's control vector: averaged over ranks in one
+    graph allreduce (no compression: the statistics are exact, as in the eager step)."""
+    def reduce(name: str, vector: tf.Tensor) -> tf.Tensor:
+        if comm.size == 1:
+            return vector
+        return mpi_ops._allreduce(vector, name=name, op=Average, process_set=comm.process_set)
     return reduce
 
 

@@ -23,8 +23,8 @@ class VariableMemory(MutableMapping):
     parameter and its optimizer slots, as :meth:`KerasGradients.snapshot` gives them
     (``{"value", "state"}``, not reset when emptied: a sync point is read only while present).
     The mapping methods read the flags on the host: they are for use outside the step
-    (checkpoints, status); the traced step uses :meth:`read` and :meth:`write` (or ``flags``
-    and ``store`` directly)."""
+    (checkpoints, status); the traced step uses :meth:`read`, :meth:`present`, :meth:`write`
+    and :meth:`put`."""
 
     def __init__(self, layer_keys: list[list[str]], empty: dict[str, list], name: str,
                  with_slots: bool = False):
@@ -60,28 +60,45 @@ class VariableMemory(MutableMapping):
         return cls(layer_keys, empty, name)
 
     # -- in the traced step ---------------------------------------------------------------
-    def read(self, key: str) -> tf.Tensor:
-        """The value of a one-tensor key (its empty value while absent)."""
-        return self.store[key][0].read_value()
+    def read(self, key: str) -> Any:
+        """The key's value (its empty value while absent; with slots, a snapshot)."""
+        return self._as_held([x.read_value() for x in self.store[key]])
+
+    def present(self, key: str) -> tf.Tensor:
+        """Whether the key holds something, a device boolean."""
+        return self.flags[self._layer[key]].read_value()
 
     def write(self, key: str, value: tf.Tensor, when: tf.Tensor) -> None:
-        """Where the device boolean ``when`` holds: ``value`` for the key, which is present
-        afterwards (keys of one layer are written together)."""
+        """Where the device boolean ``when`` holds: ``value`` for a one-tensor key, which is
+        present afterwards (keys of one layer are written together)."""
         x = self.store[key][0]
         x.assign(tf.where(when, tf.cast(value, x.dtype), x))
         flag = self.flags[self._layer[key]]
         flag.assign(tf.logical_or(flag, when))
 
+    def put(self, key: str, value: Any, present: tf.Tensor) -> None:
+        """The key holds ``value`` where the device boolean ``present`` holds and nothing
+        elsewhere (a one-tensor key: its empty value; with slots the tensors stay, unread
+        while absent). Keys of one layer are put together."""
+        empty = self._empty_values[key] if not self.with_slots else self.store[key]
+        for x, v, e in zip(self.store[key], self._as_list(value), empty):
+            x.assign(tf.where(present, tf.cast(v, x.dtype), e))
+        self.flags[self._layer[key]].assign(present)
+
+    def _as_held(self, values: list) -> Any:
+        return {"value": values[0], "state": values[1:]} if self.with_slots else values[0]
+
+    def _as_list(self, value: Any) -> list:
+        return [value["value"], *value["state"]] if self.with_slots else [value]
+
     # -- the mapping, on the host -----------------------------------------------------------
     def __getitem__(self, key: str) -> Any:
         if key not in self._layer or not bool(self.flags[self._layer[key]].numpy()):
             raise KeyError(key)
-        values = [tf.identity(x) for x in self.store[key]]
-        return {"value": values[0], "state": values[1:]} if self.with_slots else values[0]
+        return self._as_held([tf.identity(x) for x in self.store[key]])
 
     def __setitem__(self, key: str, value: Any) -> None:
-        values = [value["value"], *value["state"]] if self.with_slots else [value]
-        for x, v in zip(self.store[key], values):
+        for x, v in zip(self.store[key], self._as_list(value)):
             x.assign(v)
         self.flags[self._layer[key]].assign(True)
 

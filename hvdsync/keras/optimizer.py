@@ -32,12 +32,12 @@ from hvdsync.keras.graph import (HostFlags, Traffic, eager_step, graph_runs, gra
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
 from hvdsync.keras.backend import KerasGradients, KerasOps, Slots
 from hvdsync.keras.clipping import clip_layer
-from hvdsync.keras.compiled import CompiledDecider
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.memory import VariableMemory
 from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
 from hvdsync.keras.sparse import SparseExchange
 from hvdsync.keras.state import KerasCheckpointing
+from hvdsync.kept_layers import KeptLayers
 from hvdsync.layers import Grouping, Layer, build_layers
 from hvdsync.lowrank import LowRankConfig
 from hvdsync.pipeline import StepPipeline
@@ -99,8 +99,11 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         hv.signatures = [checkpoint.signature(v.shape, v.dtype) for vs in layer_vars for v in vs]
         with tf.init_scope():  # build may run while the train function is traced: go eager
             decider = hv.pipeline.decider
-            hv.compiled = (CompiledDecider(decider, hv.grads, hv.comm, names)
-                           if hv.graph_path and decider is not None else None)
+            #: the decider's traced form, its memory in variables (hvdsync.kept_layers)
+            hv.kept = (KeptLayers(decider, hv.grads, KerasOps(),
+                                  VariableMemory.of_parameters(hv.grads, False, "held"),
+                                  VariableMemory.of_parameters(hv.grads, True, "copy"))
+                       if hv.graph_path and decider is not None else None)
             #: what the compiled step branches on that the host decides, and what a
             #: transport's traced rounds sent (hvdsync.keras.graph)
             hv.flags = HostFlags(hv.techniques) if hv.graph_path else None
@@ -176,7 +179,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         if hv.graph_path:
             graph_step(hv.comm, hv.pipeline, hv.grads.layer_positions(variables), grads,
                        variables, self._apply_update, hv.restored, hv.flags, hv.traffic,
-                       hv.compiled, [hv.grads.key_of(v) for v in variables])
+                       hv.kept)
             return
         if hv.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g

@@ -79,7 +79,6 @@ class KerasCheckpointing:
 
 def _refresh_traced(hv: Any) -> None:
     """The technique state changed on the host: the variables the compiled step reads it by
-    (a decider's plan, the techniques' host flags)."""
-    for holder in (hv.compiled, hv.flags):
-        if holder is not None:
-            holder.refresh()
+    (the techniques' host flags: a decider's plan among them)."""
+    if hv.flags is not None:
+        hv.flags.refresh()

@@ -190,6 +190,14 @@ class TorchOps:
         return yes() if bool(flag) else no()
 
     @staticmethod
+    def where(flag: Any, yes: Any, no: Any) -> Any:
+        return yes if bool(flag) else no
+
+    @staticmethod
+    def vector(scalars: Sequence[Any]) -> torch.Tensor:
+        return torch.stack([torch.as_tensor(s).to(torch.float64).reshape(()) for s in scalars])
+
+    @staticmethod
     def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn  # an eager op costs a few microseconds: nothing to gain
 
@@ -259,8 +267,8 @@ class TorchGradients:
             p.copy_(snap["value"])
         if snap["state"] is None:
             self._optimizer.state.pop(p, None)
-        else:
-            self._optimizer.state[p] = snap["state"]
+        else:  # a copy: the optimizer updates its state in place, the snapshot stays
+            self._optimizer.state[p] = copy.deepcopy(snap["state"])
 
     def update_only(self, grads: dict[str, torch.Tensor]) -> None:
         # torch optimizers leave a parameter without a gradient (and its state) alone
