@@ -440,7 +440,8 @@ class LowRankCompression(Transport):
 
     def trace_exchange(self, layers: list[tuple[int, list[int]]],
                        reduce: Callable[[str, list], list],
-                       plain: Callable[[int, list], list], flags: dict[str, Any]
+                       plain: Callable[[int, list], list], flags: dict[str, Any],
+                       count: Optional[Callable[[int, Any, int], None]] = None
                        ) -> dict[int, list]:
         g, ops = self.grads, self.ops
         names = [self.layer_names[li] for li, _ in layers]

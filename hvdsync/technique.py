@@ -590,19 +590,25 @@ class Transport(Technique):
 
     def trace_exchange(self, layers: list[tuple[int, list[int]]],
                        reduce: Callable[[str, list], list],
-                       plain: Callable[[int, list], list], flags: dict[str, Any]
+                       plain: Callable[[int, list], list], flags: dict[str, Any],
+                       count: Optional[Callable[[int, Any, int], None]] = None
                        ) -> dict[int, list]:
         """Build one group's exchange (:meth:`traced_groups`; ``layers``: its layers in the
         step, each ``(li, ks)``, their gradients in :class:`Gradients`): ``reduce(name,
         tensors)`` averages over ranks (one collective), ``plain(li, tensors)`` is a layer's
-        plain exchange; ``flags``: :meth:`host_flags` as device booleans. Returns each layer's
-        gradients to apply; what the memory should become waits for :meth:`trace_commit`."""
+        plain exchange (both count what they send); ``flags``: :meth:`host_flags` as device
+        values; ``count(li, nbytes, collectives)`` records what a collective of the
+        transport's own sent for layer ``li`` where it runs (``nbytes`` a device scalar where
+        sizes are known at run time only). Returns each layer's gradients to apply; what the
+        memory should become waits for :meth:`trace_commit`."""
         raise NotImplementedError(f"{self.name} has no traced exchange")
 
-    def trace_commit(self, ok: Any) -> None:
+    def trace_commit(self, ok: Any) -> Optional[list]:
         """Build the step's memory update, once a step (after every exchange): what the
         step's :meth:`trace_exchange` calls computed becomes the memory where ``ok`` (a device
-        boolean, the same on every rank: the step was finite everywhere) holds."""
+        boolean, the same on every rank: the step was finite everywhere) holds. Returns what
+        :meth:`end_traced_step` reads on the host, if anything (device values the host call
+        must wait for: it reads them outside the graph's view)."""
         raise NotImplementedError(f"{self.name} has no traced exchange")
 
     def end_traced_step(self, ok: bool) -> None:

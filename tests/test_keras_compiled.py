@@ -1,4 +1,4 @@
-"""threshold=, select=, lowrank= and delay='s local steps compiled into Keras' train function
+"""threshold=, select=, lowrank=, sparse= and delay='s local steps compiled into Keras' train function
 (hvdsync.keras.graph, with hvdsync.kept_layers for deciders) against the same techniques run eagerly through
 the step pipeline (``HVDSYNC_KERAS_PIPELINE=1``) and the compiled step run eagerly
 (``run_eagerly=True``): the same layers sent at every step and the same weights, on 2 and 3
@@ -15,7 +15,8 @@ MODES = ("compiled", "run_eagerly", "pipeline")
 #: the cases that also run the compiled step eagerly (``run_eagerly=True``): one per traced
 #: form (a decider of each kind of kept layer, local steps, lowrank=) -- the same Python builds
 #: every case's step, so more cases would repeat it at ~1 s of the shared job a fit
-RUN_EAGERLY = ("threshold", "select_hypernet", "diloco", "lowrank_bucketed_clip_global")
+RUN_EAGERLY = ("threshold", "select_hypernet", "diloco", "lowrank_bucketed_clip_global",
+               "sparse_switch_counts_first_clip")
 
 CASES = {
     "threshold": (dict(threshold=dict(threshold=0.6, max_skip=3)), "momentum", 0.05),
@@ -54,25 +55,45 @@ LOWRANK_CASES = {
     "lowrank_clip_adam": (dict(lowrank=dict(rank=2, warmup_steps=0), clip=dict(max_norm=0.3)),
                           "adam", 0.01),
 }
+#: sparse= compiled: the row-sparse embedding's route a branch on a flag the host writes
+#: (or, codes first, on the codes gathered in the step), the dense layers per layer as plain
+SPARSE_CASES = {
+    "sparse_gather": (dict(sparse=True), "sgd", 0.125, "emb_mlp", 500),
+    "sparse_dense_route": (dict(sparse=dict(dense_ratio=0)), "momentum", 0.05, "emb_mlp", 40),
+    # the route switches between gather and dense with each step's rows (7 of 12 dense),
+    # chosen on the device from the codes gathered first; the local clip merges duplicates
+    "sparse_switch_counts_first_clip": (dict(sparse=dict(one_round=False, dense_ratio=0.55),
+                                             clip=dict(max_norm=0.3)), "adam", 0.01,
+                                        "emb_mlp", 200),
+    # one round: each step's route is the one the last step's rows chose (the host's flag)
+    "sparse_switch_one_round": (dict(sparse=dict(dense_ratio=0.55)), "sgd", 0.125, "emb_mlp",
+                                200),
+}
+SPARSE_COUNTERS = ("sparse_gather", "sparse_dense", "sparse_duplicate_rows",
+                   "sparse_gather_equal")
 STEPS, BATCH = 12, 16
 
 
-def compiled_case(options: dict, opt_name: str, lr: float, modes: tuple = MODES) -> dict:
+def compiled_case(options: dict, opt_name: str, lr: float, model_name: str = "mlp",
+                  vocab: int = 40, modes: tuple = MODES) -> dict:
     """One case in each of ``modes``: per mode, the layers sent per step, the weights after
-    every step, whether the graph path ran, the totals (and lowrank='s status)."""
+    every step, whether the graph path ran, the totals (and lowrank='s status). ``model_name``
+    ``"emb_mlp"``: an embedding of ``vocab`` rows (row-sparse gradients) and a dense head."""
     import os
 
     import keras
     import hvdsync.keras as hvd
-    from tests.keras_models import (Recorder, make_optimizer, mlp, one_tensorflow_thread,
-                                    teacher_data)
+    from tests.keras_models import (Recorder, embedding_model, make_optimizer, mlp,
+                                    one_tensorflow_thread, teacher_data, token_data)
     hvd.init()
     one_tensorflow_thread()
-    x, y = teacher_data(hvd.rank(), STEPS * BATCH)
+    x, y = (teacher_data(hvd.rank(), STEPS * BATCH) if model_name == "mlp"
+            else token_data(hvd.rank(), STEPS * BATCH, vocab=vocab))
     out = {}
     for mode in modes:
         os.environ["HVDSYNC_KERAS_PIPELINE"] = "1" if mode == "pipeline" else "0"
-        model = mlp(dtype="float64")
+        model = (mlp(dtype="float64") if model_name == "mlp"
+                 else embedding_model(vocab=vocab, hidden=True, dtype="float64"))
         opt = hvd.DistributedOptimizer(make_optimizer(opt_name, lr), **options)
         model.compile(optimizer=opt, run_eagerly=mode == "run_eagerly",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -117,9 +138,11 @@ def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     """This file's cases in the session's shared rank job (tests/conftest.py)."""
     if np_ not in KERAS_NP:
         return {}
-    return {**{name: (compiled_case, *case,
+    plain_model = ("mlp", 40)
+    return {**{name: (compiled_case, *case[:3], *(case[3:] or plain_model),
                       MODES if name in RUN_EAGERLY else ("compiled", "pipeline"))
-               for name, case in {**CASES, **LOCAL_CASES, **LOWRANK_CASES}.items()},
+               for name, case in {**CASES, **LOCAL_CASES, **LOWRANK_CASES,
+                                  **SPARSE_CASES}.items()},
             **{f"{name}_per_execution": (execution_case, *case)
                for name, case in EXECUTION_CASES.items()}}
 
@@ -171,6 +194,23 @@ def test_compiled_lowrank_equals_the_step_pipeline(runs, case):
         assert status["residual_norm"] > 0
 
 
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_compiled_sparse_equals_the_step_pipeline(runs, case):
+    """sparse= compiled: the same weights, layers, bytes and routes (counted per step) as the
+    step pipeline, duplicates summed locally first; the gather route sends fewer bytes than
+    the dense tensors, and in the switch case both routes were taken."""
+    for r in runs[case]:
+        _equal_to_the_pipeline(r, SPARSE_COUNTERS)
+        total = r["compiled"]["total"]
+        assert total["sparse_duplicate_rows"] > 0, total
+        if case == "sparse_gather":
+            assert total["sparse_gather"] == STEPS and total["bytes_sent"] < total["bytes_dense"]
+        if case == "sparse_dense_route":
+            assert total["sparse_dense"] == STEPS
+        if case.startswith("sparse_switch"):
+            assert 0 < total["sparse_gather"] < STEPS and total["sparse_dense"] > 0, total
+
+
 def _equal_to_the_pipeline(r: dict, counters: tuple = ()) -> None:
     """The compiled step (in a graph and run eagerly) against the step pipeline: the same
     layers sent each step, weights to 1e-9 after every step, the same counters."""
@@ -185,7 +225,7 @@ def _equal_to_the_pipeline(r: dict, counters: tuple = ()) -> None:
                 np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-9,
                                            err_msg=f"{mode} step {t} {k}")
         for k in ("bytes_sent", "bytes_dense", "layers_sent", "layers_skipped") + counters:
-            assert got["total"][k] == ref["total"][k], (mode, k)
+            assert got["total"].get(k) == ref["total"].get(k), (mode, k)
 
 
 @pytest.mark.parametrize("case", list(EXECUTION_CASES))

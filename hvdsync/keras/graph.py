@@ -54,11 +54,16 @@ class Traffic:
                                     name="hvdsync_traffic")
         self._seen = np.zeros([n_layers, 2], np.int64)
 
-    def add(self, li: int, nbytes: int, collectives: int) -> None:
-        """In the step: layer ``li`` sent ``nbytes`` in ``collectives`` (where this runs)."""
-        row = np.zeros(self._seen.shape, np.int64)
-        row[li] = (nbytes, collectives)
-        self.variable.assign_add(tf.constant(row))
+    def add(self, li: int, nbytes, collectives: int) -> None:
+        """In the step: layer ``li`` sent ``nbytes`` (an int, or a device scalar where the
+        size is known at run time only) in ``collectives`` (where this runs)."""
+        if isinstance(nbytes, int):
+            row = np.zeros(self._seen.shape, np.int64)
+            row[li] = (nbytes, collectives)
+            self.variable.assign_add(tf.constant(row))
+            return
+        self.variable.scatter_nd_add([[li, 0], [li, 1]], tf.stack(
+            [tf.cast(nbytes, tf.int64), tf.constant(collectives, tf.int64)]))
 
     def since_last(self, total: np.ndarray) -> np.ndarray:
         """On the host: what was counted since the last call (``total``: the variable read
@@ -141,6 +146,8 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     groups: list[tuple[Technique, list[int]]] = []
     if quiet is None and kept is None:
         groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
+        with tf.init_scope():  # a flag may depend on what the trace saw (eagerly, now)
+            flags.refresh()
     grouped = {li for _, group in groups for li in group}
     held_norms, bads, steps, params_of = [], [], [], {}  # (steps: a decider's layers)
 
@@ -193,7 +200,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         delivered = t.trace_exchange(
             [(li, list(range(len(positions_of[li])))) for li in group],
             _counted(comm, traffic, group[0]), _plain(comm, traffic, layer_names),
-            flags.of(t))
+            flags.of(t), _count(comm, traffic))
         for li in group:
             reduced, extras = global_clip(li, delivered[li], params_of[li])
             if mode == "global":
@@ -220,8 +227,9 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         _apply_if(ok, apply, grads, variables)
     else:
         shared, local, ok = kept.control(steps, held_norms, bads, grads, _control_round(comm))
+    host_reads: list = []  # what the transports' host calls read after the step
     for t in {t.name: t for t, _ in groups}.values():  # what the rounds staged, if ok
-        t.trace_commit(ok)
+        host_reads += t.trace_commit(ok) or []
     if kept is not None:  # (no transport rounds beside a decider: Technique.traced_with)
         put_back = kept.commit(steps, plan, ok)
         _apply_if(ok, apply, grads, variables)
@@ -273,7 +281,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             pipeline.after_local_update()
         flags.refresh()
         return np.int32(0)
-    with tf.control_dependencies(done if quiet is not None else []):
+    with tf.control_dependencies((done if quiet is not None else []) + host_reads):
         tf.py_function(finish, [static_bytes, tf.stack(dense), record, ok, sends, shared,
                                 local, local_bad, before, counted], tf.int32)
 
@@ -300,6 +308,14 @@ def _control_round(comm: KerasCommunicator) -> Callable[[str, tf.Tensor], tf.Ten
             return vector
         return mpi_ops._allreduce(vector, name=name, op=Average, process_set=comm.process_set)
     return reduce
+
+
+def _count(comm: KerasCommunicator, traffic: Traffic) -> Callable[[int, object, int], None]:
+    """``count(li, nbytes, collectives)`` for a transport's own collectives in a trace."""
+    def count(li: int, nbytes, collectives: int) -> None:
+        if comm.size > 1:
+            traffic.add(li, nbytes, collectives)
+    return count
 
 
 def _plain(comm: KerasCommunicator, traffic: Traffic,

@@ -16,6 +16,15 @@ With ``one_round`` (the default) the codes travel bit-cast as the first tensor o
 allgather, and each gradient takes the route the last step's counts chose: one collective
 round per step; a variable with no history yet (the first step) waits for this step's codes
 (a second round). ``one_round=False`` shares the codes first, in an allgather of their own.
+
+**Compiled** (Keras' train function, alone or with ``clip=``): the same protocol traced
+(:meth:`SparseExchange.trace_exchange`). Each variable's route is a device boolean: the host
+writes last step's choice (``host_flags``: ``dense``), or, where the codes go first
+(``counts_first``: the first step, ``one_round=False``), a branch gathers them and picks the
+route on the device by :func:`hvdsync.sparse.choose_route`'s rule. Each row-sparse variable is
+one ``tf.cond(dense, allreduce, allgather)`` (a graph cannot group collectives whose routes
+are known at run time only), the codes riding with the first one; they reach the host in a
+variable, where the protocol takes them in after the step (``end_traced_step``), as eagerly.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ class SparseExchange(SparseTransport):
     """Moves the sparse (``IndexedSlices``) gradients of one step, as the torch adapter's
     exchange does: the protocol's decisions are :class:`hvdsync.sparse.SparseProtocol`'s."""
 
+    traceable = True
+    traced_with = ("clip", "plain")  # (a decider's branches would hold its collectives)
+
     def __init__(self, config: SparseConfig, grads: KerasGradients, comm: KerasCommunicator,
                  stats: SyncStats):
         self.config = config
@@ -51,6 +63,13 @@ class SparseExchange(SparseTransport):
         self._queue: list[tuple[int, int]] = []
         self._at: dict[int, tuple[int, int]] = {}  # position -> (layer, k) this step
         self._done: set[int] = set()  # positions sent with the codes (one round)
+        #: compiled: the row-sparse variables of the traced step, whether its codes go first,
+        #: and the variables the step leaves for the host (every rank's codes; rows, duplicates)
+        self._traced: list[int] = []
+        self._lookups: dict = {}
+        self._counts_first = True
+        self._shared: Optional[tf.Variable] = None
+        self._rows: Optional[tf.Variable] = None
 
     def owns(self, li: int, k: int) -> bool:
         return self.grads.is_row_sparse(li, k)
@@ -188,6 +207,162 @@ class SparseExchange(SparseTransport):
             return {}
         return {li: Pending(nbytes=b, collectives=c) for li, (b, c) in sends.items()}
 
+    # -- compiled (hvdsync.keras.graph) -------------------------------------------------------
+    def host_flags(self) -> dict:
+        """``dense``: per variable, whether last step's counts route it dense this step;
+        ``counts_first``: whether the codes go first this step (no history for a variable of
+        the step, or ``one_round=False``)."""
+        predicted = self.protocol.predicted
+        self._counts_first = (not self.config.one_round or not predicted
+                              or any(i not in predicted for i in self._traced))
+        return {"dense": [predicted.get(i) == "dense" for i in range(len(self._vars))],
+                "counts_first": self._counts_first}
+
+    def traced_groups(self) -> list[list[int]]:
+        """The layers with a row-sparse gradient, as one group."""
+        g = self.grads
+        layers = [li for li in range(len(g.layer_vars))
+                  if any(g.is_row_sparse(li, k) for k in range(g.size(li)))]
+        self._traced = [int(g.key(li, k)) for li in layers for k in range(g.size(li))
+                        if g.is_row_sparse(li, k)]
+        self._at = {int(g.key(li, k)): (li, k) for li in range(len(g.layer_vars))
+                    for k in range(g.size(li))}  # the step's variables
+        # the lookups before anything merged them (a local clip sums duplicates first)
+        self._lookups = {i: tf.cast(tf.shape(g.get(*self._at[i]).indices)[0], tf.int64)
+                         for i in self._traced}
+        if layers and self._shared is None:
+            with tf.init_scope():  # what the host reads after a step
+                n = 2 * len(self._vars)  # (per rank: the world may change, Horovod Elastic)
+                self._shared = tf.Variable(tf.zeros([self.comm.size, n], tf.int64),
+                                           shape=tf.TensorShape([None, n]), trainable=False,
+                                           name="hvdsync_sparse_codes")
+                self._rows = tf.Variable(tf.zeros([2, len(self._vars)], tf.int64),
+                                         trainable=False, name="hvdsync_sparse_rows")
+        return [layers] if layers else []
+
+    def trace_exchange(self, layers, reduce, plain, flags, count=None) -> dict[int, list]:
+        """One step of the protocol in the graph: sum duplicate rows, this rank's codes, the
+        routes (host flags, or from codes gathered first), then per variable its route's
+        collective; the codes every rank sent and the rows handed on go to variables for
+        :meth:`end_traced_step`."""
+        g, comm, n = self.grads, self.comm, len(self._vars)
+        scale = 1.0 / comm.size if comm.op == Average else 1.0
+        merged, duplicates = {}, {}
+        codes = [tf.constant(ABSENT, tf.int64), tf.constant(0, tf.int64)] * n
+        for li in range(len(g.layer_vars)):  # every variable of the step, as eagerly
+            for k in range(g.size(li)):
+                i = int(g.key(li, k))
+                codes[2 * i] = tf.constant(DENSE, tf.int64)
+                if g.is_row_sparse(li, k):
+                    raw = g.get(li, k)
+                    merged[i] = coalesce(raw)
+                    rows = tf.cast(tf.shape(merged[i].indices)[0], tf.int64)
+                    duplicates[i] = self._lookups[i] - rows
+                    codes[2 * i], codes[2 * i + 1] = rows, tf.constant(1, tf.int64)
+        codes = tf.stack(codes)
+        dense = tf.cond(flags["counts_first"], lambda: self._routes_from(self._gathered(
+            comm.allgather([tf.reshape(codes, [1, -1])], "hvdsync.sparse.layouts")[0])),
+            lambda: flags["dense"])
+        out: dict[int, list] = {}
+        header = codes
+        rows_out = [tf.constant(0, tf.int64)] * n
+        for li, ks in layers:
+            plain_ks = [k for k in ks if not g.is_row_sparse(li, k)]
+            reduced = dict(zip(plain_ks, plain(li, [g.get(li, k) for k in plain_ks])))
+            for k in ks:
+                if k in reduced:
+                    continue
+                i = int(g.key(li, k))
+                values, indices, gathered = self._trace_route(
+                    li, i, merged[i], dense[i], header, scale, count)
+                if header is not None:
+                    self._shared.assign(gathered)
+                    header = None
+                rows_out[i] = tf.cast(tf.shape(indices)[0], tf.int64)
+                reduced[k] = tf.IndexedSlices(values, indices, merged[i].dense_shape)
+            out[li] = [reduced[k] for k in ks]
+        dup = [duplicates.get(i, tf.constant(0, tf.int64)) for i in range(n)]
+        self._rows.assign(tf.stack([tf.stack(rows_out), tf.stack(dup)]))
+        return out
+
+    def _trace_route(self, li: int, i: int, g: tf.IndexedSlices, dense, header, scale: float,
+                     count) -> tuple:
+        """``tf.cond(dense, allreduce, allgather)`` for variable ``i``'s summed rows ``g``;
+        ``header``: this rank's codes to gather with them (else ``None``). Returns the
+        rank-summed rows (values, indices) and every rank's codes (``[size, codes]``)."""
+        comm, dtype = self.comm, g.values.dtype
+        like = tf.zeros([comm.size, 2 * len(self._vars)], tf.int64)
+
+        def gather():
+            packed = _pack(g)
+            first = [] if header is None else [_as_values(header, dtype)]
+            got = comm.allgather(first + [packed], f"hvdsync.sparse.rows.{dtype.name}.{i}")
+            if count is not None:
+                count(li, tf.size(packed, tf.int64) * dtype.size, 1)
+            merged = coalesce(_unpack(got[-1], g))
+            return (merged.values * tf.constant(scale, dtype), merged.indices,
+                    like if header is None else self._gathered(got[0]))
+
+        def allreduce():
+            shape = [int(d) for d in self._vars[i].shape]  # (static, unlike dense_shape)
+            flat = tf.reshape(g.values, [-1, int(np.prod(shape[1:]))])
+            rows = tf.concat([flat, tf.ones([tf.shape(flat)[0], 1], flat.dtype)], axis=1)
+            buffer = tf.scatter_nd(tf.expand_dims(g.indices, 1), rows,
+                                   [shape[0], flat.shape[1] + 1])
+            b = comm.sum([buffer], f"hvdsync.sparse.dense.{i}")[0]
+            if count is not None:
+                count(li, payload_bytes(buffer), 1)
+            present = tf.cast(tf.where(b[:, -1] > 0)[:, 0], g.indices.dtype)
+            values = tf.reshape(tf.gather(b[:, :-1], present) * tf.constant(scale, dtype),
+                                [-1, *g.values.shape[1:]])
+            codes = like if header is None else self._gathered(comm.allgather(
+                [_as_values(header, dtype)], f"hvdsync.sparse.codes.{dtype.name}")[0])
+            return values, present, codes
+        return tf.cond(dense, allreduce, gather)
+
+    def _gathered(self, values: tf.Tensor) -> tf.Tensor:
+        """Every rank's codes from their gathered bits (:func:`_as_values`)."""
+        k = 8 // values.dtype.size
+        bits = tf.reshape(values, [self.comm.size, -1] if k == 1 else [self.comm.size, -1, k])
+        return tf.reshape(tf.bitcast(bits, tf.int64), [self.comm.size, 2 * len(self._vars)])
+
+    def _routes_from(self, shared: tf.Tensor) -> tf.Tensor:
+        """Per variable, whether this step's shared codes route it dense
+        (:func:`hvdsync.sparse.choose_route` on the device)."""
+        counts = tf.reduce_sum(tf.maximum(shared[:, 0::2], 0), axis=0)
+        row, whole = [], []
+        for v in self._vars:
+            shape, size = [int(d) for d in v.shape], tf.as_dtype(v.dtype).size
+            row.append(float(int(np.prod(shape[1:])) * size + _INDEX_BYTES))
+            whole.append(float(int(np.prod(shape)) * size))
+        gathered = tf.cast(counts, tf.float64) * tf.constant(row, tf.float64)
+        return gathered > self.config.dense_ratio * tf.constant(whole, tf.float64)
+
+    def trace_commit(self, ok) -> list:
+        """No memory of tensors; the host reads every rank's codes and the rows after the
+        step (read here, after the step wrote them: the host call waits for these reads)."""
+        return [self._shared.read_value(), self._rows.read_value()]
+
+    def end_traced_step(self, ok: bool) -> None:
+        """The protocol's host side of a compiled step: every rank's codes taken in, the
+        routes the step took (from them, where they went first; else as predicted), the
+        counters, the next step's routes."""
+        codes = self._shared.numpy()
+        rows, dup = self._rows.numpy().tolist()
+        first = self._counts_first
+        own = codes[self.comm.process_set.rank()].reshape(-1, 2)
+        self.protocol.begin([(int(c), int(d)) for c, d in own])
+        self._absorb(codes, self.protocol.codes, own_collective=first)
+        for i in self._traced:
+            route = (self._route(i) if first
+                     else "dense" if self.protocol.predicted.get(i) == "dense" else "gather")
+            route = "gather" if route == "none" else route  # (the graph gathers no rows)
+            self.protocol.take(i, route)
+            if route == "gather":
+                self.protocol.count_equal(i)
+            self.stats.count("sparse_duplicate_rows", int(dup[i]))
+        self.protocol.end_step(self._route, lambda i: int(rows[i]))
+
     def end_step(self, ok: bool) -> None:
         def rows(i: int) -> int:
             g = self.grads.get(*self._at[i]) if i in self._at else None
@@ -198,9 +373,10 @@ class SparseExchange(SparseTransport):
         return dict(self.protocol.last_routes)
 
 
-def _as_values(codes: list[int], dtype: tf.DType) -> tf.Tensor:
-    """``[1, w]``: the int64 codes bit-cast into the value dtype (an allgather copies bytes)."""
-    bits = tf.bitcast(tf.constant(codes, tf.int64), dtype)
+def _as_values(codes, dtype: tf.DType) -> tf.Tensor:
+    """``[1, w]``: the int64 codes (a list or tensor) bit-cast into the value dtype (an
+    allgather copies bytes)."""
+    bits = tf.bitcast(tf.convert_to_tensor(codes, tf.int64), dtype)
     return tf.reshape(bits, [1, -1])
 
 
@@ -214,7 +390,7 @@ def _from_values(gathered: tf.Tensor, size: int) -> np.ndarray:
 def _pack(g: tf.IndexedSlices) -> tf.Tensor:
     """``[rows, width + k]``: each row's values, then its int64 index bit-cast into ``k``
     columns of the value dtype (bit-for-bit: an allgather copies bytes, no arithmetic)."""
-    rows = tf.reshape(g.values, [tf.shape(g.values)[0], -1])
+    rows = tf.reshape(g.values, [-1, _width(g)])
     index = tf.bitcast(tf.cast(g.indices, tf.int64), g.values.dtype)
     if index.shape.rank == 1:  # same width (float64)
         index = tf.expand_dims(index, 1)
@@ -223,8 +399,13 @@ def _pack(g: tf.IndexedSlices) -> tf.Tensor:
 
 def _unpack(packed: tf.Tensor, like: tf.IndexedSlices) -> tf.IndexedSlices:
     k = 8 // packed.dtype.size
-    width = int(packed.shape[1]) - k
+    width = _width(like)  # (static: a traced allgather's output shape is not)
     index = packed[:, width:]
     index = tf.bitcast(index[:, 0] if k == 1 else index, tf.int64)
     values = tf.reshape(packed[:, :width], [-1, *like.values.shape[1:]])
     return tf.IndexedSlices(values, tf.cast(index, like.indices.dtype), like.dense_shape)
+
+
+def _width(g: tf.IndexedSlices) -> int:
+    """Values per row (the row shape is static: the variable's)."""
+    return int(np.prod(g.values.shape[1:]))
