@@ -13,7 +13,10 @@ pipeline, for scale); and, by name only (``--methods``), ``delay="diloco"`` and
 ``delay="streaming"``: local steps, what an inner step costs in Keras -- compiled, through the
 eager step pipeline (``HVDSYNC_KERAS_PIPELINE=1``), and the wrapped optimizer alone (no
 exchange at all); ``lowrank=4`` alone (compiled, and through the eager step pipeline) and
-inside ``delay=`` (the eager pipeline), compressing.
+inside ``delay=`` (the eager pipeline), compressing. With ``--vocab V``: an embedding of ``V``
+rows (row-sparse gradients: Zipf-distributed token bags) before the MLP, and, by name,
+``sparse=True`` compiled and through the eager step pipeline (Horovod's tape and the plain path
+send the embedding's rows by Horovod's own allgathers).
 Rounds interleave the methods (the order rotates every round); each
 method trains ``--steps`` steps per round after a warm-up ``fit`` (tracing), timed from the
 end of its first step to the end of its last; the warm-up ``fit`` (2 steps, with
@@ -55,7 +58,13 @@ METHODS: dict[str, Any] = {
     "lowrank=4 (eager pipeline)": dict(lowrank=dict(rank=4, warmup_steps=0)),
     "lowrank=4 inside delay staleness=1 (eager path)": dict(
         lowrank=dict(rank=4, warmup_steps=0), delay=dict(staleness=1, average_every=32)),
+    # row-sparse embedding gradients (--vocab): sparse= compiled, and through the eager
+    # step pipeline (as before it was compiled)
+    "sparse (compiled)": dict(sparse=True),
+    "sparse (eager pipeline)": dict(sparse=True),
 }
+#: tokens per example with ``--vocab`` (a bag, averaged)
+BAG = 16
 BASE = "hvdsync (plain path)"
 #: what runs unless ``--methods`` says otherwise: everything sent every step
 DEFAULT = ["horovod (tape)", BASE, "clip (never clips)", "threshold=0", "select (every layer)",
@@ -63,7 +72,7 @@ DEFAULT = ["horovod (tape)", BASE, "clip (never clips)", "threshold=0", "select 
 
 
 def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth: int,
-                  batch: int, warmup: int = 0) -> dict:
+                  batch: int, warmup: int = 0, vocab: int = 0) -> dict:
     """One rank: every method on its own model copy, rounds interleaved; per round and
     method the slowest rank's seconds per step (``warmup``: untimed steps after the first
     fit, so that what a method traces on first use -- an outer exchange per fragment --
@@ -85,12 +94,19 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
     features, classes = FEATURES, CLASSES
     teacher = np.random.default_rng(0).standard_normal((features, classes))
     rng = np.random.default_rng(100 + hvd.rank())
-    x = rng.standard_normal((steps * batch, features)).astype("float32")
-    y = np.argmax(x @ teacher, axis=1)
+    if vocab:  # token bags, Zipf-skewed; the label from a teacher on the bag's tokens
+        p = 1.0 / np.arange(1, vocab + 1)
+        x = rng.choice(vocab, size=(steps * batch, BAG), p=p / p.sum()).astype("int32")
+        y = np.argmax(np.random.default_rng(0).standard_normal((vocab, classes))[x].sum(1), 1)
+    else:
+        x = rng.standard_normal((steps * batch, features)).astype("float32")
+        y = np.argmax(x @ teacher, axis=1)
     models, compile_s = {}, {}
     for name in methods:
         keras.utils.set_random_seed(0)
-        model = mlp(width, depth)
+        model = mlp(width, depth) if not vocab else keras.Sequential(
+            [keras.Input((BAG,), dtype="int32"), keras.layers.Embedding(vocab, features),
+             keras.layers.GlobalAveragePooling1D(), mlp(width, depth)])
         opt = keras.optimizers.Adam(1e-3)
         if METHODS[name] is None:
             model = horovod_tape_model(model)
@@ -110,7 +126,7 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
             tf.constant([time.perf_counter() - start], tf.float64), op=htf.Max,
             name=f"c.{name}").numpy()[0])
         if warmup:
-            model.fit(np.resize(x, (warmup * batch, features)), np.resize(y, warmup * batch),
+            model.fit(np.resize(x, (warmup * batch, x.shape[1])), np.resize(y, warmup * batch),
                       batch_size=batch, verbose=0)
         models[name] = model
     per_round: dict[str, list[float]] = {name: [] for name in methods}
@@ -140,6 +156,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=128, help="per rank")
     ap.add_argument("--warmup", type=int, default=0,
                     help="untimed steps per method before the rounds (after the first fit)")
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="an embedding of this many rows before the MLP (row-sparse gradients)")
     ap.add_argument("--methods", nargs="+", default=DEFAULT, choices=list(METHODS))
     ap.add_argument("--net", default="loopback",
                     help="'loopback' or a link rate in Mbit/s for the emulated network")
@@ -149,7 +167,8 @@ def main(argv=None) -> None:
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (the interval needs a spread)")
     methods = [BASE] + [m for m in args.methods if m != BASE]
-    call = (methods, args.rounds, args.steps, args.width, args.depth, args.batch, args.warmup)
+    call = (methods, args.rounds, args.steps, args.width, args.depth, args.batch, args.warmup,
+            args.vocab)
     if args.net == "loopback":
         per_rank = run_ranks_on(None, overhead_body, args.np, args=call, timeout=3600)
     else:
@@ -174,7 +193,9 @@ def main(argv=None) -> None:
                             "vs horovod (tape)", "first fit s (trace)"], rows)
     link = "loopback" if args.net == "loopback" else f"{args.net} Mbit/s emulated links"
     suffix = "" if args.net == "loopback" else f"_{args.net}mbit"
-    model = f"{args.depth}-layer MLP width {args.width}, batch {args.batch}/rank, Adam"
+    model = (f"{args.depth}-layer MLP width {args.width}, batch {args.batch}/rank, Adam"
+             + (f", after an embedding of {args.vocab} rows (bags of {BAG} Zipf tokens)"
+                if args.vocab else ""))
     report(args.name or f"keras_overhead_np{args.np}{suffix}",
            f"hvdsync.keras step overhead with nothing skipped, {model}, {args.np} ranks x 1 "
            f"core, {link}, {args.rounds} interleaved rounds x {args.steps} steps"
