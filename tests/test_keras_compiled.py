@@ -68,6 +68,11 @@ SPARSE_CASES = {
     # one round: each step's route is the one the last step's rows chose (the host's flag)
     "sparse_switch_one_round": (dict(sparse=dict(dense_ratio=0.55)), "sgd", 0.125, "emb_mlp",
                                 200),
+    # beside a decider: the embedding goes every step, the dense layers as the plan says
+    "sparse_threshold": (dict(sparse=True, threshold=dict(threshold=0.3, max_skip=3)),
+                         "momentum", 0.05, "emb_mlp", 500),
+    "sparse_select_clip": (dict(sparse=True, select=dict(k=1, max_wait=2),
+                                clip=dict(max_norm=0.5)), "sgd", 0.125, "emb_mlp", 500),
 }
 SPARSE_COUNTERS = ("sparse_gather", "sparse_dense", "sparse_duplicate_rows",
                    "sparse_gather_equal")
@@ -198,7 +203,8 @@ def test_compiled_lowrank_equals_the_step_pipeline(runs, case):
 def test_compiled_sparse_equals_the_step_pipeline(runs, case):
     """sparse= compiled: the same weights, layers, bytes and routes (counted per step) as the
     step pipeline, duplicates summed locally first; the gather route sends fewer bytes than
-    the dense tensors, and in the switch case both routes were taken."""
+    the dense tensors, in the switch cases both routes were taken, and beside a decider the
+    embedding went every step while dense layers were kept back."""
     for r in runs[case]:
         _equal_to_the_pipeline(r, SPARSE_COUNTERS)
         total = r["compiled"]["total"]
@@ -209,6 +215,9 @@ def test_compiled_sparse_equals_the_step_pipeline(runs, case):
             assert total["sparse_dense"] == STEPS
         if case.startswith("sparse_switch"):
             assert 0 < total["sparse_gather"] < STEPS and total["sparse_dense"] > 0, total
+        if case in ("sparse_threshold", "sparse_select_clip"):  # the decider kept some back
+            assert total["layers_skipped"] > 0 and total["sparse_gather"] == STEPS, total
+            assert all("emb" in step for step in r["compiled"]["sent"])
 
 
 def _equal_to_the_pipeline(r: dict, counters: tuple = ()) -> None:

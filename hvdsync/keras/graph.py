@@ -138,17 +138,19 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     plan = None
     if quiet is None:  # the step's gradients, as the techniques see them
         pipeline.grads.begin_step(variables, grads)
-    if kept is not None:
+    groups: list[tuple[Technique, list[int]]] = []
+    if quiet is None:  # (beside a decider: transports that go every step, sparse=)
+        groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
+    grouped = {li for _, group in groups for li in group}
+    if kept is not None:  # it governs the layers no transport of its own takes
         decider = kept.decider.name
         kept.begin([(li, sum(payload_bytes(_dense(grads[p], comm, decider))
-                             for p in positions)) for li, positions in layers])
+                             for p in positions))
+                    for li, positions in layers if li not in grouped])
+    with tf.init_scope():  # a flag may depend on what the trace saw (eagerly, now)
+        flags.refresh()
+    if kept is not None:
         plan = flags.of(kept.decider)["plan"]
-    groups: list[tuple[Technique, list[int]]] = []
-    if quiet is None and kept is None:
-        groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
-        with tf.init_scope():  # a flag may depend on what the trace saw (eagerly, now)
-            flags.refresh()
-    grouped = {li for _, group in groups for li in group}
     held_norms, bads, steps, params_of = [], [], [], {}  # (steps: a decider's layers)
 
     def global_clip(li: int, reduced: list, params: list) -> tuple[list, list]:
@@ -251,13 +253,15 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         sends = sends.tolist()
         if groups:
             counted = traffic.since_last(counted)
+        for li in grouped:  # (they go every step, whatever a decider planned)
+            sends[li] = True
         for li, name, nbytes, d in zip(order, names, sent.tolist(), dense.tolist()):
             stats.dense(int(d))
-            if not sends[li]:
-                stats.skipped(name)
-            elif li in grouped:
+            if li in grouped:
                 if comm.size > 1:
                     stats.sent(name, int(counted[li][0]), int(counted[li][1]))
+            elif not sends[li]:
+                stats.skipped(name)
             elif quiet is None and (comm.size > 1 or kept is not None):
                 stats.sent(name, int(nbytes) if comm.size > 1 else 0, collectives[li])
         if kept is not None and comm.size > 1:

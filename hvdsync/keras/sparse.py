@@ -49,7 +49,9 @@ class SparseExchange(SparseTransport):
     exchange does: the protocol's decisions are :class:`hvdsync.sparse.SparseProtocol`'s."""
 
     traceable = True
-    traced_with = ("clip", "plain")  # (a decider's branches would hold its collectives)
+    # beside a decider: its layers go every step, outside the decider's branches (they are
+    # not decidable); lowrank='s rounds and its buckets are not built beside it
+    traced_with = ("clip", "plain", "threshold", "select")
 
     def __init__(self, config: SparseConfig, grads: KerasGradients, comm: KerasCommunicator,
                  stats: SyncStats):
@@ -177,29 +179,16 @@ class SparseExchange(SparseTransport):
                              own_collective=False)
                 header, gathered = None, gathered[1:]
             for j, t in zip(js, gathered):
-                g = grads[j]
-                merged = coalesce(_unpack(t, g))
-                self.grads.set(*items[j], tf.IndexedSlices(
-                    merged.values * tf.constant(scale, g.values.dtype), merged.indices,
-                    g.dense_shape))
+                self.grads.set(*items[j], _rows_summed(t, grads[j], scale))
             sends[items[js[0]][0]][1] += 1
         if dense:
             buffers = []
             for j in dense:
-                g = grads[j]
-                shape = [int(d) for d in g.dense_shape]
-                flat = tf.reshape(g.values, [-1, int(np.prod(shape[1:]))])
-                rows = tf.concat([flat, tf.ones([tf.shape(flat)[0], 1], flat.dtype)], axis=1)
-                buffers.append(tf.scatter_nd(tf.expand_dims(g.indices, 1), rows,
-                                             [shape[0], flat.shape[1] + 1]))
+                buffers.append(_dense_buffer(grads[j], self._vars[positions[j]].shape))
                 sends.setdefault(items[j][0], [0, 0])[0] += payload_bytes(buffers[-1])
             summed = self.comm.sum(buffers, "hvdsync.sparse.dense")
             for b, j in zip(summed, dense):
-                g = grads[j]
-                present = tf.cast(tf.where(b[:, -1] > 0)[:, 0], g.indices.dtype)
-                rows = tf.gather(b[:, :-1], present) * tf.constant(scale, g.values.dtype)
-                self.grads.set(*items[j], tf.IndexedSlices(
-                    tf.reshape(rows, [-1, *g.values.shape[1:]]), present, g.dense_shape))
+                self.grads.set(*items[j], _present_rows(b, grads[j], scale))
             sends[items[dense[0]][0]][1] += 1
         for j in gather:  # the codes are shared by now
             self.protocol.count_equal(positions[j])
@@ -299,25 +288,19 @@ class SparseExchange(SparseTransport):
             got = comm.allgather(first + [packed], f"hvdsync.sparse.rows.{dtype.name}.{i}")
             if count is not None:
                 count(li, tf.size(packed, tf.int64) * dtype.size, 1)
-            merged = coalesce(_unpack(got[-1], g))
-            return (merged.values * tf.constant(scale, dtype), merged.indices,
+            summed = _rows_summed(got[-1], g, scale)
+            return (summed.values, summed.indices,
                     like if header is None else self._gathered(got[0]))
 
         def allreduce():
-            shape = [int(d) for d in self._vars[i].shape]  # (static, unlike dense_shape)
-            flat = tf.reshape(g.values, [-1, int(np.prod(shape[1:]))])
-            rows = tf.concat([flat, tf.ones([tf.shape(flat)[0], 1], flat.dtype)], axis=1)
-            buffer = tf.scatter_nd(tf.expand_dims(g.indices, 1), rows,
-                                   [shape[0], flat.shape[1] + 1])
+            buffer = _dense_buffer(g, self._vars[i].shape)
             b = comm.sum([buffer], f"hvdsync.sparse.dense.{i}")[0]
             if count is not None:
                 count(li, payload_bytes(buffer), 1)
-            present = tf.cast(tf.where(b[:, -1] > 0)[:, 0], g.indices.dtype)
-            values = tf.reshape(tf.gather(b[:, :-1], present) * tf.constant(scale, dtype),
-                                [-1, *g.values.shape[1:]])
+            summed = _present_rows(b, g, scale)
             codes = like if header is None else self._gathered(comm.allgather(
                 [_as_values(header, dtype)], f"hvdsync.sparse.codes.{dtype.name}")[0])
-            return values, present, codes
+            return summed.values, summed.indices, codes
         return tf.cond(dense, allreduce, gather)
 
     def _gathered(self, values: tf.Tensor) -> tf.Tensor:
@@ -404,6 +387,33 @@ def _unpack(packed: tf.Tensor, like: tf.IndexedSlices) -> tf.IndexedSlices:
     index = tf.bitcast(index[:, 0] if k == 1 else index, tf.int64)
     values = tf.reshape(packed[:, :width], [-1, *like.values.shape[1:]])
     return tf.IndexedSlices(values, tf.cast(index, like.indices.dtype), like.dense_shape)
+
+
+def _rows_summed(gathered: tf.Tensor, like: tf.IndexedSlices,
+                 scale: float) -> tf.IndexedSlices:
+    """The gather route's result: every rank's packed rows (gathered), duplicates across ranks
+    summed, times ``scale`` (``1 / ranks`` for ``Average``)."""
+    merged = coalesce(_unpack(gathered, like))
+    return tf.IndexedSlices(merged.values * tf.constant(scale, like.values.dtype),
+                            merged.indices, like.dense_shape)
+
+
+def _dense_buffer(g: tf.IndexedSlices, shape) -> tf.Tensor:
+    """The dense route's tensor: ``g``'s rows scattered into the variable's (static)
+    ``shape``, flattened per row, with a "present" column of ones where a row is."""
+    shape = [int(d) for d in shape]
+    flat = tf.reshape(g.values, [-1, int(np.prod(shape[1:]))])
+    rows = tf.concat([flat, tf.ones([tf.shape(flat)[0], 1], flat.dtype)], axis=1)
+    return tf.scatter_nd(tf.expand_dims(g.indices, 1), rows, [shape[0], flat.shape[1] + 1])
+
+
+def _present_rows(summed: tf.Tensor, like: tf.IndexedSlices, scale: float) -> tf.IndexedSlices:
+    """The dense route's result: the rows some rank had (present column > 0), times
+    ``scale``."""
+    present = tf.cast(tf.where(summed[:, -1] > 0)[:, 0], like.indices.dtype)
+    rows = tf.gather(summed[:, :-1], present) * tf.constant(scale, like.values.dtype)
+    return tf.IndexedSlices(tf.reshape(rows, [-1, *like.values.shape[1:]]), present,
+                            like.dense_shape)
 
 
 def _width(g: tf.IndexedSlices) -> int:
