@@ -80,8 +80,10 @@ class KeptLayers:
         kept (sent data is checked once reduced: identical everywhere)."""
         ops = self.ops
         held = [self.held.read(self.grads.key(li, k)) for k in ks]
-        with_held = lambda: [ops.add(g, ops.cast(h, like=g)) for g, h in zip(layer, held)]
         zero = ops.zero()
+
+        def with_held() -> list:
+            return [ops.add(g, ops.cast(h, like=g)) for g, h in zip(layer, held)]
 
         def go():
             # a layer that holds nothing holds zeros: no branch on whether it does
@@ -173,6 +175,7 @@ class KeptLayers:
         return lambda: self._put_back_withheld(layers, plan, ok)
 
     def _commit_layer(self, keys: list[str], local: list, kept: Any, anchored: Any) -> None:
+        """One layer's commit (inside its branch): ``local``, its gradients of this step."""
         ops, grads = self.ops, self.grads
         for key, g in zip(keys, local):
             now = grads.snapshot(key)

@@ -23,11 +23,10 @@ from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
-
-from hvdsync.clipping import LayerClip
 from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.mpi_ops import Average
 
+from hvdsync.clipping import LayerClip
 from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.comm import KerasCommunicator, payload_bytes
 from hvdsync.kept_layers import KeptLayers
@@ -136,10 +135,10 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     sent, collectives, dense = {}, {}, []
     mode = clip.config.mode if clip is not None else None
     plan = None
+    groups: list[tuple[Technique, list[int]]] = []
     if quiet is None:  # the step's gradients, as the techniques see them
         pipeline.grads.begin_step(variables, grads)
-    groups: list[tuple[Technique, list[int]]] = []
-    if quiet is None:  # (beside a decider: transports that go every step, sparse=)
+        # (beside a decider: transports that go every step, sparse=)
         groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
     grouped = {li for _, group in groups for li in group}
     if kept is not None:  # it governs the layers no transport of its own takes
@@ -232,7 +231,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     host_reads: list = []  # what the transports' host calls read after the step
     for t in {t.name: t for t, _ in groups}.values():  # what the rounds staged, if ok
         host_reads += t.trace_commit(ok) or []
-    if kept is not None:  # (no transport rounds beside a decider: Technique.traced_with)
+    if kept is not None:  # (the transports' groups beside it went every step: sparse=)
         put_back = kept.commit(steps, plan, ok)
         _apply_if(ok, apply, grads, variables)
         put_back()
