@@ -6,6 +6,8 @@ real ranks with different data per rank (float64)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import pytest
 
@@ -63,9 +65,10 @@ SPARSE_CASES = {
     "sparse_switch_counts_first_clip": (dict(sparse=dict(one_round=False, dense_ratio=0.55),
                                              clip=dict(max_norm=0.3)), "adam", 0.01,
                                         "emb_mlp", 200),
-    # one round: each step's route is the one the last step's rows chose (the host's flag)
-    "sparse_switch_one_round": (dict(sparse=dict(dense_ratio=0.55)), "sgd", 0.125, "emb_mlp",
-                                200),
+    # one round: each step's route is the one the last step's rows chose (the host's flag);
+    # a NaN on rank 1 at step 5 (a sample weight): skipped on every rank, counted alike
+    "sparse_switch_one_round_nan": (dict(sparse=dict(dense_ratio=0.55)), "sgd", 0.125,
+                                    "emb_mlp", 200, 5),
     # beside a decider: the embedding goes every step (gathered), the dense layers as the
     # plan says
     "sparse_select_clip": (dict(sparse=True, select=dict(k=1, max_wait=2),
@@ -78,11 +81,17 @@ SPARSE_COUNTERS = ("sparse_gather", "sparse_dense", "sparse_duplicate_rows",
 STEPS, BATCH = 12, 16
 
 
+#: a case's model, vocabulary and NaN step where it does not name them
+CASE_DEFAULTS = ("mlp", 40, None)
+
+
 def compiled_case(options: dict, opt_name: str, lr: float, model_name: str = "mlp",
-                  vocab: int = 40, modes: tuple = MODES) -> dict:
+                  vocab: int = 40, nan_step: Optional[int] = None,
+                  modes: tuple = MODES) -> dict:
     """One case in each of ``modes``: per mode, the layers sent per step, the weights after
     every step, whether the graph path ran, the totals (and lowrank='s status). ``model_name``
-    ``"emb_mlp"``: an embedding of ``vocab`` rows (row-sparse gradients) and a dense head."""
+    ``"emb_mlp"``: an embedding of ``vocab`` rows (row-sparse gradients) and a dense head;
+    ``nan_step``: rank 1's loss is NaN at that step (a NaN sample weight)."""
     import os
 
     import keras
@@ -102,7 +111,10 @@ def compiled_case(options: dict, opt_name: str, lr: float, model_name: str = "ml
         model.compile(optimizer=opt, run_eagerly=mode == "run_eagerly",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         rec = Recorder.make(True)
-        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+        weights = np.ones(len(y))
+        if nan_step is not None and hvd.rank() == 1:
+            weights[(nan_step - 1) * BATCH] = np.nan
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, sample_weight=weights,
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), rec])
         out[mode] = dict(sent=rec.sent, weights=rec.weights, graph=opt._hv.graph_path,
                          total=opt.stats.total.as_dict(),
@@ -142,8 +154,7 @@ def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     """This file's cases in the session's shared rank job (tests/conftest.py)."""
     if np_ not in KERAS_NP:
         return {}
-    plain_model = ("mlp", 40)
-    return {**{name: (compiled_case, *case[:3], *(case[3:] or plain_model),
+    return {**{name: (compiled_case, *case, *CASE_DEFAULTS[len(case) - 3:],
                       MODES if name in RUN_EAGERLY else ("compiled", "pipeline"))
                for name, case in {**CASES, **LOCAL_CASES, **LOWRANK_CASES,
                                   **SPARSE_CASES}.items()},
@@ -205,8 +216,13 @@ def test_compiled_sparse_equals_the_step_pipeline(runs, case):
     taken, and beside a decider the embedding went every step (gathered: fewer bytes than
     dense) while dense layers were kept back."""
     for r in runs[case]:
-        _equal_to_the_pipeline(r, SPARSE_COUNTERS)
+        _equal_to_the_pipeline(r, SPARSE_COUNTERS + ("nonfinite_steps",))
         total = r["compiled"]["total"]
+        if case.endswith("_nan"):  # skipped on every rank: the weights stood still
+            nan_step = SPARSE_CASES[case][5]
+            assert total.get("nonfinite_steps") == 1, total
+            for k, w in r["compiled"]["weights"][nan_step - 2].items():
+                np.testing.assert_array_equal(r["compiled"]["weights"][nan_step - 1][k], w)
         assert total["sparse_duplicate_rows"] > 0, total
         if case.startswith("sparse_switch"):
             assert 0 < total["sparse_gather"] < STEPS and total["sparse_dense"] > 0, total
