@@ -56,6 +56,9 @@ class KeptLayers:
         self.held, self.copies = held, copies
         decider.use_memory(held, copies if self.local_step else None)
 
+    def _keys(self, li: int, ks: list[int]) -> list[str]:
+        return [self.grads.key(li, k) for k in ks]
+
     # -- before backward ---------------------------------------------------------------------
     def begin(self, layers: Sequence[tuple[int, int]]) -> None:
         """At trace time: the layers in the step and their dense bytes (select's eligibility
@@ -79,7 +82,7 @@ class KeptLayers:
         after the step (0 when sent) and whether its local gradient is non-finite where it is
         kept (sent data is checked once reduced: identical everywhere)."""
         ops = self.ops
-        held = [self.held.read(self.grads.key(li, k)) for k in ks]
+        held = [self.held.read(key) for key in self._keys(li, ks)]
         zero = ops.zero()
 
         def with_held() -> list:
@@ -145,7 +148,7 @@ class KeptLayers:
     def _sync_norm(self, li: int, ks: list[int]) -> Any:
         """``"sync_norm"``: the layer's parameter norm as of its last sync (both norms and a
         select: cheaper to trace than a branch)."""
-        keys = [self.grads.key(li, k) for k in ks]
+        keys = self._keys(li, ks)
         anchored = self.ops.norm([self.copies.read(key)["value"] for key in keys])
         current = self.ops.norm([self.grads.value(li, k) for k in ks])
         return self.ops.where(self.copies.present(keys[0]), anchored, current)
@@ -163,7 +166,7 @@ class KeptLayers:
         kept or holds something; inside it, selects instead of further branches."""
         ops = self.ops
         for li, ks, local in layers:
-            keys = [self.grads.key(li, k) for k in ks]
+            keys = self._keys(li, ks)
             kept = ~plan[li]
             holding = self.held.present(keys[0])
             anchored = self.copies.present(keys[0]) if self.local_step else holding
@@ -192,7 +195,7 @@ class KeptLayers:
     def _put_back_withheld(self, layers: Sequence[tuple[int, list[int], list]], plan: Any,
                            ok: Any) -> None:
         for li, ks, _ in layers:
-            keys = [self.grads.key(li, k) for k in ks]
+            keys = self._keys(li, ks)
             self.ops.cond(ok & ~plan[li], lambda keys=keys: self._put_back(keys), lambda: None)
 
     def _put_back(self, keys: list[str]) -> None:

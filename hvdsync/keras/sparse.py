@@ -144,10 +144,7 @@ class SparseExchange(SparseTransport):
 
     def _route(self, i: int) -> str:
         """This step's route for variable ``i`` from the shared counts."""
-        v = self._vars[i]
-        shape, size = [int(d) for d in v.shape], tf.as_dtype(v.dtype).size
-        row = int(np.prod(shape[1:])) * size
-        return self.protocol.route(i, row + _INDEX_BYTES, int(np.prod(shape)) * size).route
+        return self.protocol.route(i, *_route_bytes(self._vars[i])).route
 
     def _send(self, positions: list[int], routes: list[str],
               header: Optional[list[int]] = None) -> dict[int, Pending]:
@@ -304,20 +301,15 @@ class SparseExchange(SparseTransport):
         return tf.cond(dense, allreduce, gather)
 
     def _gathered(self, values: tf.Tensor) -> tf.Tensor:
-        """Every rank's codes from their gathered bits (:func:`_as_values`)."""
-        k = 8 // values.dtype.size
-        bits = tf.reshape(values, [self.comm.size, -1] if k == 1 else [self.comm.size, -1, k])
-        return tf.reshape(tf.bitcast(bits, tf.int64), [self.comm.size, 2 * len(self._vars)])
+        """Every rank's codes from their gathered bits, in the codes variable's shape."""
+        return tf.reshape(_from_values(values, self.comm.size),
+                          [self.comm.size, 2 * len(self._vars)])
 
     def _routes_from(self, shared: tf.Tensor) -> tf.Tensor:
         """Per variable, whether this step's shared codes route it dense
         (:func:`hvdsync.sparse.choose_route` on the device)."""
         counts = tf.reduce_sum(tf.maximum(shared[:, 0::2], 0), axis=0)
-        row, whole = [], []
-        for v in self._vars:
-            shape, size = [int(d) for d in v.shape], tf.as_dtype(v.dtype).size
-            row.append(float(int(np.prod(shape[1:])) * size + _INDEX_BYTES))
-            whole.append(float(int(np.prod(shape)) * size))
+        row, whole = zip(*(_route_bytes(v) for v in self._vars))
         gathered = tf.cast(counts, tf.float64) * tf.constant(row, tf.float64)
         return gathered > self.config.dense_ratio * tf.constant(whole, tf.float64)
 
@@ -363,11 +355,18 @@ def _as_values(codes, dtype: tf.DType) -> tf.Tensor:
     return tf.reshape(bits, [1, -1])
 
 
-def _from_values(gathered: tf.Tensor, size: int) -> np.ndarray:
+def _from_values(gathered: tf.Tensor, size: int) -> tf.Tensor:
     """Inverse of :func:`_as_values` on the gathered ``[size, w]``: ``[size, codes]``."""
     k = 8 // gathered.dtype.size
     bits = tf.reshape(gathered, [size, -1] if k == 1 else [size, -1, k])
-    return tf.bitcast(bits, tf.int64).numpy()
+    return tf.bitcast(bits, tf.int64)
+
+
+def _route_bytes(v) -> tuple[int, int]:
+    """What a gathered row of variable ``v`` (its values and index) and its dense tensor cost
+    on the wire: :func:`hvdsync.sparse.choose_route`'s inputs."""
+    shape, size = [int(d) for d in v.shape], tf.as_dtype(v.dtype).size
+    return int(np.prod(shape[1:])) * size + _INDEX_BYTES, int(np.prod(shape)) * size
 
 
 def _pack(g: tf.IndexedSlices) -> tf.Tensor:
