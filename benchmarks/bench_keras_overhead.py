@@ -43,7 +43,13 @@ METHODS: dict[str, Any] = {
     "clip (never clips)": dict(clip=dict(max_norm=1e9)),
     "threshold=0": dict(threshold=0.0),
     "select (every layer)": dict(select=dict(k=1.0)),
-    "delay staleness=0 (eager path)": dict(delay=dict(staleness=0)),
+    "delay staleness=0 (compiled)": dict(delay=dict(staleness=0)),
+    # the stale global gradient: compiled (folded when due, Keras' default), and folded as
+    # it arrives (the eager step pipeline: a background exchange the host polls)
+    "delay staleness=1 K=32 (compiled)": dict(delay=dict(staleness=1, average_every=32)),
+    "delay staleness=2 K=32 (compiled)": dict(delay=dict(staleness=2, average_every=32)),
+    "delay staleness=1 K=32 (arrived, eager pipeline)": dict(
+        delay=dict(staleness=1, average_every=32, fold="arrived")),
     # local steps (nothing exchanged between synchronizations): what an inner step costs,
     # compiled, through the eager step pipeline (as before they were compiled), and the
     # wrapped optimizer alone (no hvdsync, no exchange: the floor)
@@ -68,7 +74,7 @@ BAG = 16
 BASE = "hvdsync (plain path)"
 #: what runs unless ``--methods`` says otherwise: everything sent every step
 DEFAULT = ["horovod (tape)", BASE, "clip (never clips)", "threshold=0", "select (every layer)",
-           "delay staleness=0 (eager path)"]
+           "delay staleness=0 (compiled)"]
 
 
 def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth: int,

@@ -47,7 +47,13 @@ class SyncAPI:
         pipeline = self._sync_pipeline()
         if pipeline is None or not self._sync_included():
             return 0
-        return pipeline.flush_replicas()
+        dropped = pipeline.flush_replicas()
+        self._state_changed()
+        return dropped
+
+    def _state_changed(self) -> None:
+        """The techniques' state changed outside a step (a tracing adapter's compiled step
+        reads some of it from device variables: write them)."""
 
     @property
     def _configured(self) -> list[Technique]:

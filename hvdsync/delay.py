@@ -41,8 +41,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import numpy as np
 
 from hvdsync.config import coerce_config
 from hvdsync.outer import CODECS, OuterSync, start_offsets
@@ -51,6 +54,8 @@ from hvdsync.technique import (Communicator, Gradients, Pending, TensorOps, Tech
                                finish_dropped)
 
 STATE_MODES = ("local", "average")
+#: when a global gradient is folded in (:attr:`DelayConfig.fold`)
+FOLD_RULES = ("arrived", "due")
 
 
 def _int_at_least(name: str, value: Any, low: int) -> None:
@@ -85,6 +90,13 @@ class DelayConfig:
         compress: the outer exchange's encoding: ``"none"``, ``"fp16"``, ``"bf16"`` or
             ``"int8"`` (a scale per 1024 values).
         error_feedback: what compression lost joins the rank's next pseudo-gradient.
+        fold: when a global gradient is folded in (only with ``exchange_gradients``):
+            ``"arrived"`` -- as soon as it has arrived on this rank, at the latest when the
+            bound makes it due (the fewest stale steps; which step folds it differs between
+            ranks and runs); ``"due"`` -- exactly when the bound makes it due, ``staleness``
+            steps after its own (the same steps on every rank and every run: what a traced
+            step can build, Keras' compiled train function); ``"auto"`` -- ``"due"`` in an
+            adapter that traces its step (Keras), else ``"arrived"`` (torch).
     """
 
     staleness: int = 2
@@ -99,6 +111,7 @@ class DelayConfig:
     mix: float = 0.0
     compress: str = "none"
     error_feedback: bool = True
+    fold: str = "auto"
 
     def __post_init__(self) -> None:
         _int_at_least("staleness", self.staleness, 0)
@@ -115,6 +128,9 @@ class DelayConfig:
         _number_in("outer_lr", self.outer_lr, 0.0, None, low_open=True)
         _number_in("outer_momentum", self.outer_momentum, 0.0, 1.0, high_open=True)
         _number_in("mix", self.mix, 0.0, 1.0)
+        if self.fold not in ("auto",) + FOLD_RULES:
+            raise ValueError(f"delay fold must be one of {('auto',) + FOLD_RULES}, got "
+                             f"{self.fold!r}")
         if self.compress not in CODECS:
             raise ValueError(f"delay compress must be one of {CODECS}, got {self.compress!r}")
         if self.fragments > self.average_every:
@@ -141,6 +157,13 @@ class DelayConfig:
     def synchronous(self) -> bool:
         """Every step uses its own global gradient: the replicas never diverge."""
         return self.exchange_gradients and (self.staleness == 0 or self.average_every == 1)
+
+    def for_adapter(self, traces: bool) -> "DelayConfig":
+        """This config with ``fold="auto"`` resolved for an adapter that traces its step
+        (``traces``) or not."""
+        if self.fold != "auto":
+            return self
+        return dataclasses.replace(self, fold="due" if traces else "arrived")
 
     @classmethod
     def diloco(cls, **overrides: Any) -> "DelayConfig":
@@ -223,7 +246,8 @@ class DelayPolicy:
         drain = self.config.synchronous or self.averages_now()
         must = {j for j in outstanding if drain or t - j >= self.config.staleness}
         wait_for = sorted(j for j in must if j not in ready)
-        fold = sorted(must | (set(outstanding) & ready), reverse=True)
+        arrived = set() if self.config.fold == "due" else set(outstanding) & ready
+        fold = sorted(must | arrived, reverse=True)
         return wait_for, fold
 
     def finish_step(self, folded: list[int], waited_s: Optional[float],
@@ -279,6 +303,7 @@ class DelayedGradients(Transport):
 
     name = "delay"
     checks_own = True  # a non-finite local gradient becomes zeros on its rank (start, flush)
+    updates_locally = True
     carries = ("lowrank",)  # with lowrank=, each step's exchange is the compressed one
     #: each rank's own memory: the outer exchange's error-feedback residuals, and its
     #: parameters and optimizer state (they differ between ranks between synchronizations)
@@ -286,7 +311,8 @@ class DelayedGradients(Transport):
 
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats,
-                 compressor: Optional[Any] = None):
+                 compressor: Optional[Any] = None, traces: bool = False):
+        config = config.for_adapter(traces)
         if config.fragments > len(layer_names):  # a fragment is one layer at least
             config = dataclasses.replace(config, fragments=len(layer_names))
         self.config = config
@@ -308,11 +334,21 @@ class DelayedGradients(Transport):
         #: the outer synchronization (DiLoCo class), or None: plain K-step averaging
         self.outer = (OuterSync(config, grads, ops, comm, layer_names, stats)
                       if config.outer else None)
-        # Local steps send nothing: a tracing adapter builds them into the step (check_local)
-        # and runs the moments on the host around the update. Exchanging every step's
-        # gradient in the background, across steps, is not traced (docs/keras.md says why).
         self.sends_in_step = config.exchange_gradients
-        self.traceable = not config.exchange_gradients
+        #: the traced step's memory (:meth:`use_memory`), or None: the step runs eagerly
+        self._memory: Optional[dict[str, Any]] = None
+        #: traced: the last step's gradient is still to be exchanged (the next step does it)
+        self._unsent = False
+
+    @property
+    def traceable(self) -> bool:
+        """Local steps (nothing sent but the synchronization, on the host around the
+        update), or global gradients folded when due (:meth:`trace_local`). Folding what has
+        arrived asks the host mid-step whether an exchange is done, and ``lowrank=``'s
+        rounds are not built inside this one: those run the step pipeline (docs/keras.md)."""
+        c = self.config
+        due = c.fold == "due" or c.synchronous  # (synchronous: every step folds its own)
+        return not c.exchange_gradients or (due and self.compressor is None)
 
     @property
     def outstanding(self) -> list[int]:
@@ -368,11 +404,99 @@ class DelayedGradients(Transport):
         bad = self.ops.bad(tensors)
         return self.ops.zero_if(bad, tensors), bad
 
+    # -- the traced step (Keras' compiled train function) -----------------------------------
+    def memory_to_trace(self, params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Exchanging every step's gradient, folded when due: ``held``, the last step's local
+        gradient (exchanged in this step, while backward runs), and ``due1`` ..
+        ``due{staleness-1}``, the corrections ``G_j - g_j`` already exchanged, due that many
+        steps from now. Synchronous: none (each step its own), but the mapping is asked for,
+        which tells this technique that its steps are traced."""
+        c = self.config
+        if not (c.exchange_gradients and self.traceable):
+            return {}
+        if c.synchronous:
+            return {"held": {}}
+        zeros = {key: np.zeros_like(p) for key, p in params.items()}
+        return {"held": zeros, **{f"due{i}": zeros for i in range(1, c.staleness)}}
+
+    def use_memory(self, memory: dict[str, Any]) -> None:
+        self._memory = memory
+
+    def trace_local(self, layers: list[tuple[int, list[int], list]],
+                    reduce: Callable[[int, str, list], list], flags: dict[str, Any]
+                    ) -> tuple[list[list], Any]:
+        """A traced step (the eager step's arithmetic, in the order a graph can run it):
+        each layer's gradients to apply, and a device count of the non-finite local
+        gradients replaced by zeros (per layer exchanging, else one check for the step: the
+        eager step's count). Local steps: this rank's gradients. Exchanging: step ``t``
+        exchanges ``g_{t-1}`` (kept from the last step: the collective needs nothing of this
+        step, so it runs beside its backward) into the correction ``G_{t-1} - g_{t-1}``,
+        due ``staleness`` steps after ``t-1``; the update is ``g_t`` plus the correction due
+        now -- on a drain ``G_t`` (exchanged in the step) plus every correction held.
+        ``reduce(li, name, tensors)`` averages over ranks, counted on layer ``li``."""
+        ops = self.ops
+        if not self.config.exchange_gradients:
+            flat = [x for _, _, xs in layers for x in xs]
+            zeroed, bad = self.check_local(flat)
+            it = iter(zeroed)
+            return [[next(it) for _ in xs] for _, _, xs in layers], bad
+        out, bads = [], []
+        for li, ks, xs in layers:
+            xs, bad = self.check_local(xs)
+            bads.append(bad)
+            out.append(self._fold_traced(li, ks, xs, lambda name, ts, li=li: reduce(li, name, ts),
+                                         flags))
+        return out, sum(bads[1:], bads[0]) if bads else ops.zero()
+
+    def _fold_traced(self, li: int, ks: list[int], xs: list,
+                     reduce: Callable[[str, list], list], flags: dict[str, Any]) -> list:
+        ops, name = self.ops, f"hvdsync.{self.layer_names[li]}.delay"
+        if self.config.synchronous:
+            return reduce(name, xs)
+        keys = [self.grads.key(li, k) for k in ks]
+        memory = self._memory
+        held = [memory["held"].read(key) for key in keys]
+
+        def exchange() -> list:
+            return [ops.accumulate(G, h, sign=-1)
+                    for G, h in zip(reduce(f"{name}.held", held), held)]
+        late = ops.cond(flags["exchange_held"], exchange,
+                        lambda: [ops.zeros_like(h) for h in held])
+        # due[i]: the correction due i steps from now (the one just exchanged: staleness - 1)
+        due = [[memory[f"due{i}"].read(key) for key in keys]
+               for i in range(1, self.config.staleness)] + [late]
+
+        def drain() -> tuple[list, list]:
+            total = reduce(f"{name}.own", xs)
+            for correction in due:
+                total = [ops.add(a, b) for a, b in zip(total, correction)]
+            return total, [[ops.zeros_like(x) for x in xs] for _ in due[1:]]
+
+        def step() -> tuple[list, list]:
+            return [ops.add(x, c) for x, c in zip(xs, due[0])], due[1:]
+        update, later = ops.cond(flags["drain"], drain, step)
+        for key, x in zip(keys, xs):  # (read after a drain only where this step was none)
+            memory["held"].write(key, x, True)
+        for i, corrections in enumerate(later, start=1):
+            for key, x in zip(keys, corrections):
+                memory[f"due{i}"].write(key, x, True)
+        return update
+
     def host_flags(self) -> dict[str, bool]:
-        return {"before_update": self.host_before_update()} if self.traceable else {}
+        """``before_update`` (:meth:`host_before_update`); exchanging every step's gradient,
+        ``exchange_held`` (the last step's gradient goes in this one) and ``drain`` (this
+        step folds in every outstanding global gradient, its own included)."""
+        if not self.traceable:
+            return {}
+        flags = {"before_update": self.host_before_update()}
+        if self.config.exchange_gradients:
+            flags["exchange_held"] = self._unsent
+            flags["drain"] = self.config.synchronous or self.policy.averages_now()
+        return flags
 
     def host_before_update(self) -> bool:
-        return not self.outer.has_anchors  # taken before the first update only
+        # the outer synchronization's anchors are taken before the first update only
+        return self.outer is not None and not self.outer.has_anchors
 
     def end_local_step(self, bad: bool) -> None:
         self._bad = []
@@ -388,6 +512,14 @@ class DelayedGradients(Transport):
             self.policy.finish_step([], None, [], 0)
             return
         t = self.policy.current
+        if self._memory is not None:  # traced: the step folded in the graph (trace_local)
+            self._in_flight[t] = {}  # its global gradient, held in the trace's memory
+            _, fold = self.policy.plan(self.outstanding, set())
+            for j in fold:
+                del self._in_flight[j]
+            self._unsent = t not in fold  # the next step exchanges it
+            self._average_after(fold, None, [])
+            return
         ids = self.outstanding
         ready = {j for j in ids if all(part.pending.ready()
                                        for part in self._in_flight[j].values())}
@@ -415,6 +547,12 @@ class DelayedGradients(Transport):
                     update = ops.accumulate(ops.accumulate(update, red[li][i]),
                                             part[li].local[i], sign=-1)
                 self.grads.set(li, k, update)
+        self._average_after(fold, waited, wait_for)
+
+    def _average_after(self, fold: list[int], waited: Optional[float],
+                       wait_for: list[int]) -> None:
+        """Close the step's schedule: whether the parameters are averaged after its update,
+        and what it folded and waited for."""
         self._average_after_step = self.policy.averages_now() and self.outer is None
         if self._average_after_step:
             self.stats.count("averaged")
@@ -469,6 +607,10 @@ class DelayedGradients(Transport):
             pending.discard()  # lowrank=: the error feedback comes back
         self._in_flight.clear()
         self._average_after_step = False
+        if self._memory is not None and (n or self._unsent):  # (host writes: when needed)
+            for memory in self._memory.values():
+                memory.clear()
+        self._unsent = False
         if n:
             self.stats.count("discarded", n)
         return n

@@ -56,16 +56,19 @@ class StepPipeline:
         if len(deciders) > 1 or not self.transports:
             raise ValueError("a pipeline takes at most one decider and at least one transport")
         self.by_name = {t.name: t for t in techniques}
-        quiet = [t for t in self.transports if not t.sends_in_step]
-        if quiet and len(self.transports) > 1:
-            raise ValueError("a transport that sends nothing in a step must be its only one")
-        #: the transport of a step that sends nothing (:attr:`Transport.sends_in_step` false),
-        #: or None. A tracing adapter builds such a step as: its :meth:`Transport.check_local`
-        #: on every gradient (graph ops), then on the host :meth:`before_local_update` (before
-        #: the update where the transport needs it there, else after it), the update,
-        #: :meth:`end_local_step`, the step's statistics closed, :meth:`after_local_update` --
-        #: the eager step's moments in its order, less the collectives it does not start
-        self.local_step: Optional[Transport] = quiet[0] if quiet else None
+        local = [t for t in self.transports if t.updates_locally]
+        beside = [t for t in self.transports if local and t is not local[0]
+                  and t.name not in local[0].carries]
+        if len(local) > 1 or beside:
+            raise ValueError("a transport that updates locally must be the step's only one "
+                             "(but for those it carries)")
+        #: the transport of a step that updates locally (:attr:`Transport.updates_locally`),
+        #: or None. A tracing adapter builds such a step as: its :meth:`Transport.trace_local`
+        #: on every layer (graph ops: the gradients to apply), then on the host
+        #: :meth:`before_local_update` (before the update where the transport needs it there,
+        #: else after it), the update, :meth:`end_local_step`, the step's statistics closed,
+        #: :meth:`after_local_update` -- the eager step's moments in its order
+        self.local_step: Optional[Transport] = local[0] if local else None
         # [0..n-1] by n, built once and shared (read only): a layer's positions, on the hot
         # path (sizes are known only per step in Keras, so not precomputed per layer)
         self._ranges: dict[int, list[int]] = {}
@@ -282,14 +285,14 @@ class StepPipeline:
         for t in self.techniques:
             t.discard()
 
-    # -- a traced step that sends nothing (delay= local steps in Keras' compiled function) ---
+    # -- a traced step that updates locally (delay= in Keras' compiled function) -------------
     def before_local_update(self) -> None:
-        """Host, before the update of a traced step that sends nothing -- or, where
+        """Host, before the update of a traced step that updates locally -- or, where
         :meth:`Transport.host_before_update` says it need not, after the update."""
         self.local_step.before_optimizer_step()
 
-    def end_local_step(self, bad: bool) -> None:
-        """Host, after that update: ``bad``, the step's :meth:`Transport.check_local` flag."""
+    def end_local_step(self, bad: int) -> None:
+        """Host, after that update: ``bad``, the step's :meth:`Transport.trace_local` count."""
         t = self.local_step
         t.end_local_step(bad)
         self.local_nonfinite = t.local_nonfinite

@@ -176,17 +176,18 @@ def enabled(configs: dict[str, Optional[Any]]) -> list[str]:
 def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOps,
                      comm: Communicator, clip_layer: ClipLayer,
                      sparse_exchange: Callable[[Any], Transport], layer_names: list[str],
-                     stats: SyncStats) -> list[Technique]:
+                     stats: SyncStats, traces: bool = False) -> list[Technique]:
     """The techniques of one wrapped optimizer, in the rulebook's order, on an adapter's
     gradients, arithmetic and communicator (``sparse_exchange(config)``: the adapter's
-    sparse transport)."""
+    sparse transport; ``traces``: the adapter traces its step, Keras)."""
     make = {
         "clip": lambda c: LayerClip(c, grads, ops, clip_layer, layer_names, stats),
         "threshold": lambda c: AccumulationThreshold(c, grads, ops, comm, len(layer_names)),
         "select": lambda c: SelectedPushes(c, grads, ops, comm, layer_names, stats),
         "sparse": sparse_exchange,
         "lowrank": lambda c: LowRankCompression(c, grads, ops, comm, layer_names),
-        "delay": lambda c: DelayedGradients(c, grads, ops, comm, layer_names, stats),
+        "delay": lambda c: DelayedGradients(c, grads, ops, comm, layer_names, stats,
+                                            traces=traces),
         "plain": lambda _: PlainAllreduce(grads, comm, layer_names),
     }
     techniques = [make[name](configs.get(name)) for name in pipeline_order(configs)]

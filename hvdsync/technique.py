@@ -517,10 +517,13 @@ class Transport(Technique):
     #: not averaged in the step, so the step's verdict cannot come from exchanged values);
     #: the pipeline then leaves them out of its own check
     checks_own = False
+    #: whether its step updates with this rank's own gradient (``delay=``: at once, the
+    #: global gradient folded in later or the models synchronized after the update). A
+    #: tracing adapter builds such a step from :meth:`trace_local` and runs the technique's
+    #: moments on the host around the update (:attr:`hvdsync.pipeline.StepPipeline.local_step`)
+    updates_locally = False
     #: whether its steps exchange anything (``False``: ``delay=``'s local steps, which send
-    #: nothing until the synchronization after an update). A tracing adapter then builds no
-    #: collective into the step, only :meth:`check_local`, and runs the technique's moments
-    #: on the host around the update (:meth:`hvdsync.pipeline.StepPipeline.local_step`)
+    #: nothing until the synchronization after an update)
     sends_in_step = True
 
     def owns(self, li: int, k: int) -> bool:
@@ -552,23 +555,28 @@ class Transport(Technique):
         """Send what was queued; returns what each layer waits for."""
         return {}
 
-    def check_local(self, tensors: list) -> tuple[list, Any]:
-        """A step that sends nothing (:attr:`sends_in_step` false), every gradient of it:
-        the gradients to apply -- this rank's, its non-finite ones replaced by zeros (no
-        exchange tells the other ranks, so the step cannot be skipped on all) -- and a
-        device flag whether any was. Tensor ops only: a trace builds them into the step."""
-        raise NotImplementedError(f"{self.name} exchanges in every step")
+    def trace_local(self, layers: list[tuple[int, list[int], list]],
+                    reduce: Callable[[int, str, list], list], flags: dict[str, Any]
+                    ) -> tuple[list[list], Any]:
+        """A traced step that updates locally (:attr:`updates_locally`), every layer of it
+        (``(li, ks, gradients)``): per layer the gradients to apply -- from this rank's, its
+        non-finite ones replaced by zeros (no exchange of the step tells the other ranks, so
+        the step cannot be skipped on all) -- and a device count of those replaced.
+        ``reduce(li, name, tensors)`` gives their average over ranks (new tensors: its
+        inputs stay as they were), one collective for layer ``li``; ``flags``:
+        :meth:`host_flags` as device values."""
+        raise NotImplementedError(f"{self.name} does not update locally")
 
     def host_before_update(self) -> bool:
-        """Whether the next traced step that sends nothing must run
+        """Whether the next traced step that updates locally must run
         :meth:`before_optimizer_step` on the host before its update (it reads the parameters
         as they are then); if not, the step runs it after the update, in the same host call
         as the rest."""
         return True
 
-    def end_local_step(self, bad: bool) -> None:
-        """Closes a traced step that sent nothing, in place of :meth:`end_step`: ``bad`` is
-        the flag :meth:`check_local` built, read on the host."""
+    def end_local_step(self, bad: int) -> None:
+        """Closes a traced step that updated locally, in place of :meth:`end_step`: ``bad``
+        is the count :meth:`trace_local` built, read on the host."""
         raise NotImplementedError(f"{self.name} exchanges in every step")
 
     # -- a traced step that exchanges through this transport's own rounds ------------------
@@ -585,7 +593,7 @@ class Transport(Technique):
         """Keep the memories :meth:`memory_to_trace` named in these mappings (the dict
         interface, as the eager step uses them, plus, for the traced step, ``read(key)`` --
         the value, or the empty one -- and ``write(key, value, when)``: where the device
-        boolean ``when`` holds)."""
+        boolean ``when`` holds, or always: ``True``)."""
         raise NotImplementedError(f"{self.name} keeps no memory for a trace")
 
     def trace_exchange(self, layers: list[tuple[int, list[int]]],

@@ -1,4 +1,4 @@
-"""threshold=, select=, lowrank=, sparse= and delay='s local steps compiled into Keras' train function
+"""threshold=, select=, lowrank=, sparse= and delay= compiled into Keras' train function
 (hvdsync.keras.graph, with hvdsync.kept_layers for deciders) against the same techniques run eagerly through
 the step pipeline (``HVDSYNC_KERAS_PIPELINE=1``) and the compiled step run eagerly
 (``run_eagerly=True``): the same layers sent at every step and the same weights, on 2 and 3
@@ -18,7 +18,7 @@ MODES = ("compiled", "run_eagerly", "pipeline")
 #: form (a decider of each kind of kept layer, local steps, lowrank=) -- the same Python builds
 #: every case's step, so more cases would repeat it at ~1 s of the shared job a fit
 RUN_EAGERLY = ("threshold", "select_hypernet", "diloco", "lowrank_bucketed_clip_global",
-               "sparse_switch_counts_first_clip")
+               "sparse_switch_counts_first_clip", "delay_stale2_clip_nan")
 
 CASES = {
     "threshold": (dict(threshold=dict(threshold=0.6, max_skip=3)), "momentum", 0.05),
@@ -45,6 +45,15 @@ LOCAL_CASES = {
     "diloco_two_passes": (dict(delay=dict(exchange_gradients=False, average_every=2,
                                           outer_lr=0.7, outer_momentum=0.9),
                                backward_passes_per_step=2), "momentum", 0.05),
+}
+#: delay= exchanging every step's gradient, compiled (``fold="due"``, Keras' default): the
+#: last step's gradient exchanged beside this step's backward, each correction folded in
+#: exactly ``staleness`` steps after its step, drains and parameter averaging every K steps
+EXCHANGE_CASES = {
+    "delay_stale1": (dict(delay=dict(staleness=1, average_every=4)), "momentum", 0.05),
+    # a NaN on rank 1 at step 5: zeros in its place on that rank, the step not skipped
+    "delay_stale2_clip_nan": (dict(delay=dict(staleness=2, average_every=5),
+                                   clip=dict(max_norm=0.3)), "adam", 0.01, "mlp", 40, 5),
 }
 #: lowrank= compiled: its P and Q rounds built into the step (a bucket's layers share them),
 #: Q and the error feedback in variables, warm-up a branch on a flag the host writes
@@ -156,7 +165,7 @@ def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
         return {}
     return {**{name: (compiled_case, *case, *CASE_DEFAULTS[len(case) - 3:],
                       MODES if name in RUN_EAGERLY else ("compiled", "pipeline"))
-               for name, case in {**CASES, **LOCAL_CASES, **LOWRANK_CASES,
+               for name, case in {**CASES, **LOCAL_CASES, **EXCHANGE_CASES, **LOWRANK_CASES,
                                   **SPARSE_CASES}.items()},
             **{f"{name}_per_execution": (execution_case, *case)
                for name, case in EXECUTION_CASES.items()}}
@@ -192,6 +201,29 @@ def test_compiled_local_steps_equal_the_step_pipeline(runs, case):
     first, other = runs[case][0]["compiled"]["weights"][1], runs[case][1]["compiled"]["weights"][1]
     assert any(not np.array_equal(first[k], other[k]) for k in first), \
         "the replicas differ between synchronizations (different data per rank)"
+
+
+@pytest.mark.parametrize("case", list(EXCHANGE_CASES))
+def test_compiled_delay_exchange_equals_the_step_pipeline(runs, case):
+    """delay= exchanging every step, compiled: the same weights after every step, bytes,
+    staleness histogram, averaging steps and non-finite count as the step pipeline folding
+    when due; the replicas differ between averaging steps and agree after each one."""
+    config = EXCHANGE_CASES[case][0]["delay"]
+    lags = tuple(f"staleness_{k}" for k in range(config["staleness"] + 1))
+    for r in runs[case]:
+        _equal_to_the_pipeline(r, lags + ("averaged", "nonfinite"))
+        total = r["compiled"]["total"]
+        assert total[f"staleness_{config['staleness']}"] > 0, total
+        assert total["averaged"] == STEPS // config["average_every"], total
+    first, other = (runs[case][i]["compiled"]["weights"] for i in (0, 1))
+    k = config["average_every"]
+    for t in range(STEPS):
+        same = all(np.allclose(first[t][name], other[t][name], rtol=0, atol=1e-12)
+                   for name in first[t])
+        assert same == ((t + 1) % k == 0), f"step {t + 1}: replicas equal: {same}"
+    if len(EXCHANGE_CASES[case]) > 5:  # the NaN on rank 1: counted there only
+        assert [r["compiled"]["total"].get("nonfinite", 0) > 0 for r in runs[case]] == [
+            False, True] + [False] * (len(runs[case]) - 2)
 
 
 @pytest.mark.parametrize("case", list(LOWRANK_CASES))

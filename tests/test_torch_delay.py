@@ -288,6 +288,13 @@ def test_policy_waits_at_the_bound_and_drains_on_averaging_steps():
     assert policy.plan([8, 9, 10], ready={8}) == ([9, 10], [10, 9, 8])
     sync = DelayPolicy(DelayConfig(staleness=0), SyncStats([]))
     assert sync.plan([1], ready=set()) == ([1], [1]) and not sync.averages_now()
+    # fold="due": what has arrived waits for its turn (the bound, or the drain)
+    due = DelayPolicy(DelayConfig(staleness=2, average_every=5, fold="due"), SyncStats([]))
+    due.step = 5
+    assert due.plan([4, 5, 6], ready={4, 5, 6}) == ([], [4])
+    assert due.plan([5, 6], ready={5, 6}) == ([], [])
+    due.step = 9
+    assert due.plan([8, 9, 10], ready={8}) == ([9, 10], [10, 9, 8])
 
 
 def test_staleness_histogram_from_counters():

@@ -19,7 +19,7 @@ from torch import nn
 from hvdsync import DelayConfig
 from hvdsync.outer import INT8_CHUNK, fragment_layers, start_offsets
 from hvdsync.testing import run_ranks
-from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS,
+from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS, DeviceMemory,
                           assert_construction_fails, eager_or_traced_steps, run_cases,
                           teacher_batches)
 
@@ -312,9 +312,10 @@ def test_nan_on_one_rank_is_not_spread(compressed_runs):
 def traced_moments_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> dict:
     """The same float64 model and batches twice: the eager step (``backward``, ``step()``),
     then the moments a tracing adapter runs instead (StepPipeline.local_step: the transport's
-    ``check_local`` on every gradient, ``before_local_update`` before the update where
-    ``host_before_update`` asks, else after it, ``end_local_step``, the step's statistics
-    closed, ``after_local_update``). The parameters after every step, the counters."""
+    ``trace_local`` on every layer -- its memory in dicts, its host flags as tensors, blocking
+    collectives --, ``before_local_update`` before the update where ``host_before_update``
+    asks, else after it, ``end_local_step``, the step's statistics closed,
+    ``after_local_update``). The parameters after every step, the counters."""
     import hvdsync.torch as hvd
     from hvdsync.torch.optimizer import _DistributedOptimizer
     hvd.init()
@@ -326,12 +327,26 @@ def traced_moments_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> 
         opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters(), delay=cfg)
         params, pipeline, before_asked = list(model.parameters()), opt._pipeline, []
+        grads_of, t = pipeline.grads, pipeline.local_step
+        layer_params = [[p for _, p in ps] for ps in grads_of.layer_params]
+        memory = t.memory_to_trace({key: p.detach() for li, ps in enumerate(layer_params)
+                                    for key, p in zip(grads_of.param_keys(li), ps)})
+        if memory and mode == "traced":  # (what tells the technique its steps are traced)
+            t.use_memory({name: DeviceMemory(lambda key, v=values: torch.from_numpy(v[key]))
+                          for name, values in memory.items()})
+
+        def reduce(li: int, name: str, xs: list) -> list:  # (torch's reduces in place)
+            return pipeline.comm.allreduce(name, [x.clone() for x in xs]).wait()
 
         def traced(step_grads: list) -> None:
-            t = pipeline.local_step
-            grads, bad = t.check_local(step_grads)
-            for p, g in zip(params, grads):
-                p.grad = g
+            by_param = {id(p): g for p, g in zip(params, step_grads)}
+            layers = [(li, list(range(len(ps))), [by_param[id(p)] for p in ps])
+                      for li, ps in enumerate(layer_params)]
+            flags = {k: torch.tensor(v) for k, v in t.host_flags().items()}
+            out, bad = t.trace_local(layers, reduce, flags)
+            for ps, gs in zip(layer_params, out):
+                for p, g in zip(ps, gs):
+                    p.grad = g
             before = t.host_before_update()
             before_asked.append(before)
             if before:
@@ -339,7 +354,7 @@ def traced_moments_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> 
             super(_DistributedOptimizer, opt).step()  # the wrapped optimizer's own
             if not before:
                 pipeline.before_local_update()
-            pipeline.end_local_step(bool(bad))
+            pipeline.end_local_step(int(bad))
             opt.stats.end_step()
             pipeline.after_local_update()
         weights = eager_or_traced_steps(model, opt, hvd.rank(), steps, nan_rank, nan_step,
@@ -356,6 +371,9 @@ TRACED = {
     "streaming_int8": (dict(exchange_gradients=False, average_every=4, fragments=2, overlap=1,
                             mix=0.5, compress="int8", outer_lr=0.7, outer_momentum=0.9),
                        12, -1, -1),
+    # exchanging every step's gradient, folded when due: g(t-1) exchanged in step t, the
+    # corrections held until their turn, drains and averaging every K steps
+    "stale2_due_nan": (dict(staleness=2, average_every=5, fold="due"), 12, 1, 3),
 }
 
 
@@ -366,17 +384,27 @@ def test_the_traced_local_step_moments_equal_the_eager_step(case):
     is asked for on the first step only (the anchors)."""
     runs = run_cases(traced_moments_body, 2, {case: TRACED[case]}, timeout=120,
                      launcher="simulated")[case]
+    exchanging = TRACED[case][0].get("exchange_gradients", True)
     for rank, r in enumerate(runs):
-        np.testing.assert_array_equal(r["traced"]["weights"], r["eager"]["weights"])
-        # (bytes_dense: the adapter's count of what Horovod would send, not a moment's)
-        for counter in ("step", "bytes_sent", "outer_started", "outer_merged", "outer_bytes",
-                        "nonfinite"):
+        # exchanging: the same sums in another order (a correction G - g formed first)
+        np.testing.assert_allclose(r["traced"]["weights"], r["eager"]["weights"], rtol=0,
+                                   atol=1e-12 if exchanging else 0)
+        # (bytes_dense, and an exchanging step's bytes_sent: the adapter's count of what
+        # Horovod sends, not a moment's)
+        for counter in ("step", "outer_started", "outer_merged", "outer_bytes", "nonfinite",
+                        "averaged", "staleness_2") + (() if exchanging else ("bytes_sent",)):
             assert r["traced"]["total"].get(counter) == r["eager"]["total"].get(counter), \
                 (rank, counter)
-        assert r["traced"]["before_asked"] == [True] + [False] * 11
-        assert r["eager"]["total"]["outer_merged"] > 0
-    if case == "diloco_nan":  # rank 1 stepped on zeros once
-        assert [r["traced"]["total"].get("nonfinite", 0) for r in runs] == [0, 1]
+        if exchanging:
+            assert r["traced"]["before_asked"] == [False] * 12
+            assert r["eager"]["total"]["staleness_2"] > 0 and r["eager"]["total"]["averaged"] == 2
+        else:
+            assert r["traced"]["before_asked"] == [True] + [False] * 11
+            assert r["eager"]["total"]["outer_merged"] > 0
+    if case.endswith("_nan"):  # rank 1 stepped on zeros once (exchanging: per layer)
+        assert [r["traced"]["total"].get("nonfinite", 0) > 0 for r in runs] == [False, True]
+    if case == "diloco_nan":
+        assert runs[1]["traced"]["total"]["nonfinite"] == 1
 
 
 def test_flush_merges_what_is_in_flight(compressed_runs):

@@ -2,14 +2,15 @@
 that runs the step pipeline eagerly inside it.
 
 * **Graph path** (every technique declared ``traceable``: the plain exchange, ``clip=``,
-  a decider in its traced form (:mod:`hvdsync.kept_layers`), ``lowrank=``'s traced rounds,
-  and ``delay=``'s local steps): Horovod's ops are
+  a decider in its traced form (:mod:`hvdsync.kept_layers`), ``lowrank=``'s and
+  ``sparse=``'s traced rounds, and ``delay=``): Horovod's ops are
   built into the train function, one grouped allreduce per layer, each fed only by its own
   layer's (clipped) gradient, so the graph executor clips and sends a layer as soon as
   backward has produced it. Statistics go to the host once per step through one
-  ``tf.py_function``. A step that sends nothing (:attr:`StepPipeline.local_step`) builds in
-  no collective, only the transport's ``check_local``; that host call runs its moments after
-  the update (and one before it, while :class:`HostFlags` says so).
+  ``tf.py_function``. A step that updates locally (:attr:`StepPipeline.local_step`:
+  ``delay=``) builds in its transport's ``trace_local`` instead of the per-layer exchange;
+  that host call runs its moments after the update (and one before it, while
+  :class:`HostFlags` says so).
 * **Pipeline path** (every other technique): they keep memory across steps and decide from
   values shared between ranks, so the step pipeline (:mod:`hvdsync.pipeline`) runs as Python
   inside ``tf.py_function``: gradients go in, the gradients to apply come out; a second
@@ -128,7 +129,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 apply: Callable[[list, list], None], flags: HostFlags, traffic: Traffic,
                 kept: Optional[KeptLayers]) -> None:
     clip = pipeline.by_name.get("clip")
-    quiet = pipeline.local_step  # its steps send nothing (delay= local steps)
+    local = pipeline.local_step  # its step updates with this rank's gradient (delay=)
     stats, layer_names = pipeline.stats, pipeline.layer_names
     grads = list(grads)
     records: dict[int, tf.Tensor] = {}  # per clipped layer: its norm and whether it clipped
@@ -136,10 +137,9 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     mode = clip.config.mode if clip is not None else None
     plan = None
     groups: list[tuple[Technique, list[int]]] = []
-    if quiet is None:  # the step's gradients, as the techniques see them
-        pipeline.grads.begin_step(variables, grads)
-        # (beside a decider: transports that go every step, sparse=)
-        groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
+    pipeline.grads.begin_step(variables, grads)  # the step's gradients, as techniques see them
+    # (beside a decider: transports that go every step, sparse=)
+    groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
     grouped = {li for _, group in groups for li in group}
     if kept is not None:  # it governs the layers no transport of its own takes
         decider = kept.decider.name
@@ -151,6 +151,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     if kept is not None:
         plan = flags.of(kept.decider)["plan"]
     held_norms, bads, steps, params_of = [], [], [], {}  # (steps: a decider's layers)
+    local_layers: list[tuple[int, list[int], list]] = []
 
     def global_clip(li: int, reduced: list, params: list) -> tuple[list, list]:
         if mode != "global":
@@ -159,8 +160,8 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         return reduced, [norm, tf.cast(was, tf.float32)]
     for li, positions in layers:
         layer = [grads[p] for p in positions]
-        if quiet is not None:
-            layer = [_dense(g, comm, quiet.name) for g in layer]
+        if local is not None:
+            layer = [_dense(g, comm, local.name) for g in layer]
         params = params_of[li] = [variables[p].value for p in positions]
         dense.append(tf.add_n([_bytes(comm, g, wire=False) for g in layer]))
         if mode == "local":
@@ -170,6 +171,12 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             for k, g in enumerate(layer):
                 pipeline.grads.set(li, k, g)
             continue
+        if local is not None:  # its transport's step, below
+            local_layers.append((li, list(range(len(layer))), layer))
+            if local.sends_in_step:  # each step's gradient goes once (as the eager step counts)
+                sent[li] = tf.add_n([_bytes(comm, g, wire=True) for g in layer])
+                collectives[li] = comm.collectives(layer) if comm.size > 1 else 0
+            continue
 
         def send(xs: list, li=li, params=params) -> tuple[list, list]:
             reduced = comm.reduce(xs, name=None if kept is None
@@ -178,9 +185,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 for r, x in zip(reduced, xs):
                     r.set_shape(x.shape)
             return global_clip(li, reduced, params)
-        if quiet is not None:
-            reduced = layer
-        elif kept is None:
+        if kept is None:
             reduced, extras = send(layer)
         else:
             layer = [_dense(g, comm, decider) for g in layer]
@@ -208,12 +213,16 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 records[li] = tf.stack(extras)
             for p, r in zip(positions_of[li], reduced):
                 grads[p] = r
-    local_bad = before = tf.constant(False)
-    if quiet is not None:
-        grads, local_bad = quiet.check_local(grads)
+    local_bad, before = tf.constant(0.0), tf.constant(False)
+    if local is not None:
+        applied, local_bad = local.trace_local(
+            local_layers, lambda li, name, xs: comm.reduce(xs, name=name), flags.of(local))
+        for (li, _, _), xs in zip(local_layers, applied):
+            for p, x in zip(positions_of[li], xs):
+                grads[p] = x
         ok = tf.constant(True)
-        shared = local = tf.zeros([0], tf.float64)
-        before = tf.cond(flags.of(quiet)["before_update"],
+        shared = own = tf.zeros([0], tf.float64)
+        before = tf.cond(flags.of(local)["before_update"],
                          lambda: _on_host(pipeline.before_local_update),
                          lambda: tf.constant(False))
         with tf.control_dependencies([before]):
@@ -224,10 +233,10 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         # finite on every rank: the exchanged gradients carry any rank's NaN/Inf everywhere
         ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(
             g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads]))
-        shared = local = tf.zeros([0], tf.float64)
+        shared = own = tf.zeros([0], tf.float64)
         _apply_if(ok, apply, grads, variables)
     else:
-        shared, local, ok = kept.control(steps, held_norms, bads, grads, _control_round(comm))
+        shared, own, ok = kept.control(steps, held_norms, bads, grads, _control_round(comm))
     host_reads: list = []  # what the transports' host calls read after the step
     for t in {t.name: t for t, _ in groups}.values():  # what the rounds staged, if ok
         host_reads += t.trace_commit(ok) or []
@@ -243,11 +252,12 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     sends = plan if plan is not None else tf.ones([len(layer_names)], tf.bool)
     static_bytes = tf.stack([sent.get(li, tf.constant(0, tf.int64)) for li in order])
     counted = traffic.variable.read_value() if groups else tf.zeros([0, 2], tf.int64)
+    sending = set(sent)  # (not delay='s local steps)
 
-    def finish(sent, dense, record, ok, sends, shared, local, local_bad, before,
+    def finish(sent, dense, record, ok, sends, shared, own, local_bad, before,
                counted):  # eager
-        sent, dense, record, ok, sends, shared, local, local_bad, before, counted = (
-            x.numpy() for x in (sent, dense, record, ok, sends, shared, local, local_bad,
+        sent, dense, record, ok, sends, shared, own, local_bad, before, counted = (
+            x.numpy() for x in (sent, dense, record, ok, sends, shared, own, local_bad,
                                 before, counted))
         sends = sends.tolist()
         if groups:
@@ -261,7 +271,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                     stats.sent(name, int(counted[li][0]), int(counted[li][1]))
             elif not sends[li]:
                 stats.skipped(name)
-            elif quiet is None and (comm.size > 1 or kept is not None):
+            elif li in sending and (comm.size > 1 or kept is not None):
                 stats.sent(name, int(nbytes) if comm.size > 1 else 0, collectives[li])
         if kept is not None and comm.size > 1:
             stats.control(shared.nbytes)
@@ -270,23 +280,23 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                               in zip(clipped, np.asarray(record).reshape(-1, 2))
                               if mode == "local" or sends[li]], bool(ok))
         if kept is not None:
-            kept.settle(bool(ok), shared.tolist(), local.tolist())
+            kept.settle(bool(ok), shared.tolist(), own.tolist())
         for t in {t for t, _ in groups}:
             t.end_traced_step(bool(ok))
-        if quiet is not None:
+        if local is not None:
             if not before:  # the transport did not need it before the update
                 pipeline.before_local_update()
-            pipeline.end_local_step(bool(local_bad))
+            pipeline.end_local_step(int(round(float(local_bad))))
         if not ok:
             pipeline.note_nonfinite()
         stats.end_step()
-        if quiet is not None:
+        if local is not None:
             pipeline.after_local_update()
         flags.refresh()
         return np.int32(0)
-    with tf.control_dependencies((done if quiet is not None else []) + host_reads):
+    with tf.control_dependencies((done if local is not None else []) + host_reads):
         tf.py_function(finish, [static_bytes, tf.stack(dense), record, ok, sends, shared,
-                                local, local_bad, before, counted], tf.int32)
+                                own, local_bad, before, counted], tf.int32)
 
 
 def _counted(comm: KerasCommunicator, traffic: Traffic, li: int

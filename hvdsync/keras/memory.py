@@ -69,11 +69,15 @@ class VariableMemory(MutableMapping):
         return self.flags[self._layer[key]].read_value()
 
     def write(self, key: str, value: tf.Tensor, when: tf.Tensor) -> None:
-        """Where the device boolean ``when`` holds: ``value`` for a one-tensor key, which is
-        present afterwards (keys of one layer are written together)."""
-        x = self.store[key][0]
+        """Where the device boolean ``when`` holds (or always: ``True``): ``value`` for a
+        one-tensor key, which is present afterwards (keys of one layer are written
+        together)."""
+        x, flag = self.store[key][0], self.flags[self._layer[key]]
+        if when is True:  # no select
+            x.assign(tf.cast(value, x.dtype))
+            flag.assign(True)
+            return
         x.assign(tf.where(when, tf.cast(value, x.dtype), x))
-        flag = self.flags[self._layer[key]]
         flag.assign(tf.logical_or(flag, when))
 
     def put(self, key: str, value: Any, present: tf.Tensor) -> None:

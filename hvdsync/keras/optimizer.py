@@ -91,7 +91,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         hv.techniques = build_techniques(
             hv.configs, grads=hv.grads, ops=KerasOps(), comm=hv.comm, clip_layer=clip_layer,
             sparse_exchange=lambda c: SparseExchange(c, hv.grads, hv.comm, hv.stats),
-            layer_names=names, stats=hv.stats)
+            layer_names=names, stats=hv.stats, traces=True)
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)
         # HVDSYNC_KERAS_PIPELINE=1: every step through the eager step pipeline (to compare)
         hv.graph_path = (graph_runs(hv.techniques)

@@ -36,6 +36,9 @@ class KerasCheckpointing:
                                         hv.process_set.rank(), hv.process_set.size())
         self._after_restore(restored)
 
+    def _state_changed(self) -> None:
+        _refresh_traced(self._hv)
+
     def _after_restore(self, restored_own: bool) -> None:
         """The next step checks that every rank restored the same shared state (pipeline's
         ``after_load``); the compiled step reads the restored state (``_refresh_traced``)."""
