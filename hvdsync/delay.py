@@ -440,47 +440,56 @@ class DelayedGradients(Transport):
             zeroed, bad = self.check_local(flat)
             it = iter(zeroed)
             return [[next(it) for _ in xs] for _, _, xs in layers], bad
-        out, bads = [], []
-        for li, ks, xs in layers:
-            xs, bad = self.check_local(xs)
-            bads.append(bad)
-            out.append(self._fold_traced(li, ks, xs, lambda name, ts, li=li: reduce(li, name, ts),
-                                         flags))
-        return out, sum(bads[1:], bads[0]) if bads else ops.zero()
+        checked = [self.check_local(xs) for _, _, xs in layers]
+        bad = sum((b for _, b in checked[1:]), checked[0][1]) if checked else ops.zero()
+        layers = [(li, ks, xs) for (li, ks, _), (xs, _) in zip(layers, checked)]
+        return self._fold_traced(layers, reduce, flags), bad
 
-    def _fold_traced(self, li: int, ks: list[int], xs: list,
-                     reduce: Callable[[str, list], list], flags: dict[str, Any]) -> list:
-        ops, name = self.ops, f"hvdsync.{self.layer_names[li]}.delay"
+    def _fold_traced(self, layers: list[tuple[int, list[int], list]],
+                     reduce: Callable[[int, str, list], list], flags: dict[str, Any]
+                     ) -> list[list]:
+        ops, names = self.ops, [f"hvdsync.{self.layer_names[li]}.delay" for li, _, _ in layers]
         if self.config.synchronous:
-            return reduce(name, xs)
-        keys = [self.grads.key(li, k) for k in ks]
+            return [reduce(li, name, xs) for (li, _, xs), name in zip(layers, names)]
+        # one branch for every layer, not one per layer: a branch costs the step its own
+        # dispatch, and these run at the step's start (the exchange) or after backward
+        keys = [[self.grads.key(li, k) for k in ks] for li, ks, _ in layers]
         memory = self._memory
-        held = [memory["held"].read(key) for key in keys]
+        held = [[memory["held"].read(key) for key in ks] for ks in keys]
 
-        def exchange() -> list:
-            return [ops.accumulate(G, h, sign=-1)
-                    for G, h in zip(reduce(f"{name}.held", held), held)]
+        def exchange() -> list[list]:
+            return [[ops.accumulate(G, h, sign=-1)
+                     for G, h in zip(reduce(li, f"{name}.held", hs), hs)]
+                    for (li, _, _), name, hs in zip(layers, names, held)]
         late = ops.cond(flags["exchange_held"], exchange,
-                        lambda: [ops.zeros_like(h) for h in held])
-        # due[i]: the correction due i steps from now (the one just exchanged: staleness - 1)
-        due = [[memory[f"due{i}"].read(key) for key in keys]
-               for i in range(1, self.config.staleness)] + [late]
+                        lambda: [[ops.zeros_like(h) for h in hs] for hs in held])
+        # per layer, due[i]: the correction due i steps from now (just exchanged: staleness-1)
+        due = [[[memory[f"due{i}"].read(key) for key in ks]
+                for i in range(1, self.config.staleness)] + [new]
+               for ks, new in zip(keys, late)]
 
         def drain() -> tuple[list, list]:
-            total = reduce(f"{name}.own", xs)
-            for correction in due:
-                total = [ops.add(a, b) for a, b in zip(total, correction)]
-            return total, [[ops.zeros_like(x) for x in xs] for _ in due[1:]]
+            totals, emptied = [], []
+            for (li, _, xs), name, corrections in zip(layers, names, due):
+                total = reduce(li, f"{name}.own", xs)
+                for correction in corrections:
+                    total = [ops.add(a, b) for a, b in zip(total, correction)]
+                totals.append(total)
+                emptied.append([[ops.zeros_like(x) for x in xs] for _ in corrections[1:]])
+            return totals, emptied
 
         def step() -> tuple[list, list]:
-            return [ops.add(x, c) for x, c in zip(xs, due[0])], due[1:]
-        update, later = ops.cond(flags["drain"], drain, step)
-        for key, x in zip(keys, xs):  # (read after a drain only where this step was none)
-            memory["held"].write(key, x, True)
-        for i, corrections in enumerate(later, start=1):
-            for key, x in zip(keys, corrections):
-                memory[f"due{i}"].write(key, x, True)
-        return update
+            return ([[ops.add(x, c) for x, c in zip(xs, corrections[0])]
+                     for (_, _, xs), corrections in zip(layers, due)],
+                    [corrections[1:] for corrections in due])
+        updates, later = ops.cond(flags["drain"], drain, step)
+        for ks, (_, _, xs), rest in zip(keys, layers, later):
+            for key, x in zip(ks, xs):  # (read after a drain only where this step was none)
+                memory["held"].write(key, x, True)
+            for i, corrections in enumerate(rest, start=1):
+                for key, x in zip(ks, corrections):
+                    memory[f"due{i}"].write(key, x, True)
+        return updates
 
     def host_flags(self) -> dict[str, bool]:
         """``before_update`` (:meth:`host_before_update`); exchanging every step's gradient,

@@ -49,7 +49,6 @@ CASES = {
     # staleness 0: what arrives when cannot change the result
     "delay": (dict(delay=dict(staleness=0)), "sgd", 0.125, None),
     "delay_lowrank": (dict(delay=dict(staleness=0), lowrank=LOWRANK), "sgd", 0.125, None),
-    "delay_clip": (dict(delay=dict(staleness=0), clip=dict(max_norm=0.3)), "sgd", 0.125, None),
     # folded when due (Keras' default, compiled): the same steps fold the same global
     # gradients in both, whatever arrives when
     "delay_due": (dict(delay=dict(staleness=2, average_every=4, fold="due")), "momentum_exact",

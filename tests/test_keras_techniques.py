@@ -49,11 +49,12 @@ CASES = {
     "sparse_always_gather": (dict(sparse=dict(dense_ratio=float("inf"))), "sgd", 0.5, 6, 16,
                              dict(model="emb", vocab=40, reference=True,
                                   record_weights=False)),
-    # delay= local step + stale global gradient, K-step averaging
+    # delay= local step + stale global gradient, K-step averaging (compiled: folded when due;
+    # "delay": folded as it arrives, the pipeline path, a slow rank the other waits for)
     "delay_sync": (dict(delay=dict(staleness=0)), "momentum", 0.05, 10, 16,
                    dict(reference=True, record_weights=False, **F64)),
-    "delay": (dict(delay=dict(staleness=2, average_every=4)), "momentum", 0.05, 12, 16,
-              dict(slow_rank=1, **F64)),
+    "delay": (dict(delay=dict(staleness=2, average_every=4, fold="arrived")), "momentum", 0.05,
+              12, 16, dict(slow_rank=1, **F64)),
     "delay_avg_state": (dict(delay=dict(staleness=1, average_every=3, optimizer_state="average")),
                         "momentum", 0.05, 9, 16, F64),
     "delay_flush": (dict(delay=dict(staleness=2, average_every=4)), "sgd", 0.05, 10, 16,
