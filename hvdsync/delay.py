@@ -440,9 +440,15 @@ class DelayedGradients(Transport):
             zeroed, bad = self.check_local(flat)
             it = iter(zeroed)
             return [[next(it) for _ in xs] for _, _, xs in layers], bad
-        checked = [self.check_local(xs) for _, _, xs in layers]
-        bad = sum((b for _, b in checked[1:]), checked[0][1]) if checked else ops.zero()
-        layers = [(li, ks, xs) for (li, ks, _), (xs, _) in zip(layers, checked)]
+        if not layers:
+            return [], ops.zero()
+        bads = [ops.bad(xs) for _, _, xs in layers]  # per layer, as the eager step counts
+        bad = sum(bads[1:], bads[0])
+        # one branch for the step: a non-finite layer is rare, its zeros cost the others nothing
+        checked = ops.cond(bad > 0, lambda: [ops.zero_if(b, xs) for b, (_, _, xs)
+                                             in zip(bads, layers)],
+                           lambda: [list(xs) for _, _, xs in layers])
+        layers = [(li, ks, xs) for (li, ks, _), xs in zip(layers, checked)]
         return self._fold_traced(layers, reduce, flags), bad
 
     def _fold_traced(self, layers: list[tuple[int, list[int], list]],
