@@ -433,7 +433,7 @@ class DelayedGradients(Transport):
         step, so it runs beside its backward) into the correction ``G_{t-1} - g_{t-1}``,
         due ``staleness`` steps after ``t-1``; the update is ``g_t`` plus the correction due
         now -- on a drain ``G_t`` (exchanged in the step) plus every correction held.
-        ``reduce(li, name, tensors)`` averages over ranks, counted on layer ``li``."""
+        ``reduce(li, name, tensors)`` gives their average over ranks (layer ``li``'s)."""
         ops = self.ops
         if not self.config.exchange_gradients:
             flat = [x for _, _, xs in layers for x in xs]
@@ -513,7 +513,7 @@ class DelayedGradients(Transport):
         # the outer synchronization's anchors are taken before the first update only
         return self.outer is not None and not self.outer.has_anchors
 
-    def end_local_step(self, bad: bool) -> None:
+    def end_local_step(self, bad: int) -> None:
         self._bad = []
         self._count_nonfinite(int(bad))
 
