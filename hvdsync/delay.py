@@ -337,8 +337,6 @@ class DelayedGradients(Transport):
         self.sends_in_step = config.exchange_gradients
         #: the traced step's memory (:meth:`use_memory`), or None: the step runs eagerly
         self._memory: Optional[dict[str, Any]] = None
-        #: traced: the last step's gradient is still to be exchanged (the next step does it)
-        self._unsent = False
 
     @property
     def traceable(self) -> bool:
@@ -505,7 +503,8 @@ class DelayedGradients(Transport):
             return {}
         flags = {"before_update": self.host_before_update()}
         if self.config.exchange_gradients:
-            flags["exchange_held"] = self._unsent
+            # traced, an outstanding last step's gradient is the held one (not exchanged yet)
+            flags["exchange_held"] = self.policy.step in self._in_flight
             flags["drain"] = self.config.synchronous or self.policy.averages_now()
         return flags
 
@@ -532,7 +531,6 @@ class DelayedGradients(Transport):
             _, fold = self.policy.plan(self.outstanding, set())
             for j in fold:
                 del self._in_flight[j]
-            self._unsent = t not in fold  # the next step exchanges it
             self._average_after(fold, None, [])
             return
         ids = self.outstanding
@@ -622,10 +620,9 @@ class DelayedGradients(Transport):
             pending.discard()  # lowrank=: the error feedback comes back
         self._in_flight.clear()
         self._average_after_step = False
-        if self._memory is not None and (n or self._unsent):  # (host writes: when needed)
+        if self._memory is not None and n:  # (host writes: when needed)
             for memory in self._memory.values():
                 memory.clear()
-        self._unsent = False
         if n:
             self.stats.count("discarded", n)
         return n
