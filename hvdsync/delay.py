@@ -368,9 +368,8 @@ class DelayedGradients(Transport):
         local = [self.grads.get(li, k) for k in ks]
         # Non-finite on this rank: its steps are not exchanged synchronously, so the step
         # cannot be skipped everywhere; this rank contributes (and applies) zeros instead.
-        bad = self.ops.bad(local)
+        local, bad = self._zeroed(local)
         self._bad.append(bad)
-        local = self.ops.zero_if(bad, local)
         for k, g in zip(ks, local):
             self.grads.set(li, k, g)
         # In-flight ids span at most staleness + 1 consecutive steps, so this slot keeps
@@ -389,7 +388,7 @@ class DelayedGradients(Transport):
             layers, self._local = self._local, []
             local = [self.grads.get(li, k) for li, ks in layers for k in ks]
             if not self.ops.all_finite(local):  # one read; zeroing only when needed
-                zeroed, bad = self.check_local(local)
+                zeroed, bad = self._zeroed(local)
                 self._bad.append(bad)
                 it = iter(zeroed)
                 for li, ks in layers:
@@ -398,7 +397,8 @@ class DelayedGradients(Transport):
         self.comm.flush(background=True)  # Keras: the step's allreduce goes to a thread
         return {}
 
-    def check_local(self, tensors: list) -> tuple[list, Any]:
+    def _zeroed(self, tensors: list) -> tuple[list, Any]:
+        """``tensors``, zeros where any is non-finite, and that device flag."""
         bad = self.ops.bad(tensors)
         return self.ops.zero_if(bad, tensors), bad
 
@@ -435,7 +435,7 @@ class DelayedGradients(Transport):
         ops = self.ops
         if not self.config.exchange_gradients:
             flat = [x for _, _, xs in layers for x in xs]
-            zeroed, bad = self.check_local(flat)
+            zeroed, bad = self._zeroed(flat)
             it = iter(zeroed)
             return [[next(it) for _ in xs] for _, _, xs in layers], bad
         if not layers:
