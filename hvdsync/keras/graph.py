@@ -76,9 +76,9 @@ class HostFlags:
     """What the host decides between steps that the traced step branches on
     (:meth:`hvdsync.technique.Technique.host_flags`: ``delay=``'s anchors taken before the
     first update only, ``lowrank=``'s warm-up, a decider's plan): a boolean variable (or
-    vector) each, which the host
-    writes when the answer changed -- after each step, and after a checkpoint or shared
-    state was taken in."""
+    vector) each. The step's host call returns them for the next step and the graph assigns
+    them (:meth:`next_values`); outside a step -- at a trace, after a checkpoint or shared
+    state was taken in, after a flush -- the host writes what changed (:meth:`refresh`)."""
 
     def __init__(self, techniques: list[Technique]):
         self.techniques = techniques
@@ -98,10 +98,26 @@ class HostFlags:
                 if name.startswith(prefix)}
 
     def refresh(self) -> None:
+        """Write what changed (eagerly: outside a step -- at a trace, after a flush or a
+        restore)."""
         for name, value in self._now().items():
             if value != self._written[name]:  # an eager assign costs ~0.1 ms: on change only
                 self.variables[name].assign(value)
                 self._written[name] = value
+
+    def next_values(self) -> list[np.ndarray]:
+        """In the step's host call: every flag for the next step, which the graph assigns
+        after the call (:meth:`assign_in_graph`). Not an eager assign from inside the host
+        call: that one left, about once in 25 runs of a 10-step fit, one rank taking the
+        other branch of a flag in the next step -- a collective on one rank only, a hang
+        (docs/keras.md, "Host flags")."""
+        self._written = self._now()
+        return [np.asarray(self._written[name], bool) for name in self.variables]
+
+    def assign_in_graph(self, values: list) -> list:
+        """In the step, after the host call: assign its :meth:`next_values`."""
+        return [v.assign(tf.reshape(x, v.shape)) for v, x in zip(self.variables.values(),
+                                                                  values)]
 
 
 def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
@@ -292,11 +308,13 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         stats.end_step()
         if local is not None:
             pipeline.after_local_update()
-        flags.refresh()
-        return np.int32(0)
+        return flags.next_values() if flags.variables else np.int32(0)
     with tf.control_dependencies((done if local is not None else []) + host_reads):
-        tf.py_function(finish, [static_bytes, tf.stack(dense), record, ok, sends, shared,
-                                own, local_bad, before, counted], tf.int32)
+        following = tf.py_function(finish, [static_bytes, tf.stack(dense), record, ok, sends,
+                                            shared, own, local_bad, before, counted],
+                                   [tf.bool] * len(flags.variables) or tf.int32)
+    if flags.variables:
+        flags.assign_in_graph(following)
 
 
 def _counted(comm: KerasCommunicator, traffic: Traffic, li: int
