@@ -29,6 +29,9 @@ from tests.models import call, run_cases
 
 #: the job's time bound: a hang becomes a failure with every rank's output after this long
 BASE_TIMEOUT_S, PER_CASE_TIMEOUT_S = 300, 60
+#: and sooner, a rank that waits this long in one eager collective (hvdsync's watchdog) ends
+#: the job -- a case's legitimate waits (a peer tracing its step) take seconds
+COLLECTIVE_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +50,8 @@ def shared_job(request: pytest.FixtureRequest,
         # a case that does not set them (an example) must not decide them for the ones after
         cases = {"conftest:one TensorFlow thread": (one_tensorflow_thread,), **cases}
         return run_cases(call, np_, cases,
-                         timeout=BASE_TIMEOUT_S + PER_CASE_TIMEOUT_S * len(cases))
+                         timeout=BASE_TIMEOUT_S + PER_CASE_TIMEOUT_S * len(cases),
+                         env={"HVDSYNC_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S)})
 
     def of(module: Any, np_: int) -> dict:
         """``module``'s cases in the job on ``np_`` ranks (run on the first request)."""
