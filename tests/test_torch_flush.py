@@ -141,9 +141,9 @@ def _flush_runs(np_: int, launcher: str) -> dict:
     return _RUNS[np_, launcher]
 
 
-#: torch.distributed at 2 ranks (bit for bit with Horovod); at 3 its collectives are Horovod's
-#: parity's (tests/test_torch_parity.py, tests/test_torch_backend.py), and this matrix costs
-#: a 3-process job ~30 s on 2 cores
+#: torch.distributed at 2 ranks (bit for bit with Horovod); at 3 ranks its agreement with
+#: Horovod is the parity tests' (tests/test_torch_parity.py, tests/test_torch_backend.py):
+#: this matrix cost a 3-process job ~30 s on 2 cores
 JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun"), (2, "simulated"),
         (3, "simulated")]
 

@@ -108,8 +108,8 @@ class HostFlags:
     def next_values(self) -> list[np.ndarray]:
         """In the step's host call: every flag for the next step, which the graph assigns
         after the call (:meth:`assign_in_graph`). Not an eager assign from inside the host
-        call: that one left, about once in 25 runs of a 10-step fit, one rank taking the
-        other branch of a flag in the next step -- a collective on one rank only, a hang
+        call: that one left, in about one 10-step fit in 40, one rank taking the other
+        branch of a flag in the next step -- a collective on one rank only, a hang
         (docs/keras.md, "Host flags")."""
         self._written = self._now()
         return [np.asarray(self._written[name], bool) for name in self.variables]
