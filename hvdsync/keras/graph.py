@@ -114,10 +114,10 @@ class HostFlags:
         self._written = self._now()
         return [np.asarray(self._written[name], bool) for name in self.variables]
 
-    def assign_in_graph(self, values: list) -> list:
+    def assign_in_graph(self, values: list) -> None:
         """In the step, after the host call: assign its :meth:`next_values`."""
-        return [v.assign(tf.reshape(x, v.shape)) for v, x in zip(self.variables.values(),
-                                                                  values)]
+        for v, x in zip(self.variables.values(), values):
+            v.assign(tf.reshape(x, v.shape))
 
 
 def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
@@ -308,13 +308,12 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         stats.end_step()
         if local is not None:
             pipeline.after_local_update()
-        return flags.next_values() if flags.variables else np.int32(0)
+        return [np.int32(0)] + flags.next_values()  # (an output even without flags)
     with tf.control_dependencies((done if local is not None else []) + host_reads):
-        following = tf.py_function(finish, [static_bytes, tf.stack(dense), record, ok, sends,
-                                            shared, own, local_bad, before, counted],
-                                   [tf.bool] * len(flags.variables) or tf.int32)
-    if flags.variables:
-        flags.assign_in_graph(following)
+        _, *following = tf.py_function(
+            finish, [static_bytes, tf.stack(dense), record, ok, sends, shared, own, local_bad,
+                     before, counted], [tf.int32] + [tf.bool] * len(flags.variables))
+    flags.assign_in_graph(following)
 
 
 def _counted(comm: KerasCommunicator, traffic: Traffic, li: int
