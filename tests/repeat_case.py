@@ -37,8 +37,8 @@ def _final(result: Any) -> Optional[dict]:
 
 def repeat(module: str, case: str, np_: int, fits: int) -> int:
     """On a rank: the case ``fits`` times (its body and arguments as the shared job has them);
-    how many fits ended with parameters (a result's ``final``) other than the first's, bit for
-    bit -- a fit is deterministic, so any difference is a race."""
+    how many fits ended with parameters (:func:`_final`) other than the first's, bit for bit
+    -- a fit is deterministic, so any difference is a race."""
     one_tensorflow_thread()
     cases = importlib.import_module(module).shared_job_cases(np_, tempfile.mkdtemp())
     fn, *args = cases[case]
