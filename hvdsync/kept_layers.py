@@ -82,15 +82,21 @@ class KeptLayers:
         after the step (0 when sent) and whether its local gradient is non-finite where it is
         kept (sent data is checked once reduced: identical everywhere)."""
         ops = self.ops
-        held = [self.held.read(key) for key in self._keys(li, ks)]
+        keys = self._keys(li, ks)
         zero = ops.zero()
-
-        def with_held() -> list:
-            return [ops.add(g, ops.cast(h, like=g)) for g, h in zip(layer, held)]
+        # what the layer holds joins its gradient only while it holds something: a step
+        # that sends every layer pays no pass over each layer to add zeros (docs/keras.md,
+        # "Two passes less")
+        with_held = ops.cond(
+            self.held.present(keys[0]),
+            lambda: [ops.add(g, ops.cast(self.held.read(key), like=g))
+                     for g, key in zip(layer, keys)],
+            # (a copy where the framework has one: an eager send may reduce in place, and the
+            # local gradients are read again by the control round and the commit)
+            lambda: [ops.clone(g) for g in layer])
 
         def go():
-            # a layer that holds nothing holds zeros: no branch on whether it does
-            out, extras = send(with_held())
+            out, extras = send(with_held)
             return [*out, *extras]
 
         def keep():
@@ -101,7 +107,7 @@ class KeptLayers:
         # a branch of its own: a branch's outputs all wait for its slowest op (the send), and
         # the control round should not wait for this layer's data
         held_norm, bad = ops.cond(send_plan, lambda: (zero, zero),
-                                  lambda: (ops.norm(with_held()), ops.bad(layer)))
+                                  lambda: (ops.norm(with_held), ops.bad(layer)))
         m = len(layer)
         return list(res[:m]), held_norm, bad, list(res[m:])
 
