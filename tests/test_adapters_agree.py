@@ -79,7 +79,8 @@ def keras_case(options: dict, opt_name: str, lr: float, nan_rank, model: str = "
     r = fit_body(options, opt_name, lr, STEPS, BATCH, dtype="float64", nan_rank=nan_rank,
                  model=model)
     return dict(start=r["start"], weights=r["weights"], sent=r["sent"],
-                stats=r["stats"]["total"], layers=r["layers"], delay=r["delay"])
+                stats=r["stats"]["total"], layers=r["layers"], delay=r["delay"],
+                iterations=r["iterations"])
 
 
 def torch_case(start: dict, options: dict, opt_name: str, lr: float, nan_rank,
@@ -174,6 +175,8 @@ def test_torch_and_keras_agree_step_for_step(runs, case):
         kept = CASES[case][0].keys() & {"threshold", "select"}
         assert not kept or len(sent) < 3 * STEPS, "expected layers kept back"
     nan_rank = CASES[case][3]
+    if nan_rank is not None:
+        _check_nan_on_one_rank(case, keras[case], nan_rank)
     if nan_rank is not None and "delay" in CASES[case][0]:  # zeros in place of the NaN
         local_steps = not CASES[case][0]["delay"].get("exchange_gradients", True)
         bad = keras[case][nan_rank]["stats"].get("nonfinite", 0)
@@ -182,3 +185,23 @@ def test_torch_and_keras_agree_step_for_step(runs, case):
     if case.startswith("outer"):  # fc1 and fc2 in one fragment, out in the other
         assert keras[case][0]["delay"]["outer"]["fragments"] == [[0, 1], [2]]
         assert keras[case][0]["stats"]["outer_bytes"] > 0
+
+
+def _check_nan_on_one_rank(case: str, ranks: list, nan_rank: int) -> None:
+    """What the torch comparison alone would not catch (NaN equals NaN there): every weight
+    finite; a synchronous step non-finite on one rank skipped on every rank, uncounted by
+    Keras' ``iterations`` (its LossScaleOptimizer's convention) and counted once; global
+    updates leave the ranks equal; ``clip=`` counts the bad rank's non-finite layers there
+    only (as torch does, on the skipped step too)."""
+    options = CASES[case][0]
+    for r in ranks:
+        assert all(np.isfinite(w).all() for step in r["weights"] for w in step.values())
+        if "delay" not in options:
+            assert r["iterations"] == STEPS - 1 and r["stats"]["nonfinite_steps"] == 1, case
+    if not options.keys() & {"delay", "threshold"}:  # every step's update is global
+        for other in ranks[1:]:
+            for name, w in ranks[0]["weights"][-1].items():
+                np.testing.assert_array_equal(other["weights"][-1][name], w)
+    if "clip" in options and "delay" not in options:
+        assert [r["stats"].get("nonfinite", 0) > 0 for r in ranks] == \
+            [rank == nan_rank for rank in range(len(ranks))]
