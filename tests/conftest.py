@@ -1,31 +1,39 @@
-"""The shared rank job: one launch runs the rank bodies of every collected test file that
-declares them, so a session pays a TensorFlow rank's start (~4 s of CPU per rank, 3-6 s of
-wall per job on 2 cores) once per rank count instead of once per fixture.
+"""The shared rank jobs: one launch runs the rank bodies of every collected test file that
+declares them, so a session pays a rank's start once per rank count instead of once per
+fixture -- a TensorFlow rank ~4 s of CPU (3-6 s of wall per job on 2 cores), a torch one ~1.8 s
+(2-3.5 s per job). Two families, each its own job (a torch file's ranks do not import
+TensorFlow):
 
-A test file takes part by defining, at module level::
+* ``shared_job`` (Keras): a test file takes part by defining, at module level::
 
-    def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
-        # case name -> (function, *args), run on every rank as ``function(*args)``;
-        # ``directory``: a temporary folder for files (one per rank count); {} to sit out
-        ...
+      def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+          # case name -> (function, *args), run on every rank as ``function(*args)``;
+          # ``directory``: a temporary folder for files (one per rank count); {} to sit out
+          ...
 
-and reading every rank's result in a fixture with ``shared_job(request.module, np_)``
-(a dict: case name -> list of per-rank results). Only the files collected for the session
-join the job, so running one file runs only its own cases. (Under pytest-xdist every worker
-collects every file: a worker that needs the job runs all of it.)
+* ``torch_job`` (torch, ``horovodrun``, Horovod's tensor fusion off: sums in a fixed order,
+  so results compare bit for bit across cases at 3 ranks too): the same with
+  ``torch_job_cases``; :func:`tests.models.job_group` names a fixture's cases ``group/name``.
+
+A fixture reads every rank's result with ``shared_job(request.module, np_)`` (or
+``torch_job(request.module, np_, group)``): a dict, case name -> list of per-rank results.
+Only the files collected for the session join the job, so running one file runs only its own
+cases. (Under pytest-xdist every worker collects every file: a worker that needs the job runs
+all of it.)
 
 What does not belong here: bodies that need their own environment (``env=``), fresh processes
-(checkpoints resumed in a new job), another launcher, or a rank that dies on purpose.
+(checkpoints resumed in a new job), another launcher, a rank that dies or fails on purpose, or
+a process that must end in a given state.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 
 from tests.keras_models import one_tensorflow_thread
-from tests.models import call, run_cases
+from tests.models import call, one_torch_thread, run_cases
 
 #: the job's time bound: a hang becomes a failure with every rank's output after this long
 BASE_TIMEOUT_S, PER_CASE_TIMEOUT_S = 300, 60
@@ -33,28 +41,35 @@ BASE_TIMEOUT_S, PER_CASE_TIMEOUT_S = 300, 60
 #: the job -- a case's legitimate waits (a peer tracing its step) take seconds
 COLLECTIVE_TIMEOUT_S = 120
 
+#: per family: the module-level function that declares a file's cases, the case every rank
+#: runs first (a framework's threads are fixed once it starts: a case that does not set them,
+#: an example, must not decide them for the ones after), and the job's environment
+FAMILIES: dict[str, tuple[str, tuple, dict[str, str]]] = {
+    "keras": ("shared_job_cases", (one_tensorflow_thread,), {}),
+    "torch": ("torch_job_cases", (one_torch_thread,), {"HOROVOD_FUSION_THRESHOLD": "0"}),
+}
 
-@pytest.fixture(scope="session")
-def shared_job(request: pytest.FixtureRequest,
-               tmp_path_factory: pytest.TempPathFactory) -> Callable[[Any, int], dict]:
+
+def _jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          family: str) -> Callable[..., dict]:
+    hook, first, env = FAMILIES[family]
     modules = list(dict.fromkeys(item.module for item in request.session.items
                                  if getattr(item, "module", None) is not None))
     results: dict[int, dict | BaseException] = {}
 
     def run(np_: int) -> dict:
-        directory = str(tmp_path_factory.mktemp(f"shared_job_np{np_}"))
+        directory = str(tmp_path_factory.mktemp(f"{family}_job_np{np_}"))
         cases = {f"{mod.__name__}:{name}": case
-                 for mod in modules if hasattr(mod, "shared_job_cases")
-                 for name, case in mod.shared_job_cases(np_, directory).items()}
-        # first, whichever files take part: TensorFlow's threads are fixed once it starts, so
-        # a case that does not set them (an example) must not decide them for the ones after
-        cases = {"conftest:one TensorFlow thread": (one_tensorflow_thread,), **cases}
+                 for mod in modules if hasattr(mod, hook)
+                 for name, case in getattr(mod, hook)(np_, directory).items()}
+        cases = {f"conftest:{first[0].__name__}": first, **cases}
         return run_cases(call, np_, cases,
                          timeout=BASE_TIMEOUT_S + PER_CASE_TIMEOUT_S * len(cases),
-                         env={"HVDSYNC_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S)})
+                         env={"HVDSYNC_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S), **env})
 
-    def of(module: Any, np_: int) -> dict:
-        """``module``'s cases in the job on ``np_`` ranks (run on the first request)."""
+    def of(module: Any, np_: int, group: Optional[str] = None) -> dict:
+        """``module``'s cases in the job on ``np_`` ranks (run on the first request); with
+        ``group``, those named ``group/...``, without the prefix."""
         if np_ not in results:
             try:
                 results[np_] = run(np_)
@@ -62,8 +77,22 @@ def shared_job(request: pytest.FixtureRequest,
                 results[np_] = e
         if isinstance(results[np_], BaseException):
             raise results[np_]
-        prefix = f"{module.__name__}:"
+        prefix = f"{module.__name__}:" + (f"{group}/" if group is not None else "")
         return {name[len(prefix):]: ranks for name, ranks in results[np_].items()
                 if name.startswith(prefix)}
 
     return of
+
+
+@pytest.fixture(scope="session")
+def shared_job(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
+    """The Keras files' shared rank job (module docstring)."""
+    return _jobs(request, tmp_path_factory, "keras")
+
+
+@pytest.fixture(scope="session")
+def torch_job(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
+    """The torch files' shared rank job (module docstring)."""
+    return _jobs(request, tmp_path_factory, "torch")

@@ -142,6 +142,30 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
+def one_torch_thread() -> None:
+    """On a rank: one intra-op thread (ranks share the cores)."""
+    torch.set_num_threads(1)
+
+
+def job_group(group: str, body: Callable[..., Any], cases: dict[str, tuple]
+              ) -> dict[str, tuple]:
+    """``cases`` (name -> arguments of ``body``) as cases of a shared rank job
+    (tests/conftest.py): ``group/name`` -> ``(body, *arguments)``."""
+    return {f"{group}/{name}": (body, *args) for name, args in cases.items()}
+
+
+def logic_runs(request: Any, torch_job: Callable[..., dict], body: Callable[..., Any],
+               cases: dict[str, tuple], timeout: float = 300, group: str = "logic"
+               ) -> dict[str, list]:
+    """A module fixture's runs over :data:`LOGIC_JOBS` (``request.param``): the real ranks'
+    from the shared torch job (the file's ``torch_job_cases`` puts ``cases`` in it as
+    ``group``), the simulated ones in this process."""
+    np_, launcher = request.param
+    if launcher == "simulated":
+        return run_cases(body, np_, cases, timeout=timeout, launcher=launcher)
+    return torch_job(request.module, np_, group)
+
+
 def run_job(fn: Callable[..., Any], np: int, args: tuple = (), timeout: float = 300,
             env: dict[str, str] | None = None, launcher: str = "horovodrun") -> list:
     """``fn(*args)`` on ``np`` ranks: real ones started by ``launcher`` (``horovodrun`` or

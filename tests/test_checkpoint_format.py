@@ -10,7 +10,7 @@ import copy
 import numpy as np
 import pytest
 
-from tests.models import LOGIC_IDS, LOGIC_JOBS, run_cases
+from tests.models import LOGIC_IDS, LOGIC_JOBS, job_group, logic_runs
 
 OPTIONS = {
     "clip": dict(clip=dict(ema=(0.9, 2.0), warmup=1)),
@@ -166,13 +166,21 @@ RESUME = {
 }
 
 
-@pytest.mark.parametrize("np_,launcher", LOGIC_JOBS, ids=LOGIC_IDS)
-def test_restored_run_continues_exactly(np_, launcher):
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torch job (tests/conftest.py)."""
+    return job_group("logic", resume_body, RESUME) if np_ == 2 else {}
+
+
+@pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
+def resumed(request, torch_job):
     # Bit for bit needs the same summation order in both runs: with 3+ ranks Horovod's ring
     # sums an element in an order set by its place in the fusion buffer, which depends on
-    # which tensors are ready together (timing); without fusion across requests it is fixed.
-    env = {"HOROVOD_FUSION_THRESHOLD": "0"} if launcher == "horovodrun" else None
-    results = run_cases(resume_body, np_, RESUME, timeout=300, env=env, launcher=launcher)
+    # which tensors are ready together (timing); the shared job runs without fusion.
+    return logic_runs(request, torch_job, resume_body, RESUME)
+
+
+def test_restored_run_continues_exactly(resumed):
+    results = resumed
     for case, ranks in results.items():
         for rank, r in enumerate(ranks):
             assert r["diff"] == 0.0, f"{case} rank {rank}: differs by {r['diff']}"

@@ -3,7 +3,6 @@ known gradients, on 2 and 3 real ranks."""
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 
@@ -14,7 +13,7 @@ import torch
 import hvdsync.torch as hvd
 from hvdsync import ClipConfig
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, REAL_NP, REAL_NP_IDS, assert_construction_fails,
-                          call, run_cases, run_job)
+                          call, job_group, logic_runs)
 
 SHAPES = {"a.weight": (3, 4), "a.bias": (3,), "b.weight": (2, 3), "b.bias": (2,)}
 LAYERS = {"a": ["a.weight", "a.bias"], "b": ["b.weight", "b.bias"]}
@@ -117,11 +116,6 @@ def clip_body(cfg: dict, steps: int, scales: dict, nan_at: tuple | None = None) 
                 params={n: p.detach().numpy().copy() for n, p in named.items()})
 
 
-def clip_bodies(cases: list[tuple]) -> list[dict]:
-    """Several :func:`clip_body` runs in one job (one launch per world size, not per case)."""
-    return [clip_body(*case) for case in cases]
-
-
 FIXED_CASES = {
     "norm": dict(max_norm=2.0),
     "value": dict(value=(-0.5, 0.5)),
@@ -142,16 +136,15 @@ CASES = {**{k: (v, 3, BIG) for k, v in FIXED_CASES.items()},
          **{k: (v, 6, SPIKE) for k, v in ADAPTIVE_CASES.items()}}
 
 
-@functools.lru_cache(maxsize=None)
-def results_for(np_: int, launcher: str) -> dict[str, list[dict]]:
-    per_rank = run_job(clip_bodies, np_, (list(CASES.values()),), timeout=180,
-                       launcher=launcher)
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
+@pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
+def rule_runs(request, torch_job) -> tuple[int, dict[str, list[dict]]]:
+    return request.param[0], logic_runs(request, torch_job, clip_body, CASES, timeout=180)
 
 
-def check_against_reference(name, np_, launcher):
+def check_against_reference(name, rule_runs):
+    np_, runs = rule_runs
     cfg, steps, scales = CASES[name]
-    results = results_for(np_, launcher)[name]
+    results = runs[name]
     expected = reference(cfg, np_, steps, scales, results[0]["params"])
     for rank, res in enumerate(results):
         for t in range(steps):
@@ -161,28 +154,34 @@ def check_against_reference(name, np_, launcher):
     return results
 
 
-@pytest.mark.parametrize("np_,launcher", LOGIC_JOBS, ids=LOGIC_IDS)
 @pytest.mark.parametrize("name", list(FIXED_CASES))
-def test_fixed_rules_match_reference(np_, launcher, name):
-    results = check_against_reference(name, np_, launcher)
+def test_fixed_rules_match_reference(rule_runs, name):
+    results = check_against_reference(name, rule_runs)
     assert sum(sum(r["clipped"]) for r in results) > 0  # the case does exercise clipping
 
 
-@pytest.mark.parametrize("np_,launcher", LOGIC_JOBS, ids=LOGIC_IDS)
 @pytest.mark.parametrize("name", list(ADAPTIVE_CASES))
-def test_adaptive_rules_match_reference(np_, launcher, name):
-    results = check_against_reference(name, np_, launcher)
+def test_adaptive_rules_match_reference(rule_runs, name):
+    results = check_against_reference(name, rule_runs)
     assert results[1]["clipped"][4] >= 1  # the spike
     warmup = ADAPTIVE_CASES[name]["warmup"]
     assert all(c == 0 for r in results for c in r["clipped"][:warmup])
 
 
 @pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
-def horovod_runs(request):
-    """A NaN on one rank, and parity with Horovod: one job per rank count."""
-    return run_cases(call, request.param, {
+def horovod_runs(request, torch_job):
+    """A NaN on one rank, and parity with Horovod: in the shared torch job per rank count."""
+    return torch_job(request.module, request.param, "horovod")
+
+
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torch job (tests/conftest.py)."""
+    cases = job_group("horovod", call, {
         "nan": (clip_body, dict(max_norm=100.0), 3, {}, (1, 1, "a.weight")),
-        "parity": (parity_and_overlap_body, 5)}, timeout=300)
+        "parity": (parity_and_overlap_body, 5)})
+    if np_ == 2:
+        cases.update(job_group("logic", clip_body, CASES))
+    return cases
 
 
 def test_nan_gradient_on_one_rank_voids_the_step_everywhere(horovod_runs):

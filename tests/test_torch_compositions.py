@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.models import LOGIC_IDS, LOGIC_JOBS, run_cases
+from tests.models import LOGIC_IDS, LOGIC_JOBS, job_group, logic_runs
 
 STEPS = 12
 
@@ -112,9 +112,13 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def runs(request):
-    np_, launcher = request.param
-    return np_, run_cases(cases_body, np_, CASES, timeout=300, launcher=launcher)
+def runs(request, torch_job):
+    return request.param[0], logic_runs(request, torch_job, cases_body, CASES)
+
+
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torch job (tests/conftest.py)."""
+    return job_group("logic", cases_body, CASES) if np_ == 2 else {}
 
 
 def _equal_across_ranks(ranks: list, step: int, prefix: str = "") -> bool:

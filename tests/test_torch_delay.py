@@ -14,9 +14,9 @@ import hvdsync.torch as hvd
 from hvdsync import DelayConfig
 from hvdsync.delay import DelayPolicy, staleness_histogram
 from hvdsync.stats import SyncStats
-from hvdsync.testing import run_ranks
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS,
-                          assert_construction_fails, run_cases, teacher_batches)
+                          assert_construction_fails, job_group, logic_runs,
+                          teacher_batches)
 
 
 def make_opt(model: nn.Module, opt_name: str) -> torch.optim.Optimizer:
@@ -80,10 +80,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def runs(request):
-    np_, launcher = request.param
-    runs = run_cases(delay_body, np_, CASES, timeout=300, launcher=launcher)
-    runs["launcher"] = launcher
+def runs(request, torch_job):
+    runs = logic_runs(request, torch_job, delay_body, CASES)
+    runs["launcher"] = request.param[1]
     return runs
 
 
@@ -215,8 +214,8 @@ PARITY = {  # case: (delay, optimizer, steps, fp16 compression)
 
 
 @pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
-def parity_runs(request):
-    return run_cases(parity_body, request.param, PARITY, timeout=300)
+def parity_runs(request, torch_job):
+    return torch_job(request.module, request.param, "parity")
 
 
 @pytest.mark.parametrize("case", list(PARITY))
@@ -256,8 +255,8 @@ def flush_body() -> dict:
                 restored_step=opt2.delay_status["step"])
 
 
-def test_flush_makes_replicas_identical_and_checkpoint_keeps_the_schedule():
-    for r in run_ranks(flush_body, np=3, timeout=120):
+def test_flush_makes_replicas_identical_and_checkpoint_keeps_the_schedule(request, torch_job):
+    for r in torch_job(request.module, 3, "flush")["flush"]:
         assert r["spread"] == 0.0
         assert 0 <= r["dropped"] <= 2 and r["discarded"] == r["dropped"]
         assert r["again"] == 0
@@ -270,10 +269,21 @@ def digits_body(delay: dict | None) -> float:
     return train(epochs=8, delay=delay, verbose=False)["accuracy"]
 
 
-def test_converges_on_digits_with_stale_gradients():
-    acc = run_ranks(digits_body, np=2, args=(dict(staleness=2, average_every=8),),
-                    timeout=180)[0]
+def test_converges_on_digits_with_stale_gradients(request, torch_job):
+    acc = torch_job(request.module, 2, "digits")["stale"][0]
     assert acc >= 0.93, acc
+
+
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torch job (tests/conftest.py)."""
+    cases = job_group("parity", parity_body, PARITY)
+    if np_ == 2:
+        cases.update(job_group("logic", delay_body, CASES))
+        cases.update(job_group("digits", digits_body,
+                               {"stale": (dict(staleness=2, average_every=8),)}))
+    if np_ == 3:
+        cases.update(job_group("flush", flush_body, {"flush": ()}))
+    return cases
 
 
 # -- the schedule alone ---------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hvdsync import rules
-from tests.models import MLP, run_cases, teacher_batches
+from tests.models import MLP, job_group, run_cases, teacher_batches
 from tests.test_torch_compositions import BagModel, bag_batches
 
 STEPS, MORE = 11, 3
@@ -133,8 +133,16 @@ ALGEBRA = {f"threshold/{setup}/sgd": (("threshold",), setup, 0.0)
 _RUNS: dict[tuple[int, str], dict] = {}
 
 
-def _flush_runs(np_: int, launcher: str) -> dict:
-    """Every case on ``np_`` ranks of ``launcher``'s backend, one job, run once per module."""
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """Horovod's runs, in the session's shared torch job (tests/conftest.py)."""
+    return job_group("flush", flush_body, {**CASES, **ALGEBRA}) if np_ in (2, 3) else {}
+
+
+def _flush_runs(request, torch_job, np_: int, launcher: str) -> dict:
+    """Every case on ``np_`` ranks of ``launcher``'s backend, one job (Horovod's: the shared
+    one), run once per module."""
+    if launcher == "horovodrun":
+        return torch_job(request.module, np_, "flush")
     if (np_, launcher) not in _RUNS:
         _RUNS[np_, launcher] = run_cases(flush_body, np_, {**CASES, **ALGEBRA}, timeout=600,
                                          launcher=launcher)
@@ -149,8 +157,8 @@ JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun"), (2, "simulated"),
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=[f"np{n}-{lau}" for n, lau in JOBS])
-def flush_runs(request):
-    return _flush_runs(*request.param)
+def flush_runs(request, torch_job):
+    return _flush_runs(request, torch_job, *request.param)
 
 
 # 2 ranks: a sum of two is the same in any order, so the backends agree to the bit; 3 ranks:
@@ -170,11 +178,11 @@ OTHERS = [(n, launcher) for n, launcher in JOBS if launcher != "horovodrun"]
 
 @pytest.mark.parametrize("np_, other", OTHERS, ids=[f"{lau}-{n}" for n, lau in OTHERS])
 @pytest.mark.parametrize("case", REPRODUCIBLE)
-def test_same_parameters_on_every_backend(np_, other, case):
+def test_same_parameters_on_every_backend(request, torch_job, np_, other, case):
     """torch.distributed and the simulated ranks (which sum in rank order) give Horovod's
     parameters."""
-    on_horovod = _flush_runs(np_, "horovodrun")[case][0]
-    on_other = _flush_runs(np_, other)[case][0]
+    on_horovod = _flush_runs(request, torch_job, np_, "horovodrun")[case][0]
+    on_other = _flush_runs(request, torch_job, np_, other)[case][0]
     for key in ("first", "second"):
         np.testing.assert_allclose(on_other[key], on_horovod[key], rtol=0,
                                    atol=BACKEND_TOL[np_], err_msg=f"{case} {key}")

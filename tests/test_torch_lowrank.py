@@ -13,7 +13,7 @@ from torch import nn
 from hvdsync import LowRankConfig
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, DeviceMemory,
                           assert_construction_fails, eager_or_traced_steps, float64_mlp,
-                          run_cases, teacher_batches)
+                          job_group, logic_runs, run_cases, teacher_batches)
 
 HIDDEN = 32
 
@@ -107,9 +107,8 @@ TRAINED = ["rank2", "rank2_fp16", "clip", "threshold", "select"]
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def runs(request):
-    np_, launcher = request.param
-    return run_cases(lowrank_body, np_, CASES, timeout=400, launcher=launcher)
+def runs(request, torch_job):
+    return logic_runs(request, torch_job, lowrank_body, CASES, timeout=400)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith(("full", "feedback"))]
@@ -336,15 +335,22 @@ def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
             if np_ == 2 else {})
 
 
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torch job (tests/conftest.py)."""
+    if np_ != 2:
+        return {}
+    return {**job_group("logic", lowrank_body, CASES), **job_group("digits", digits_torch, DIGITS)}
+
+
 @pytest.mark.parametrize("framework", ["torch", "keras"])
-def test_digits_at_a_fraction_of_the_bytes(request, shared_job, framework):
+def test_digits_at_a_fraction_of_the_bytes(request, shared_job, torch_job, framework):
     """The examples' MLP (64-128-64-10) with rank 4: every weight matrix goes as factors after
     10 plain steps; the accuracy stays within 2 points of plain averaging."""
     if framework == "keras":
         job = shared_job(request.module, 2)
         runs = {name: job[f"digits_keras/{name}"] for name in DIGITS}
     else:
-        runs = run_cases(digits_torch, 2, DIGITS, timeout=400)
+        runs = torch_job(request.module, 2, "digits")
     plain, ours = runs["plain"][0], runs["lowrank"]
     total = ours[0]["stats"]["total"]
     assert total["bytes_sent"] < 0.35 * total["bytes_dense"], total

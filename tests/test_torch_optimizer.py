@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import hvdsync.torch as hvd
-from tests.models import (MLP, REAL_NP, REAL_NP_IDS, assert_construction_fails, call, run_cases,
-                          teacher_batches)
+from tests.models import MLP, REAL_NP, REAL_NP_IDS, assert_construction_fails, teacher_batches
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -185,12 +184,15 @@ def stats_body(steps: int) -> dict:
                 param_bytes=sum(p.numel() * p.element_size() for p in m.parameters()))
 
 
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's multi-rank cases, in the session's shared torch job (tests/conftest.py)."""
+    return {"stats": (stats_body, 4), "sparse": (sparse_parity_body, False),
+            "sparse_as_dense": (sparse_parity_body, True)} if np_ in REAL_NP else {}
+
+
 @pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
-def multi_rank_runs(request):
-    """This file's multi-rank cases, one job per rank count."""
-    return run_cases(call, request.param, {
-        "stats": (stats_body, 4), "sparse": (sparse_parity_body, False),
-        "sparse_as_dense": (sparse_parity_body, True)}, timeout=300)
+def multi_rank_runs(request, torch_job):
+    return torch_job(request.module, request.param)
 
 
 def test_stats_count_bytes_collectives_and_layers(multi_rank_runs):

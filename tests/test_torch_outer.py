@@ -20,8 +20,8 @@ from hvdsync import DelayConfig
 from hvdsync.outer import INT8_CHUNK, fragment_layers, start_offsets
 from hvdsync.testing import run_ranks
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS, DeviceMemory,
-                          assert_construction_fails, eager_or_traced_steps, run_cases,
-                          teacher_batches)
+                          assert_construction_fails, eager_or_traced_steps, job_group,
+                          logic_runs, run_cases, teacher_batches)
 
 STEPS = 13
 
@@ -129,9 +129,8 @@ REFERENCE_CASES = {
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def reference_runs(request):
-    np_, launcher = request.param
-    return run_cases(reference_body, np_, REFERENCE_CASES, timeout=300, launcher=launcher)
+def reference_runs(request, torch_job):
+    return logic_runs(request, torch_job, reference_body, REFERENCE_CASES, group="reference")
 
 
 @pytest.mark.parametrize("case", list(REFERENCE_CASES))
@@ -191,8 +190,8 @@ HOROVOD_CASES = {"sgd": (K1, 0.0, 10, 1), "momentum": (K1, 0.9, 10, 1),
 
 
 @pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
-def horovod_runs(request):
-    return run_cases(horovod_body, request.param, HOROVOD_CASES, timeout=300)
+def horovod_runs(request, torch_job):
+    return torch_job(request.module, request.param, "horovod")
 
 
 @pytest.mark.parametrize("case", list(HOROVOD_CASES))
@@ -257,9 +256,17 @@ COMPRESSED = {
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def compressed_runs(request):
-    np_, launcher = request.param
-    return run_cases(compressed_body, np_, COMPRESSED, timeout=300, launcher=launcher)
+def compressed_runs(request, torch_job):
+    return logic_runs(request, torch_job, compressed_body, COMPRESSED, group="compressed")
+
+
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torch job (tests/conftest.py)."""
+    cases = job_group("horovod", horovod_body, HOROVOD_CASES)
+    if np_ == 2:
+        cases.update(job_group("reference", reference_body, REFERENCE_CASES))
+        cases.update(job_group("compressed", compressed_body, COMPRESSED))
+    return cases
 
 
 @pytest.mark.parametrize("case", list(COMPRESSED))

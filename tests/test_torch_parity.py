@@ -143,22 +143,29 @@ def train_both(cases: dict) -> dict:
     return out
 
 
-_RUNS: dict = {}
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """The Horovod side, in the session's shared torch job (tests/conftest.py)."""
+    return {"both": (train_both, CASES)}
 
 
-def _runs(np_: int, launcher: str) -> list:
-    if (np_, launcher) not in _RUNS:
-        body = train_both if launcher == "horovodrun" else train_on_torch_backend
-        _RUNS[np_, launcher] = run_ranks(body, np=np_, args=(CASES,), timeout=300,
-                                         launcher=launcher)
-    return _RUNS[np_, launcher]
+_TORCHRUN: dict = {}
+
+
+def _runs(request, torch_job, np_: int, launcher: str) -> list:
+    if launcher == "horovodrun":
+        return torch_job(request.module, np_)["both"]
+    if np_ not in _TORCHRUN:
+        _TORCHRUN[np_] = run_ranks(train_on_torch_backend, np=np_, args=(CASES,), timeout=300,
+                                   launcher=launcher)
+    return _TORCHRUN[np_]
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_parity_on_torchrun_with_horovod_and_ddp(np_):
+def test_parity_on_torchrun_with_horovod_and_ddp(request, torch_job, np_):
     """hvdsync on torch.distributed (nothing enabled) == Horovod's optimizer on Horovod, and
     == DDP in the same torchrun job."""
-    on_horovod, on_torch = _runs(np_, "horovodrun"), _runs(np_, "torchrun")
+    on_horovod, on_torch = (_runs(request, torch_job, np_, "horovodrun"),
+                            _runs(request, torch_job, np_, "torchrun"))
     for case in CASES:
         tol = FP16_TOL if "fp16" in case and np_ > 2 else 1e-6
         for rank in range(np_):
@@ -174,8 +181,8 @@ def test_parity_on_torchrun_with_horovod_and_ddp(np_):
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_parity_with_horovod(np_):
-    results = _runs(np_, "horovodrun")
+def test_parity_with_horovod(request, torch_job, np_):
+    results = _runs(request, torch_job, np_, "horovodrun")
     for case in CASES:
         for rank, res in enumerate(results):
             r = res[case]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hvdsync.testing import RanksFailed, processes_of, run_ranks
-from tests.models import MLP, run_cases, run_job, teacher_batches
+from tests.models import MLP, job_group, run_cases, run_job, teacher_batches
 
 
 # -- ranks that disagree fail loudly, on every rank -------------------------------------------
@@ -202,10 +202,18 @@ def horovod_script(which: str) -> dict:
                        opt.sparse_as_dense))
 
 
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torch job (tests/conftest.py)."""
+    cases = job_group("script", horovod_script, {"horovod": ("horovod",),
+                                                 "hvdsync": ("hvdsync",)})
+    if np_ == 2:
+        cases.update(job_group("amp", amp_body, AMP_CASES))
+    return cases
+
+
 @pytest.mark.parametrize("np_", [2, 3])
-def test_a_horovod_script_runs_unchanged_and_gives_horovods_parameters(np_):
-    results = run_cases(horovod_script, np_, {"horovod": ("horovod",), "hvdsync": ("hvdsync",)},
-                        timeout=300)
+def test_a_horovod_script_runs_unchanged_and_gives_horovods_parameters(request, torch_job, np_):
+    results = torch_job(request.module, np_, "script")
     for ref, ours in zip(results["horovod"], results["hvdsync"]):
         assert ours["restored"] and ref["restored"]
         assert ours["names"] == ref["names"] and ours["requires"] == ref["requires"] == 6
@@ -295,11 +303,12 @@ AMP_CASES = {f"{case}/{variant}": (case, scale, bad) for case in TECHNIQUES
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=JOB_IDS)
-def amp_runs(request):
+def amp_runs(request, torch_job):
     np_, launcher = request.param
-    # bit for bit across runs needs Horovod's summation order fixed (3+ ranks: fusion timing)
-    env = {"HOROVOD_FUSION_THRESHOLD": "0"} if launcher == "horovodrun" else None
-    return np_, run_cases(amp_body, np_, AMP_CASES, timeout=600, launcher=launcher, env=env)
+    if launcher == "horovodrun":  # (the shared job runs without Horovod's tensor fusion: bit
+        # for bit across runs needs its summation order fixed -- 3+ ranks: fusion timing)
+        return np_, torch_job(request.module, np_, "amp")
+    return np_, run_cases(amp_body, np_, AMP_CASES, timeout=600, launcher=launcher)
 
 
 def _same(a: dict, b: dict) -> bool:

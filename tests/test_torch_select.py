@@ -10,9 +10,8 @@ from torch import nn
 
 from hvdsync import SelectConfig
 from hvdsync.select import SelectPolicy
-from hvdsync.testing import run_ranks
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, REAL_NP, REAL_NP_IDS, assert_construction_fails,
-                          call, check_pushes, run_cases, teacher_batches)
+                          call, check_pushes, job_group, logic_runs, teacher_batches)
 
 DEPTH = 6  # linear layers in the test model
 
@@ -99,9 +98,8 @@ def layer_bytes() -> dict[str, int]:
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def runs(request):
-    np_, launcher = request.param
-    return run_cases(select_body, np_, CASES, timeout=300, launcher=launcher)
+def runs(request, torch_job):
+    return logic_runs(request, torch_job, select_body, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -210,14 +208,12 @@ def parity_body(opt_name: str, steps: int) -> float:
 
 
 @pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
-def exact_runs(request):
-    """The exact-result cases, one job per rank count: parity with Horovod, resuming. Without
-    tensor fusion: on 3 ranks Horovod's ring sums depend on where a tensor sits in its fusion
-    buffer, a matter of timing, so two runs of the same steps could differ in the last bit."""
-    return run_cases(call, request.param, {
-        "momentum": (parity_body, "momentum", 20), "adam": (parity_body, "adam", 20),
-        "hypernet": (resume_body, "hypernet"), "norm": (resume_body, "norm")}, timeout=300,
-        env={"HOROVOD_FUSION_THRESHOLD": "0"})
+def exact_runs(request, torch_job):
+    """The exact-result cases, in the shared torch job per rank count: parity with Horovod,
+    resuming. The job runs without tensor fusion: on 3 ranks Horovod's ring sums depend on
+    where a tensor sits in its fusion buffer, a matter of timing, so two runs of the same
+    steps could differ in the last bit."""
+    return torch_job(request.module, request.param, "exact")
 
 
 @pytest.mark.parametrize("opt_name", ["momentum", "adam"])
@@ -274,9 +270,20 @@ def digits_body(select: dict | None) -> float:
     return train(epochs=8, select=select, verbose=False)["accuracy"]
 
 
-def test_converges_on_digits_pushing_one_layer_in_three():
-    acc = run_ranks(digits_body, np=2, args=(dict(k=1, max_wait=4),), timeout=180)[0]
+def test_converges_on_digits_pushing_one_layer_in_three(request, torch_job):
+    acc = torch_job(request.module, 2, "digits")["one_in_three"][0]
     assert acc >= 0.9, acc
+
+
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torch job (tests/conftest.py)."""
+    cases = job_group("exact", call, {
+        "momentum": (parity_body, "momentum", 20), "adam": (parity_body, "adam", 20),
+        "hypernet": (resume_body, "hypernet"), "norm": (resume_body, "norm")})
+    if np_ == 2:
+        cases.update(job_group("logic", select_body, CASES))
+        cases.update(job_group("digits", digits_body, {"one_in_three": (dict(k=1, max_wait=4),)}))
+    return cases
 
 
 # -- the selector alone -------------------------------------------------------------------

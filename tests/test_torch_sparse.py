@@ -15,7 +15,7 @@ import torch
 from hvdsync import SparseConfig
 from hvdsync.sparse import choose_route, gradient_layouts
 from hvdsync.testing import run_ranks
-from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, run_job
+from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, job_group, logic_runs
 
 # (rows, dim, kind) per table; kind "emb" is nn.Embedding, "bag" nn.EmbeddingBag(mode="sum").
 ONE_TABLE = [(64, 4, "emb")]
@@ -196,9 +196,9 @@ ROUTE_COUNTERS = ("sparse_gather", "sparse_dense", "sparse_none")
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def exchanges(request):
-    np_, launcher = request.param
-    return np_, run_job(exchange_cases, np_, (CASES,), timeout=240, launcher=launcher)
+def exchanges(request, torch_job):
+    return request.param[0], logic_runs(request, torch_job, exchange_cases, {"all": (CASES,)},
+                                        timeout=240)["all"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -281,8 +281,8 @@ def test_nothing_to_send_sends_no_rows(exchanges):
         assert s["collectives"] == 2  # counts + head; no gather
 
 
-def test_two_sparse_dimensions_both_routes():
-    for res in run_ranks(sparse_dim2_cases, np=3, timeout=120):
+def test_two_sparse_dimensions_both_routes(request, torch_job):
+    for res in torch_job(request.module, 3)["dim2"]:
         assert res["inf"]["diff"] <= 1e-6 and res["inf"]["counters"].get("sparse_gather") == 1
         assert res["0.0"]["diff"] <= 1e-6 and res["0.0"]["counters"].get("sparse_dense") == 1
 
@@ -346,9 +346,12 @@ def train_against_horovod(steps: int) -> dict:
     order) are amplified by momentum SGD to ~1e-1 over 150 steps, hiding real bugs."""
     from examples.torch.train_zipf_embeddings import train
     torch.set_default_dtype(torch.float64)
-    runs = {"horovod": train(steps, horovod=True, verbose=False),
-            "gather": train(steps, sparse=math.inf, verbose=False),
-            "dense": train(steps, sparse=0, verbose=False)}
+    try:
+        runs = {"horovod": train(steps, horovod=True, verbose=False),
+                "gather": train(steps, sparse=math.inf, verbose=False),
+                "dense": train(steps, sparse=0, verbose=False)}
+    finally:  # the shared job's next cases run in this process
+        torch.set_default_dtype(torch.float32)
     ref = runs["horovod"]["params"]
     return {name: dict(accuracy=r["accuracy"], stats=r["stats"],
                        diff=max(float((p - ref[n]).abs().max()) for n, p in r["params"].items()))
@@ -357,10 +360,23 @@ def train_against_horovod(steps: int) -> dict:
 
 # 3 ranks: the parity is the point (a 3-rank step costs 2x a 2-rank one on 2 cores); it learns
 # at 40 steps too, less far
-@pytest.mark.parametrize("np_, steps, accuracy", [(2, 150, 0.4), (3, 40, 0.33)])
-def test_training_matches_horovod_and_learns(np_, steps, accuracy):
-    for rank, res in enumerate(run_ranks(train_against_horovod, np=np_, args=(steps,),
-                                         timeout=300)):
+TRAIN = {2: (150, 0.4), 3: (40, 0.33)}  # rank count: steps, accuracy
+
+
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torch job (tests/conftest.py)."""
+    cases = {"train": (train_against_horovod, TRAIN[np_][0])} if np_ in TRAIN else {}
+    if np_ == 2:
+        cases.update(job_group("logic", exchange_cases, {"all": (CASES,)}))
+    if np_ == 3:
+        cases["dim2"] = (sparse_dim2_cases,)
+    return cases
+
+
+@pytest.mark.parametrize("np_", list(TRAIN))
+def test_training_matches_horovod_and_learns(request, torch_job, np_):
+    steps, accuracy = TRAIN[np_]
+    for rank, res in enumerate(torch_job(request.module, np_)["train"]):
         # Same updates as Horovod's sparse path, up to float64 summation order.
         assert res["gather"]["diff"] <= 1e-9, (rank, res["gather"]["diff"])
         assert res["dense"]["diff"] <= 1e-9, (rank, res["dense"]["diff"])

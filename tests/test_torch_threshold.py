@@ -9,7 +9,8 @@ import torch
 import hvdsync.torch as hvd
 from hvdsync import ThresholdConfig
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS,
-                          assert_construction_fails, call, run_cases, teacher_batches)
+                          assert_construction_fails, call, job_group, logic_runs,
+                          teacher_batches)
 
 
 def threshold_body(cfg: dict, opt_name: str, steps: int) -> dict:
@@ -58,9 +59,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def runs(request):
-    np_, launcher = request.param
-    return run_cases(threshold_body, np_, CASES, timeout=300, launcher=launcher)
+def runs(request, torch_job):
+    return logic_runs(request, torch_job, threshold_body, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -134,11 +134,9 @@ SGD_LR, SGD_STEPS = 0.1, 24
 
 
 @pytest.fixture(scope="module", params=REAL_NP, ids=REAL_NP_IDS)
-def exact_runs(request):
-    """The exact-result cases, one job per rank count."""
-    return run_cases(call, request.param, {
-        "momentum": (parity_body, "momentum", 20), "adam": (parity_body, "adam", 20),
-        "sgd": (sgd_exact_body, SGD_STEPS, SGD_LR)}, timeout=300)
+def exact_runs(request, torch_job):
+    """The exact-result cases, in the shared torch job per rank count."""
+    return torch_job(request.module, request.param, "exact")
 
 
 @pytest.mark.parametrize("opt_name", ["momentum", "adam"])
@@ -153,15 +151,27 @@ def digits_body(threshold: dict | None, epochs: int, seed: int) -> dict:
     return train(epochs=epochs, seed=seed, threshold=threshold, verbose=False)
 
 
-def test_converges_on_digits_while_skipping_half_the_sends():
-    runs = run_cases(digits_body, 2, {"dense": (None, 8, 0),
-                                      "sparse": (dict(threshold=0.6, max_skip=8), 8, 0)},
-                     timeout=300)
+DIGITS = {"dense": (None, 8, 0), "sparse": (dict(threshold=0.6, max_skip=8), 8, 0)}
+
+
+def test_converges_on_digits_while_skipping_half_the_sends(request, torch_job):
+    runs = torch_job(request.module, 2, "digits")
     dense, sparse = runs["dense"][0], runs["sparse"][0]
     skipped = sparse["stats"]["total"]["layers_skipped"]
     sent = sparse["stats"]["total"]["layers_sent"]
     assert skipped / (skipped + sent) >= 0.5, (skipped, sent)
     assert sparse["accuracy"] >= dense["accuracy"] - 0.01, (sparse["accuracy"], dense["accuracy"])
+
+
+def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torch job (tests/conftest.py)."""
+    cases = job_group("exact", call, {
+        "momentum": (parity_body, "momentum", 20), "adam": (parity_body, "adam", 20),
+        "sgd": (sgd_exact_body, SGD_STEPS, SGD_LR)})
+    if np_ == 2:
+        cases.update(job_group("logic", threshold_body, CASES))
+        cases.update(job_group("digits", digits_body, DIGITS))
+    return cases
 
 
 # -- validation -----------------------------------------------------------------------------
