@@ -178,15 +178,21 @@ def keras_second_job(directory: str, which: str) -> dict:
     return out
 
 
+def keras_second_jobs(directory: str, whichs: tuple[str, ...]) -> dict:
+    """:func:`keras_second_job` for each of ``whichs`` in one job: fresh processes (not the
+    ones that saved), each with models of its own."""
+    return {which: keras_second_job(directory, which) for which in whichs}
+
+
 @pytest.fixture(scope="module", params=KERAS_NP, ids=KERAS_NP_IDS)
 def keras_jobs(request, tmp_path_factory):
     np_ = request.param
     directory = str(tmp_path_factory.mktemp(f"keras_ckpt{np_}"))
     env = {"HOROVOD_FUSION_THRESHOLD": "0"}
     first = run_ranks(keras_first_job, np=np_, args=(directory,), timeout=400, env=env)
-    second = {w: run_ranks(keras_second_job, np=np_, args=(directory, w), timeout=400, env=env)
-              for w in ("every_rank", "rank0")}
-    return first, second
+    per_rank = run_ranks(keras_second_jobs, np=np_, args=(directory, ("every_rank", "rank0")),
+                         timeout=400, env=env)
+    return first, {which: [r[which] for r in per_rank] for which in per_rank[0]}
 
 
 @pytest.mark.parametrize("case", list(RESUME))

@@ -105,6 +105,12 @@ def second_job(directory: str, how: str, cases: dict = CASES) -> dict:
     return out
 
 
+def second_jobs(directory: str, hows: tuple[str, ...]) -> dict:
+    """:func:`second_job` for each of ``hows`` in one job: fresh processes (not the ones that
+    saved), each way with models and optimizers of its own."""
+    return {how: second_job(directory, how) for how in hows}
+
+
 # Horovod on 2 and 3 ranks, torch.distributed (torchrun) on 2
 # real ranks: 2 on each backend (fresh processes, the file format); 3 ranks' per-rank memory
 # mapping on simulated ranks (fresh objects in the test process)
@@ -122,7 +128,8 @@ def jobs(request, tmp_path_factory):
     def run(fn, *args):
         return run_job(fn, np_, args, timeout=300, env=env, launcher=launcher)
     uninterrupted = run(first_job, directory)
-    resumed = {how: run(second_job, directory, how) for how in ("helper", "own", "rank0")}
+    per_rank = run(second_jobs, directory, ("helper", "own", "rank0"))
+    resumed = {how: [r[how] for r in per_rank] for how in per_rank[0]}
     return np_, uninterrupted, resumed
 
 
