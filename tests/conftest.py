@@ -1,8 +1,8 @@
 """The shared rank jobs: one launch runs the rank bodies of every collected test file that
 declares them, so a session pays a rank's start once per rank count instead of once per
 fixture -- a TensorFlow rank ~4 s of CPU (3-6 s of wall per job on 2 cores), a torch one ~1.8 s
-(2-3.5 s per job). Two families, each its own job (a torch file's ranks do not import
-TensorFlow):
+(2-3.5 s per job). Three families, each its own job (a torch file's ranks do not import
+TensorFlow; a launcher is a backend):
 
 * ``shared_job`` (Keras): a test file takes part by defining, at module level::
 
@@ -13,17 +13,19 @@ TensorFlow):
 
 * ``torch_job`` (torch, ``horovodrun``, Horovod's tensor fusion off: sums in a fixed order,
   so results compare bit for bit across cases at 3 ranks too): the same with
-  ``torch_job_cases``; :func:`tests.models.job_group` names a fixture's cases ``group/name``.
+  ``torch_job_cases``; :func:`tests.models.job_group` names a fixture's cases ``group/name``;
+* ``torchrun_job`` (torch, ``torchrun``: the torch.distributed backend): ``torchrun_job_cases``.
 
 A fixture reads every rank's result with ``shared_job(request.module, np_)`` (or
-``torch_job(request.module, np_, group)``): a dict, case name -> list of per-rank results.
-Only the files collected for the session join the job, so running one file runs only its own
-cases. (Under pytest-xdist every worker collects every file: a worker that needs the job runs
-all of it.)
+``torch_job(request.module, np_, group)``, the same for ``torchrun_job``): a dict, case
+name -> list of per-rank results. Only the files collected for the session join the job, so
+running one file runs only its own cases. (Under pytest-xdist every worker collects every
+file: a worker that needs the job runs all of it.)
 
 What does not belong here: bodies that need their own environment (``env=``), fresh processes
-(checkpoints resumed in a new job), another launcher, a rank that dies or fails on purpose, or
-a process that must end in a given state.
+(checkpoints resumed in a new job), a rank that dies or fails on purpose, or a process that
+must end in a given state. A body leaves the process as it found it (torch's default dtype,
+global policies): the job's next cases run in it.
 """
 
 from __future__ import annotations
@@ -43,16 +45,18 @@ COLLECTIVE_TIMEOUT_S = 120
 
 #: per family: the module-level function that declares a file's cases, the case every rank
 #: runs first (a framework's threads are fixed once it starts: a case that does not set them,
-#: an example, must not decide them for the ones after), and the job's environment
-FAMILIES: dict[str, tuple[str, tuple, dict[str, str]]] = {
-    "keras": ("shared_job_cases", (one_tensorflow_thread,), {}),
-    "torch": ("torch_job_cases", (one_torch_thread,), {"HOROVOD_FUSION_THRESHOLD": "0"}),
+#: an example, must not decide them for the ones after), the job's environment, its launcher
+FAMILIES: dict[str, tuple[str, tuple, dict[str, str], str]] = {
+    "keras": ("shared_job_cases", (one_tensorflow_thread,), {}, "horovodrun"),
+    "torch": ("torch_job_cases", (one_torch_thread,), {"HOROVOD_FUSION_THRESHOLD": "0"},
+              "horovodrun"),
+    "torchrun": ("torchrun_job_cases", (one_torch_thread,), {}, "torchrun"),
 }
 
 
 def _jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
           family: str) -> Callable[..., dict]:
-    hook, first, env = FAMILIES[family]
+    hook, first, env, launcher = FAMILIES[family]
     modules = list(dict.fromkeys(item.module for item in request.session.items
                                  if getattr(item, "module", None) is not None))
     results: dict[int, dict | BaseException] = {}
@@ -65,7 +69,8 @@ def _jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         cases = {f"conftest:{first[0].__name__}": first, **cases}
         return run_cases(call, np_, cases,
                          timeout=BASE_TIMEOUT_S + PER_CASE_TIMEOUT_S * len(cases),
-                         env={"HVDSYNC_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S), **env})
+                         env={"HVDSYNC_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S), **env},
+                         launcher=launcher)
 
     def of(module: Any, np_: int, group: Optional[str] = None) -> dict:
         """``module``'s cases in the job on ``np_`` ranks (run on the first request); with
@@ -96,3 +101,10 @@ def torch_job(request: pytest.FixtureRequest,
               tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
     """The torch files' shared rank job (module docstring)."""
     return _jobs(request, tmp_path_factory, "torch")
+
+
+@pytest.fixture(scope="session")
+def torchrun_job(request: pytest.FixtureRequest,
+                 tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
+    """The torch files' shared ``torchrun`` job (module docstring)."""
+    return _jobs(request, tmp_path_factory, "torchrun")

@@ -10,15 +10,15 @@ import time
 import pytest
 import torch
 
-from hvdsync.testing import RanksFailed, run_ranks, run_threads
+from hvdsync.testing import RanksFailed, run_threads
 from tests.models import MLP, teacher_batches
 from tests.test_torch_backend import api_semantics
 
 
-def test_horovods_api_gives_what_real_ranks_give():
+def test_horovods_api_gives_what_real_ranks_give(request, torchrun_job):
     """The API checks of the real torchrun job, on 3 simulated ranks: same answers."""
     simulated = run_threads(api_semantics, 3)
-    real = run_ranks(api_semantics, np=3, timeout=120, launcher="torchrun")
+    real = torchrun_job(request.module, 3)["api"]
     skip = {"backend", "horovod_loaded", "summary", "lent", "lent_returned"}
     for sim, rr in zip(simulated, real):
         assert sim["backend"] == "simulated"
@@ -106,12 +106,22 @@ def _train(options: dict) -> list[float]:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
-@pytest.mark.parametrize("options", [{}, dict(lowrank=dict(rank=2, warmup_steps=1,
-                                                           min_compression=0))],
-                         ids=["nothing", "lowrank"])
-def test_training_matches_real_ranks_bit_for_bit(options):
+TRAINED = [{}, dict(lowrank=dict(rank=2, warmup_steps=1, min_compression=0))]
+
+
+def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's real ranks, in the session's shared torchrun job (tests/conftest.py)."""
+    if np_ == 3:
+        return {"api": (api_semantics,)}
+    if np_ == 2:
+        return {f"train/{sorted(options)}": (_train, options) for options in TRAINED}
+    return {}
+
+
+@pytest.mark.parametrize("options", TRAINED, ids=["nothing", "lowrank"])
+def test_training_matches_real_ranks_bit_for_bit(request, torchrun_job, options):
     """2 ranks: a sum of two is the same in any order, so the simulation must give the very
     parameters torchrun's Gloo ranks give."""
     simulated = run_threads(_train, 2, args=(options,))
-    real = run_ranks(_train, np=2, args=(options,), timeout=120, launcher="torchrun")
+    real = torchrun_job(request.module, 2)[f"train/{sorted(options)}"]
     assert simulated == real

@@ -108,11 +108,19 @@ def test_no_abort_when_exiting_right_after_collectives():
         assert run_ranks(broadcast_then_exit, np=2, timeout=90, **TORCHRUN) == [True, True]
 
 
+def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torchrun job (tests/conftest.py)."""
+    return {"api": (api_semantics,)} if np_ in (2, 3) else {}
+
+
 @pytest.mark.parametrize("np_,without_horovod", [(2, False), (3, False), (2, True)],
                          ids=["np2", "np3", "np2-without-horovod"])
-def test_horovod_api_on_torchrun(np_, without_horovod):
-    env = {HIDE_ENV: "horovod"} if without_horovod else None
-    res = run_ranks(api_semantics, np=np_, timeout=120, env=env, **TORCHRUN)
+def test_horovod_api_on_torchrun(request, torchrun_job, np_, without_horovod):
+    if without_horovod:  # an environment of its own: a job of its own
+        res = run_ranks(api_semantics, np=np_, timeout=120, env={HIDE_ENV: "horovod"},
+                        **TORCHRUN)
+    else:
+        res = torchrun_job(request.module, np_)["api"]
     n = np_
     total = sum(range(1, n + 1))
     for r, out in enumerate(res):

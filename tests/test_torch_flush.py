@@ -138,11 +138,17 @@ def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     return job_group("flush", flush_body, {**CASES, **ALGEBRA}) if np_ in (2, 3) else {}
 
 
-def _flush_runs(request, torch_job, np_: int, launcher: str) -> dict:
-    """Every case on ``np_`` ranks of ``launcher``'s backend, one job (Horovod's: the shared
-    one), run once per module."""
-    if launcher == "horovodrun":
-        return torch_job(request.module, np_, "flush")
+def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """torch.distributed's runs, in the session's shared torchrun job."""
+    return job_group("flush", flush_body, {**CASES, **ALGEBRA}) if np_ == 2 else {}
+
+
+def _flush_runs(request, np_: int, launcher: str) -> dict:
+    """Every case on ``np_`` ranks of ``launcher``'s backend: the shared jobs' (real ranks), or
+    one job per module (simulated)."""
+    if launcher in ("horovodrun", "torchrun"):
+        job = request.getfixturevalue("torch_job" if launcher == "horovodrun" else "torchrun_job")
+        return job(request.module, np_, "flush")
     if (np_, launcher) not in _RUNS:
         _RUNS[np_, launcher] = run_cases(flush_body, np_, {**CASES, **ALGEBRA}, timeout=600,
                                          launcher=launcher)
@@ -157,8 +163,8 @@ JOBS = [(2, "horovodrun"), (3, "horovodrun"), (2, "torchrun"), (2, "simulated"),
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=[f"np{n}-{lau}" for n, lau in JOBS])
-def flush_runs(request, torch_job):
-    return _flush_runs(request, torch_job, *request.param)
+def flush_runs(request):
+    return _flush_runs(request, *request.param)
 
 
 # 2 ranks: a sum of two is the same in any order, so the backends agree to the bit; 3 ranks:
@@ -178,11 +184,11 @@ OTHERS = [(n, launcher) for n, launcher in JOBS if launcher != "horovodrun"]
 
 @pytest.mark.parametrize("np_, other", OTHERS, ids=[f"{lau}-{n}" for n, lau in OTHERS])
 @pytest.mark.parametrize("case", REPRODUCIBLE)
-def test_same_parameters_on_every_backend(request, torch_job, np_, other, case):
+def test_same_parameters_on_every_backend(request, np_, other, case):
     """torch.distributed and the simulated ranks (which sum in rank order) give Horovod's
     parameters."""
-    on_horovod = _flush_runs(request, torch_job, np_, "horovodrun")[case][0]
-    on_other = _flush_runs(request, torch_job, np_, other)[case][0]
+    on_horovod = _flush_runs(request, np_, "horovodrun")[case][0]
+    on_other = _flush_runs(request, np_, other)[case][0]
     for key in ("first", "second"):
         np.testing.assert_allclose(on_other[key], on_horovod[key], rtol=0,
                                    atol=BACKEND_TOL[np_], err_msg=f"{case} {key}")

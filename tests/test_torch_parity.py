@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdsync.testing import run_ranks
 
 STEPS = 20
 # fp16 sums are not associative: with 3+ ranks the ring's summation order for an element
@@ -148,24 +147,23 @@ def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     return {"both": (train_both, CASES)}
 
 
-_TORCHRUN: dict = {}
+def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """The torch.distributed side, in the session's shared torchrun job."""
+    return {"torch": (train_on_torch_backend, CASES)}
 
 
-def _runs(request, torch_job, np_: int, launcher: str) -> list:
+def _runs(request, torch_job, torchrun_job, np_: int, launcher: str) -> list:
     if launcher == "horovodrun":
         return torch_job(request.module, np_)["both"]
-    if np_ not in _TORCHRUN:
-        _TORCHRUN[np_] = run_ranks(train_on_torch_backend, np=np_, args=(CASES,), timeout=300,
-                                   launcher=launcher)
-    return _TORCHRUN[np_]
+    return torchrun_job(request.module, np_)["torch"]
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_parity_on_torchrun_with_horovod_and_ddp(request, torch_job, np_):
+def test_parity_on_torchrun_with_horovod_and_ddp(request, torch_job, torchrun_job, np_):
     """hvdsync on torch.distributed (nothing enabled) == Horovod's optimizer on Horovod, and
     == DDP in the same torchrun job."""
-    on_horovod, on_torch = (_runs(request, torch_job, np_, "horovodrun"),
-                            _runs(request, torch_job, np_, "torchrun"))
+    on_horovod, on_torch = (_runs(request, torch_job, torchrun_job, np_, "horovodrun"),
+                            _runs(request, torch_job, torchrun_job, np_, "torchrun"))
     for case in CASES:
         tol = FP16_TOL if "fp16" in case and np_ > 2 else 1e-6
         for rank in range(np_):
@@ -182,7 +180,7 @@ def test_parity_on_torchrun_with_horovod_and_ddp(request, torch_job, np_):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_parity_with_horovod(request, torch_job, np_):
-    results = _runs(request, torch_job, np_, "horovodrun")
+    results = _runs(request, torch_job, None, np_, "horovodrun")
     for case in CASES:
         for rank, res in enumerate(results):
             r = res[case]

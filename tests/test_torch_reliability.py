@@ -211,6 +211,11 @@ def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     return cases
 
 
+def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
+    """This file's cases in the session's shared torchrun job (tests/conftest.py)."""
+    return job_group("amp", amp_body, AMP_CASES) if np_ == 2 else {}
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_a_horovod_script_runs_unchanged_and_gives_horovods_parameters(request, torch_job, np_):
     results = torch_job(request.module, np_, "script")
@@ -303,11 +308,13 @@ AMP_CASES = {f"{case}/{variant}": (case, scale, bad) for case in TECHNIQUES
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=JOB_IDS)
-def amp_runs(request, torch_job):
+def amp_runs(request):
     np_, launcher = request.param
     if launcher == "horovodrun":  # (the shared job runs without Horovod's tensor fusion: bit
         # for bit across runs needs its summation order fixed -- 3+ ranks: fusion timing)
-        return np_, torch_job(request.module, np_, "amp")
+        return np_, request.getfixturevalue("torch_job")(request.module, np_, "amp")
+    if launcher == "torchrun":
+        return np_, request.getfixturevalue("torchrun_job")(request.module, np_, "amp")
     return np_, run_cases(amp_body, np_, AMP_CASES, timeout=600, launcher=launcher)
 
 
