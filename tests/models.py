@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -154,16 +154,26 @@ def job_group(group: str, body: Callable[..., Any], cases: dict[str, tuple]
     return {f"{group}/{name}": (body, *args) for name, args in cases.items()}
 
 
-def logic_runs(request: Any, torch_job: Callable[..., dict], body: Callable[..., Any],
-               cases: dict[str, tuple], timeout: float = 300, group: str = "logic"
-               ) -> dict[str, list]:
+#: the shared rank job of each launcher's real ranks: its fixture (tests/conftest.py)
+SHARED_JOBS = {"horovodrun": "torch_job", "torchrun": "torchrun_job"}
+
+
+def shared_runs(request: Any, np: int, launcher: str, group: Optional[str] = None
+                ) -> dict[str, list]:
+    """``request.module``'s cases (of ``group``) in the shared job of ``launcher`` on ``np``
+    ranks."""
+    return request.getfixturevalue(SHARED_JOBS[launcher])(request.module, np, group)
+
+
+def logic_runs(request: Any, body: Callable[..., Any], cases: dict[str, tuple],
+               timeout: float = 300, group: str = "logic") -> dict[str, list]:
     """A module fixture's runs over :data:`LOGIC_JOBS` (``request.param``): the real ranks'
     from the shared torch job (the file's ``torch_job_cases`` puts ``cases`` in it as
     ``group``), the simulated ones in this process."""
     np_, launcher = request.param
     if launcher == "simulated":
         return run_cases(body, np_, cases, timeout=timeout, launcher=launcher)
-    return torch_job(request.module, np_, group)
+    return shared_runs(request, np_, launcher, group)
 
 
 def run_job(fn: Callable[..., Any], np: int, args: tuple = (), timeout: float = 300,

@@ -172,11 +172,11 @@ def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def resumed(request, torch_job):
+def resumed(request):
     # Bit for bit needs the same summation order in both runs: with 3+ ranks Horovod's ring
     # sums an element in an order set by its place in the fusion buffer, which depends on
     # which tensors are ready together (timing); the shared job runs without fusion.
-    return logic_runs(request, torch_job, resume_body, RESUME)
+    return logic_runs(request, resume_body, RESUME)
 
 
 def test_restored_run_continues_exactly(resumed):

@@ -137,8 +137,8 @@ CASES = {**{k: (v, 3, BIG) for k, v in FIXED_CASES.items()},
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def rule_runs(request, torch_job) -> tuple[int, dict[str, list[dict]]]:
-    return request.param[0], logic_runs(request, torch_job, clip_body, CASES, timeout=180)
+def rule_runs(request) -> tuple[int, dict[str, list[dict]]]:
+    return request.param[0], logic_runs(request, clip_body, CASES, timeout=180)
 
 
 def check_against_reference(name, rule_runs):

@@ -112,8 +112,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def runs(request, torch_job):
-    return request.param[0], logic_runs(request, torch_job, cases_body, CASES)
+def runs(request):
+    return request.param[0], logic_runs(request, cases_body, CASES)
 
 
 def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:

@@ -80,8 +80,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def runs(request, torch_job):
-    runs = logic_runs(request, torch_job, delay_body, CASES)
+def runs(request):
+    runs = logic_runs(request, delay_body, CASES)
     runs["launcher"] = request.param[1]
     return runs
 

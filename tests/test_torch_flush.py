@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hvdsync import rules
-from tests.models import MLP, job_group, run_cases, teacher_batches
+from tests.models import SHARED_JOBS, MLP, job_group, run_cases, shared_runs, teacher_batches
 from tests.test_torch_compositions import BagModel, bag_batches
 
 STEPS, MORE = 11, 3
@@ -146,9 +146,8 @@ def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
 def _flush_runs(request, np_: int, launcher: str) -> dict:
     """Every case on ``np_`` ranks of ``launcher``'s backend: the shared jobs' (real ranks), or
     one job per module (simulated)."""
-    if launcher in ("horovodrun", "torchrun"):
-        job = request.getfixturevalue("torch_job" if launcher == "horovodrun" else "torchrun_job")
-        return job(request.module, np_, "flush")
+    if launcher in SHARED_JOBS:
+        return shared_runs(request, np_, launcher, "flush")
     if (np_, launcher) not in _RUNS:
         _RUNS[np_, launcher] = run_cases(flush_body, np_, {**CASES, **ALGEBRA}, timeout=600,
                                          launcher=launcher)

@@ -107,8 +107,8 @@ TRAINED = ["rank2", "rank2_fp16", "clip", "threshold", "select"]
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def runs(request, torch_job):
-    return logic_runs(request, torch_job, lowrank_body, CASES, timeout=400)
+def runs(request):
+    return logic_runs(request, lowrank_body, CASES, timeout=400)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith(("full", "feedback"))]

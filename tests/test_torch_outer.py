@@ -129,8 +129,8 @@ REFERENCE_CASES = {
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def reference_runs(request, torch_job):
-    return logic_runs(request, torch_job, reference_body, REFERENCE_CASES, group="reference")
+def reference_runs(request):
+    return logic_runs(request, reference_body, REFERENCE_CASES, group="reference")
 
 
 @pytest.mark.parametrize("case", list(REFERENCE_CASES))
@@ -256,8 +256,8 @@ COMPRESSED = {
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def compressed_runs(request, torch_job):
-    return logic_runs(request, torch_job, compressed_body, COMPRESSED, group="compressed")
+def compressed_runs(request):
+    return logic_runs(request, compressed_body, COMPRESSED, group="compressed")
 
 
 def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:

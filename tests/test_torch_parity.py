@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.models import shared_runs
 
 STEPS = 20
 # fp16 sums are not associative: with 3+ ranks the ring's summation order for an element
@@ -152,18 +153,15 @@ def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     return {"torch": (train_on_torch_backend, CASES)}
 
 
-def _runs(request, torch_job, torchrun_job, np_: int, launcher: str) -> list:
-    if launcher == "horovodrun":
-        return torch_job(request.module, np_)["both"]
-    return torchrun_job(request.module, np_)["torch"]
+def _runs(request, np_: int, launcher: str) -> list:
+    return shared_runs(request, np_, launcher)["both" if launcher == "horovodrun" else "torch"]
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_parity_on_torchrun_with_horovod_and_ddp(request, torch_job, torchrun_job, np_):
+def test_parity_on_torchrun_with_horovod_and_ddp(request, np_):
     """hvdsync on torch.distributed (nothing enabled) == Horovod's optimizer on Horovod, and
     == DDP in the same torchrun job."""
-    on_horovod, on_torch = (_runs(request, torch_job, torchrun_job, np_, "horovodrun"),
-                            _runs(request, torch_job, torchrun_job, np_, "torchrun"))
+    on_horovod, on_torch = _runs(request, np_, "horovodrun"), _runs(request, np_, "torchrun")
     for case in CASES:
         tol = FP16_TOL if "fp16" in case and np_ > 2 else 1e-6
         for rank in range(np_):
@@ -179,8 +177,8 @@ def test_parity_on_torchrun_with_horovod_and_ddp(request, torch_job, torchrun_jo
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_parity_with_horovod(request, torch_job, np_):
-    results = _runs(request, torch_job, None, np_, "horovodrun")
+def test_parity_with_horovod(request, np_):
+    results = _runs(request, np_, "horovodrun")
     for case in CASES:
         for rank, res in enumerate(results):
             r = res[case]

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from hvdsync.testing import RanksFailed, processes_of, run_ranks
-from tests.models import MLP, job_group, run_cases, run_job, teacher_batches
+from tests.models import (SHARED_JOBS, MLP, job_group, run_cases, run_job, shared_runs,
+                          teacher_batches)
 
 
 # -- ranks that disagree fail loudly, on every rank -------------------------------------------
@@ -310,11 +311,9 @@ AMP_CASES = {f"{case}/{variant}": (case, scale, bad) for case in TECHNIQUES
 @pytest.fixture(scope="module", params=JOBS, ids=JOB_IDS)
 def amp_runs(request):
     np_, launcher = request.param
-    if launcher == "horovodrun":  # (the shared job runs without Horovod's tensor fusion: bit
-        # for bit across runs needs its summation order fixed -- 3+ ranks: fusion timing)
-        return np_, request.getfixturevalue("torch_job")(request.module, np_, "amp")
-    if launcher == "torchrun":
-        return np_, request.getfixturevalue("torchrun_job")(request.module, np_, "amp")
+    if launcher in SHARED_JOBS:  # (Horovod's runs without tensor fusion there: bit for bit
+        # across runs needs its summation order fixed -- 3+ ranks: fusion timing)
+        return np_, shared_runs(request, np_, launcher, "amp")
     return np_, run_cases(amp_body, np_, AMP_CASES, timeout=600, launcher=launcher)
 
 

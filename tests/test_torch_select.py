@@ -98,8 +98,8 @@ def layer_bytes() -> dict[str, int]:
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def runs(request, torch_job):
-    return logic_runs(request, torch_job, select_body, CASES)
+def runs(request):
+    return logic_runs(request, select_body, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -196,8 +196,8 @@ ROUTE_COUNTERS = ("sparse_gather", "sparse_dense", "sparse_none")
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def exchanges(request, torch_job):
-    return request.param[0], logic_runs(request, torch_job, exchange_cases, {"all": (CASES,)},
+def exchanges(request):
+    return request.param[0], logic_runs(request, exchange_cases, {"all": (CASES,)},
                                         timeout=240)["all"]
 
 

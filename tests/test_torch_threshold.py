@@ -59,8 +59,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=LOGIC_JOBS, ids=LOGIC_IDS)
-def runs(request, torch_job):
-    return logic_runs(request, torch_job, threshold_body, CASES)
+def runs(request):
+    return logic_runs(request, threshold_body, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
