@@ -26,6 +26,9 @@ What does not belong here: bodies that need their own environment (``env=``), fr
 (checkpoints resumed in a new job), a rank that dies or fails on purpose, or a process that
 must end in a given state. A body leaves the process as it found it (torch's default dtype,
 global policies): the job's next cases run in it.
+
+The session's summary names each job's slowest cases, and any case over :data:`SLOW_CASE_S`
+(a stall shows there with the case's name; under pytest-xdist the workers keep theirs).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any, Callable, Optional
 import pytest
 
 from tests.keras_models import one_tensorflow_thread
-from tests.models import call, one_torch_thread, run_cases
+from tests.models import one_torch_thread, run_cases, timed_call
 
 #: the job's time bound: a hang becomes a failure with every rank's output after this long
 BASE_TIMEOUT_S, PER_CASE_TIMEOUT_S = 300, 60
@@ -52,6 +55,10 @@ FAMILIES: dict[str, tuple[str, tuple, dict[str, str], str]] = {
               "horovodrun"),
     "torchrun": ("torchrun_job_cases", (one_torch_thread,), {}, "torchrun"),
 }
+#: per job (family, rank count): each case's seconds on its slowest rank, for the summary
+CASE_SECONDS: dict[tuple[str, int], dict[str, float]] = {}
+#: a case slower than this is named in the summary as well (a stall shows up here first)
+SLOW_CASE_S = 60
 
 
 def _jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
@@ -67,10 +74,13 @@ def _jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                  for mod in modules if hasattr(mod, hook)
                  for name, case in getattr(mod, hook)(np_, directory).items()}
         cases = {f"conftest:{first[0].__name__}": first, **cases}
-        return run_cases(call, np_, cases,
-                         timeout=BASE_TIMEOUT_S + PER_CASE_TIMEOUT_S * len(cases),
-                         env={"HVDSYNC_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S), **env},
-                         launcher=launcher)
+        timed = run_cases(timed_call, np_, cases,
+                          timeout=BASE_TIMEOUT_S + PER_CASE_TIMEOUT_S * len(cases),
+                          env={"HVDSYNC_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S), **env},
+                          launcher=launcher)
+        CASE_SECONDS[family, np_] = {name: max(s for _, s in ranks)
+                                     for name, ranks in timed.items()}
+        return {name: [r for r, _ in ranks] for name, ranks in timed.items()}
 
     def of(module: Any, np_: int, group: Optional[str] = None) -> dict:
         """``module``'s cases in the job on ``np_`` ranks (run on the first request); with
@@ -108,3 +118,15 @@ def torchrun_job(request: pytest.FixtureRequest,
                  tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
     """The torch files' shared ``torchrun`` job (module docstring)."""
     return _jobs(request, tmp_path_factory, "torchrun")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Where the shared jobs' time went: per job, its slowest cases, and any case slower than
+    :data:`SLOW_CASE_S` (its slowest rank's seconds)."""
+    for (family, np_), seconds in sorted(CASE_SECONDS.items()):
+        ranked = sorted(seconds.items(), key=lambda kv: -kv[1])
+        shown = ranked[:5] + [kv for kv in ranked[5:] if kv[1] > SLOW_CASE_S]
+        terminalreporter.write_line(
+            f"shared {family} job, {np_} ranks: {len(seconds)} cases, "
+            f"{sum(seconds.values()):.1f} s; slowest: "
+            + ", ".join(f"{name} {s:.1f} s" for name, s in shown))

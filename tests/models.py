@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -140,6 +141,13 @@ def apply_each(body: Callable[..., Any], cases: list[tuple]) -> list:
 def call(fn: Callable[..., Any], *args: Any) -> Any:
     """On a rank: ``fn(*args)`` -- :func:`run_cases`' body where cases differ in body."""
     return fn(*args)
+
+
+def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """On a rank: ``(fn(*args), the seconds it took)``."""
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
 
 
 def one_torch_thread() -> None:
