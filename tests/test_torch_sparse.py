@@ -345,13 +345,14 @@ def train_against_horovod(steps: int) -> dict:
     In float64: float32 summation-order differences (Horovod sums duplicate rows in another
     order) are amplified by momentum SGD to ~1e-1 over 150 steps, hiding real bugs."""
     from examples.torch.train_zipf_embeddings import train
+    before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         runs = {"horovod": train(steps, horovod=True, verbose=False),
                 "gather": train(steps, sparse=math.inf, verbose=False),
                 "dense": train(steps, sparse=0, verbose=False)}
     finally:  # the shared job's next cases run in this process
-        torch.set_default_dtype(torch.float32)
+        torch.set_default_dtype(before)
     ref = runs["horovod"]["params"]
     return {name: dict(accuracy=r["accuracy"], stats=r["stats"],
                        diff=max(float((p - ref[n]).abs().max()) for n, p in r["params"].items()))
