@@ -62,7 +62,9 @@ METHODS: dict[str, Any] = {
     # step pipeline (as before it was compiled)
     "lowrank=4 (compiled)": dict(lowrank=dict(rank=4, warmup_steps=0)),
     "lowrank=4 (eager pipeline)": dict(lowrank=dict(rank=4, warmup_steps=0)),
-    "lowrank=4 inside delay staleness=1 (eager path)": dict(
+    "lowrank=4 inside delay staleness=1 (compiled)": dict(
+        lowrank=dict(rank=4, warmup_steps=0), delay=dict(staleness=1, average_every=32)),
+    "lowrank=4 inside delay staleness=1 (eager pipeline)": dict(
         lowrank=dict(rank=4, warmup_steps=0), delay=dict(staleness=1, average_every=32)),
     # row-sparse embedding gradients (--vocab): sparse= compiled, and through the eager
     # step pipeline (as before it was compiled)

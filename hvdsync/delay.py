@@ -342,11 +342,12 @@ class DelayedGradients(Transport):
     def traceable(self) -> bool:
         """Local steps (nothing sent but the synchronization, on the host around the
         update), or global gradients folded when due (:meth:`trace_local`). Folding what has
-        arrived asks the host mid-step whether an exchange is done, and ``lowrank=``'s
-        rounds are not built inside this one: those run the step pipeline (docs/keras.md)."""
+        arrived asks the host mid-step whether an exchange is done: that runs the step
+        pipeline (docs/keras.md). ``lowrank=``'s rounds are built in
+        (:meth:`hvdsync.lowrank.LowRankCompression.trace_in_delay`)."""
         c = self.config
         due = c.fold == "due" or c.synchronous  # (synchronous: every step folds its own)
-        return not c.exchange_gradients or (due and self.compressor is None)
+        return not c.exchange_gradients or due
 
     @property
     def outstanding(self) -> list[int]:
@@ -452,21 +453,17 @@ class DelayedGradients(Transport):
     def _fold_traced(self, layers: list[tuple[int, list[int], list]],
                      reduce: Callable[[int, str, list], list], flags: dict[str, Any]
                      ) -> list[list]:
-        ops, names = self.ops, [f"hvdsync.{self.layer_names[li]}.delay" for li, _, _ in layers]
-        if self.config.synchronous:
-            return [reduce(li, name, xs) for (li, _, xs), name in zip(layers, names)]
-        # one branch for every layer, not one per layer: a branch costs the step its own
-        # dispatch, and these run at the step's start (the exchange) or after backward
+        ops = self.ops
         keys = [[self.grads.key(li, k) for k in ks] for li, ks, _ in layers]
         memory = self._memory
-        held = [[memory["held"].read(key) for key in ks] for ks in keys]
-
-        def exchange() -> list[list]:
-            return [[ops.accumulate(G, h, sign=-1)
-                     for G, h in zip(reduce(li, f"{name}.held", hs), hs)]
-                    for (li, _, _), name, hs in zip(layers, names, held)]
-        late = ops.cond(flags["exchange_held"], exchange,
-                        lambda: [[ops.zeros_like(h) for h in hs] for hs in held])
+        held = (None if self.config.synchronous
+                else [[memory["held"].read(key) for key in ks] for ks in keys])
+        exchanges = (self._exchanges_traced if self.compressor is None
+                     else self.compressor.trace_in_delay)
+        late, own = exchanges([(li, ks) for li, ks, _ in layers], held,
+                              [xs for _, _, xs in layers], reduce, flags)
+        if held is None:  # synchronous: each step folds its own
+            return own
         # per layer, due[i]: the correction due i steps from now (just exchanged: staleness-1)
         due = [[[memory[f"due{i}"].read(key) for key in ks]
                 for i in range(1, self.config.staleness)] + [new]
@@ -474,8 +471,7 @@ class DelayedGradients(Transport):
 
         def drain() -> tuple[list, list]:
             totals, emptied = [], []
-            for (li, _, xs), name, corrections in zip(layers, names, due):
-                total = reduce(li, f"{name}.own", xs)
+            for (li, _, xs), total, corrections in zip(layers, own, due):
                 for correction in corrections:
                     total = [ops.add(a, b) for a, b in zip(total, correction)]
                 totals.append(total)
@@ -495,10 +491,47 @@ class DelayedGradients(Transport):
                     memory[f"due{i}"].write(key, x, True)
         return updates
 
+    def _exchanges_traced(self, layers: list[tuple[int, list[int]]],
+                          held: Optional[list[list]], own: list[list],
+                          reduce: Callable[[int, str, list], list], flags: dict[str, Any]
+                          ) -> tuple[list[list], list[list]]:
+        """A traced step's exchanges (plain; ``lowrank=``'s are
+        :meth:`hvdsync.lowrank.LowRankCompression.trace_in_delay`): per layer the correction
+        ``G - g`` of the ``held`` gradients (the last step's: zeros unless
+        ``flags["exchange_held"]``; ``None``: synchronous, none) and the average of ``own``
+        (this step's: zeros unless ``flags["drain"]``; synchronous: always). One branch for
+        every layer, not one per layer: a branch costs the step its own dispatch, and these
+        run at the step's start (the exchange) or after backward."""
+        ops = self.ops
+        names = [f"hvdsync.{self.layer_names[li]}.delay" for li, _ in layers]
+
+        def averages(which: str, tensors: list[list]) -> list[list]:
+            return [reduce(li, f"{name}.{which}", xs)
+                    for (li, _), name, xs in zip(layers, names, tensors)]
+
+        def zeros(tensors: list[list]) -> list[list]:
+            return [[ops.zeros_like(x) for x in xs] for xs in tensors]
+        if held is None:
+            return [], averages("own", own)
+        late = ops.cond(flags["exchange_held"], lambda: [
+            [ops.accumulate(G, h, sign=-1) for G, h in zip(avg, hs)]
+            for avg, hs in zip(averages("held", held), held)], lambda: zeros(held))
+        return late, ops.cond(flags["drain"], lambda: averages("own", own), lambda: zeros(own))
+
+    def traced_traffic(self, li: int, tensors: list, wire_bytes: Callable[[Any], int],
+                       flags: dict[str, Any]) -> Optional[tuple[Any, Any]]:
+        """Counted at the gradient's step, as the eager step counts it: ``lowrank=``'s
+        figures, or ``None`` (the plain exchange's)."""
+        if self.compressor is None:
+            return None
+        return self.compressor.delay_traffic(li, tensors, wire_bytes, flags["own_compressed"])
+
     def host_flags(self) -> dict[str, bool]:
         """``before_update`` (:meth:`host_before_update`); exchanging every step's gradient,
         ``exchange_held`` (the last step's gradient goes in this one) and ``drain`` (this
-        step folds in every outstanding global gradient, its own included)."""
+        step folds in every outstanding global gradient, its own included), and with
+        ``lowrank=`` its exchanges' flags
+        (:meth:`hvdsync.lowrank.LowRankCompression.delay_flags`)."""
         if not self.traceable:
             return {}
         flags = {"before_update": self.host_before_update()}
@@ -506,6 +539,8 @@ class DelayedGradients(Transport):
             # traced, an outstanding last step's gradient is the held one (not exchanged yet)
             flags["exchange_held"] = self.policy.step in self._in_flight
             flags["drain"] = self.config.synchronous or self.policy.averages_now()
+            if self.compressor is not None:
+                flags.update(self.compressor.delay_flags())
         return flags
 
     def host_before_update(self) -> bool:
@@ -515,6 +550,8 @@ class DelayedGradients(Transport):
     def end_local_step(self, bad: int) -> None:
         self._bad = []
         self._count_nonfinite(int(bad))
+        if self.compressor is not None:  # (it closes its step as in the eager one)
+            self.compressor.end_step(True)
 
     def before_optimizer_step(self) -> None:
         """Set this step's update ``g_t + sum_j (G_j - g_j)`` over the arrived (or due) global
@@ -602,7 +639,7 @@ class DelayedGradients(Transport):
             return self._discard_gradients() + self.outer.synchronize_all()
         if c.synchronous or self.policy.step % c.average_every == 0:
             return 0
-        dropped = self.discard()
+        dropped = self._discard_gradients(finish_newest=True)
         self.stats.control(*self._averaging_size())
         self.comm.average(self._averaged())
         return dropped
@@ -611,9 +648,14 @@ class DelayedGradients(Transport):
         """Finish and drop every outstanding global gradient and outer exchange."""
         return self._discard_gradients() + (self.outer.discard() if self.outer else 0)
 
-    def _discard_gradients(self) -> int:
+    def _discard_gradients(self, finish_newest: bool = False) -> int:
+        """Drop the outstanding global gradients. ``finish_newest`` (a flush, every rank
+        here): a traced step leaves the newest step's exchange to the next one; with
+        ``lowrank=`` it runs now, as the eager step ran it (its Q is used later). Not on a
+        restore or when the world changes: no new collective then."""
         self._local = []
         n = len(self._in_flight)
+        newest_held = finish_newest and self.policy.step in self._in_flight
         layers = [layer for part in self._in_flight.values() for layer in part.values()]
         for pending in finish_dropped([layer.pending for layer in layers],
                                       "outstanding global gradients"):
@@ -621,6 +663,12 @@ class DelayedGradients(Transport):
         self._in_flight.clear()
         self._average_after_step = False
         if self._memory is not None and n:  # (host writes: when needed)
+            if self.compressor is not None:  # what the exchanges in flight took comes back
+                held = self._memory.get("held")
+                self.compressor.discard_in_delay(
+                    {key: held.read(key) for li in range(len(self.layer_names))
+                     for key in self.grads.param_keys(li)}
+                    if newest_held and not self.config.synchronous else None)
             for memory in self._memory.values():
                 memory.clear()
         if n:
@@ -629,7 +677,7 @@ class DelayedGradients(Transport):
 
     def carry(self, other: Technique) -> None:
         """``lowrank=``: each step's exchange is its compressed one (it owns nothing itself)."""
-        other.delayed = True
+        other.in_delay(self.config.staleness, lambda: self.policy.step)
         self.compressor = other
 
     def forget(self) -> None:

@@ -195,6 +195,7 @@ class _DelayedLowRank(Pending):
     def used(self) -> None:
         """Folded in: each matrix's residual joins ``E``."""
         self.wait()
+        self.owner.settled(self)
         err, ops = self.owner.err, self.owner.ops
         for key, r in zip(self.keys, self._residuals):
             err[key] = ops.add(err[key], r) if key in err else r
@@ -203,6 +204,7 @@ class _DelayedLowRank(Pending):
         """Dropped before use (a flush averages the replicas instead): the ``E`` it took
         comes back."""
         self.wait()
+        self.owner.settled(self)
         err, ops = self.owner.err, self.owner.ops
         for key, e in zip(self.keys, self.taken):
             if e is not None:
@@ -235,7 +237,11 @@ class LowRankCompression(Transport):
         #: Q per matrix by the step that produced it
         self.delayed = False
         self._q_at: dict[str, dict[int, Any]] = {}
+        #: traced inside ``delay=``: its memories (:meth:`memory_to_trace`) and their keys
+        self._in_trace: Optional[dict[str, Any]] = None
+        self._trace_keys: list[str] = []
         self._no_q: list[_DelayedLowRank] = []  # torch: exchanges whose Q round waits for P
+        self._live: list[_DelayedLowRank] = []  # started, not yet used or discarded
         #: a traced step's memory updates, for trace_commit: (keys, Q, E, whether compressing)
         self._traced: list[tuple[list, list, list, Any]] = []
         self._bucket_of: Optional[dict[int, int]] = None  # see _buckets
@@ -413,12 +419,16 @@ class LowRankCompression(Transport):
     # memory assignments there made the compiled step slower than the eager pipeline (21.5 vs
     # 17.1 ms, docs/keras.md); ``delay=`` carries the exchange across steps.
     traceable = True
-    traced_with = ("clip", "plain")
+    traced_with = ("clip", "plain", "delay")
 
     def host_flags(self) -> dict[str, bool]:
+        if self.delayed:  # delay's traced step asks (delay_flags)
+            return {}
         return {"compressing": self.step >= self.config.warmup_steps}
 
     def traced_groups(self) -> list[list[int]]:
+        if self.delayed:  # delay builds the exchange (trace_in_delay)
+            return []
         self._traced = []  # a new traced step (a trace that failed midway leaves nothing)
         self._buckets()  # (fills _members)
         present = {li for li in range(len(self.layer_names)) if self.grads.size(li)}
@@ -426,6 +436,9 @@ class LowRankCompression(Transport):
                                     for members in self._members) if group]
 
     def memory_to_trace(self, params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """``q`` and ``err`` per compressible matrix; inside ``delay=`` (:meth:`trace_in_delay`)
+        a ring of ``staleness + 1`` Qs, ``err``, ``late`` and, per exchange in flight,
+        ``res{i}`` and ``taken{i}``."""
         q, err = {}, {}
         for key, p in params.items():
             r = self._rank_of(p)
@@ -433,9 +446,17 @@ class LowRankCompression(Transport):
                 n, m = self.ops.matrix_shape(p)
                 q[key] = self._seeded_q(key, m, r)
                 err[key] = np.zeros((n, m))
-        return {"q": q, "err": err}
+        if not self.delayed:
+            return {"q": q, "err": err}
+        self._trace_keys = list(q)
+        in_flight = {f"{kind}{i}": err for kind in ("res", "taken")
+                     for i in range(1, self._lag - 1)}
+        return {**{f"q{i}": q for i in range(self._lag)}, "err": err, "late": err, **in_flight}
 
     def use_memory(self, memory: dict[str, Any]) -> None:
+        if self.delayed:
+            self.err, self._in_trace = memory["err"], memory
+            return
         self.q, self.err = memory["q"], memory["err"]
 
     def trace_exchange(self, layers: list[tuple[int, list[int]]],
@@ -455,25 +476,12 @@ class LowRankCompression(Transport):
 
         def compressed() -> tuple[list, list, list]:
             # the eager step's rounds (start, flush), in its order
-            ms = [ops.add(ops.matrix(g.get(li, k)), self.err.read(g.key(li, k)))
-                  for li, comp, _ in split for k in comp]
-            ps, sent = iter([ops.matmul(m, self.q.read(key)) for m, key in zip(ms, keys)]), []
-            for li, comp, dense in split:
-                sent += [next(ps) for _ in comp] + [g.get(li, k) for k in dense]
-            arrived = iter(reduce(f"hvdsync.lowrank.P.{label}", sent))
-            orth, rest = [], []
-            for li, comp, dense in split:
-                orth += [ops.orthonormal(next(arrived)) for _ in comp]
-                rest += [next(arrived) for _ in dense]
-            qs = reduce(f"hvdsync.lowrank.Q.{label}",
-                        [ops.matmul(m, p, transpose_a=True) for m, p in zip(ms, orth)])
-            projected = [_project(ops, m, p, q) for m, p, q in zip(ms, orth, qs)]
-            approx, residuals = [a for a, _ in projected], [r for _, r in projected]
-            delivered, approx_at, rest_at = [], iter(approx), iter(rest)
-            for li, comp, dense in split:  # per layer: its matrices, then the rest
-                delivered += [ops.from_matrix(next(approx_at), g.get(li, k)) for k in comp]
-                delivered += [next(rest_at) for _ in dense]
-            return delivered, list(qs), residuals
+            rounds = [([g.get(li, k) for k in comp],
+                       [ops.add(ops.matrix(g.get(li, k)), self.err.read(g.key(li, k)))
+                        for k in comp], [self.q.read(g.key(li, k)) for k in comp],
+                       [g.get(li, k) for k in dense]) for li, comp, dense in split]
+            delivered, qs, residuals = self._rounds(rounds, reduce, label)
+            return [x for layer in delivered for x in layer], qs, residuals
 
         def warming_up() -> tuple[list, list, list]:  # every layer plain, memory as it is
             return ([x for li, comp, dense in split
@@ -494,6 +502,35 @@ class LowRankCompression(Transport):
             result[li] = [by_k[k] for k in ks]
         return result
 
+    def _rounds(self, layers: list[tuple[list, list, list, list]],
+                reduce: Callable[[str, list], list], label: str
+                ) -> tuple[list[list], list, list]:
+        """One P and one Q round over ``layers``, built into a trace (the eager step's
+        arithmetic): per layer ``(gradients, matrices, warm Qs, other dense gradients)`` --
+        its compressed parameters' gradients, their matrices (error feedback included) and
+        the Q each starts from, then the parameters that ride plain in the P round. Returns
+        per layer what is delivered (its compressed parameters, then the rest), the new Qs
+        and the residuals (``M - P Q^T``), both in the matrices' order."""
+        ops = self.ops
+        sent = []
+        for _, ms, qs, dense in layers:
+            sent += [ops.matmul(m, q) for m, q in zip(ms, qs)] + list(dense)
+        arrived = iter(reduce(f"hvdsync.lowrank.P.{label}", sent))
+        orth, rest = [], []
+        for _, ms, _, dense in layers:
+            orth += [ops.orthonormal(next(arrived)) for _ in ms]
+            rest.append([next(arrived) for _ in dense])
+        ms = [m for _, layer_ms, _, _ in layers for m in layer_ms]
+        new_q = list(reduce(f"hvdsync.lowrank.Q.{label}",
+                            [ops.matmul(m, p, transpose_a=True) for m, p in zip(ms, orth)]))
+        projected = iter([_project(ops, m, p, q) for m, p, q in zip(ms, orth, new_q)])
+        residuals, delivered = [], []
+        for (xs, _, _, _), dense in zip(layers, rest):
+            approx = [next(projected) for _ in xs]
+            residuals += [r for _, r in approx]
+            delivered.append([ops.from_matrix(a, x) for (a, _), x in zip(approx, xs)] + dense)
+        return delivered, new_q, residuals
+
     def trace_commit(self, ok: Any) -> None:
         traced, self._traced = self._traced, []
         for keys, new_q, new_err, active in traced:  # as end_step: only a step that counts
@@ -507,6 +544,182 @@ class LowRankCompression(Transport):
         if ok:  # as end_step: a skipped step does not count
             self.step += 1
         self._new_step()
+
+    # -- inside delay=, traced (Keras' compiled train function; delay's fold="due") -----------
+    # delay's traced step exchanges the last step's gradient (id t-1) beside this step's
+    # backward and, on a drain, this step's own (id t) after it; each is folded in exactly
+    # ``staleness`` (s) steps after its own step. The eager step's rules (module docstring)
+    # in that order: the exchange of id j starts from the Q of the newest compressed exchange
+    # of an id <= j - s - 1 (a ring of s + 1 Qs, slot j mod (s + 1), written by every
+    # exchange); it takes ``E`` as it was when step j began -- a residual folded in at step j
+    # joins ``E`` only after the exchange of id j took it (``late``: one step later); until
+    # it is folded in, an exchange keeps its residual and what it took (``res{i}``,
+    # ``taken{i}``: due in i steps), so a flush can give back what it took.
+    def in_delay(self, staleness: int, finished_steps: Callable[[], int]) -> None:
+        """``delay=`` runs this technique's exchange (:meth:`exchange`; traced:
+        :meth:`trace_in_delay`), each global gradient folded in at most ``staleness``
+        steps after its step; ``finished_steps()``: delay's step count (ids are 1, 2, ...)."""
+        self.delayed = True
+        self._lag = staleness + 1
+        self._finished = finished_steps
+
+    def delay_flags(self) -> dict[str, Any]:
+        """For delay's next traced step: whether its exchanges (``held``: the last step's
+        gradient, ``own``: this step's, on a drain) are compressed, and each one's ring slot
+        (one-hot)."""
+        held = self._finished()
+        flags = {}
+        for which, j in (("held", held), ("own", held + 1)):
+            flags[f"{which}_compressed"] = j > self.config.warmup_steps
+            flags[f"{which}_slot"] = [j % self._lag == i for i in range(self._lag)]
+        return flags
+
+    def trace_in_delay(self, layers: list[tuple[int, list[int]]], held: Optional[list[list]],
+                       own: list[list], reduce: Callable[[int, str, list], list],
+                       flags: dict[str, Any]) -> tuple[list[list], list[list]]:
+        """Build delay's exchanges of a traced step: of ``held`` (per layer, the last step's
+        gradients; ``None`` when synchronous) where ``flags["exchange_held"]``, and of
+        ``own`` (this step's) where ``flags["drain"]`` (always when synchronous); ``layers``:
+        ``(li, ks)``; ``reduce(li, name, tensors)`` averages over ranks. Returns each one's
+        rank average per layer -- the held one less the held gradients (delay's correction
+        ``G - g``) -- or zeros where it did not run, and writes the memory: ``E``,
+        ``late``, the residuals and takes in flight, the Q ring."""
+        g, ops, mem = self.grads, self.ops, self._in_trace
+        comp = [[i for i, k in enumerate(ks) if self.rank_for(li, k)] for li, ks in layers]
+        keys = [g.key(li, ks[i]) for (li, ks), c in zip(layers, comp) for i in c]
+        lag, drain = self._lag, (True if held is None else flags["drain"])
+        read = {name: {k: m.read(k) for k in keys} for name, m in mem.items()}
+        late = read["late"]
+
+        def warm(slot: Any) -> dict:  # the Q in the ring slot the one-hot ``slot`` names
+            out = {}
+            for k in keys:
+                q = read[f"q{lag - 1}"][k]
+                for i in range(lag - 1):
+                    q = ops.where(slot[i], read[f"q{i}"][k], q)
+                out[k] = q
+            return out
+
+        def exchange(which: str, tensors: list[list], run: Any, e: dict) -> tuple:
+            """``(delivered per layer, new Qs, residuals, E taken, E left)`` by key."""
+            q0 = warm(flags[f"{which}_slot"])
+            zeros = {k: ops.zeros_like(e[k]) for k in keys}
+            at_keys = iter(keys)
+            mine = [[next(at_keys) for _ in c] for c in comp]
+
+            def compressed() -> tuple:
+                delivered, new_q, residuals = [], {}, {}  # (delivered: averages, below)
+                for (li, ks), c, ks_of, xs in zip(layers, comp, mine, tensors):
+                    name = f"{self.layer_names[li]}.delay.{which}"
+                    if not c:
+                        delivered.append(reduce(li, f"hvdsync.{name}", xs))
+                        continue
+                    rest = [x for i, x in enumerate(xs) if i not in c]
+                    out, qs, rs = self._rounds(
+                        [([xs[i] for i in c], [ops.add(ops.matrix(xs[i]), e[k])
+                                               for i, k in zip(c, ks_of)],
+                          [q0[k] for k in ks_of], rest)],
+                        lambda n, ts, li=li: reduce(li, n, ts), name)
+                    got = iter(out[0])
+                    by_i = {i: next(got) for i in c}
+                    by_i.update((i, next(got)) for i in range(len(xs)) if i not in c)
+                    delivered.append([by_i[i] for i in range(len(xs))])
+                    new_q.update(zip(ks_of, qs))
+                    residuals.update(zip(ks_of, rs))
+                return corrections(delivered), new_q, residuals, dict(e), zeros
+
+            def plain() -> tuple:  # warm-up: every layer plain, nothing taken
+                return (corrections([reduce(li, f"hvdsync.{self.layer_names[li]}.delay.{which}",
+                                            xs) for (li, _), xs in zip(layers, tensors)]),
+                        q0, zeros, zeros, dict(e))
+
+            def corrections(averages: list[list]) -> list[list]:
+                if which == "own":
+                    return averages
+                return [[ops.accumulate(a, x, sign=-1) for a, x in zip(avg, xs)]
+                        for avg, xs in zip(averages, tensors)]
+
+            def idle() -> tuple:
+                return ([[ops.zeros_like(x) for x in xs] for xs in tensors], q0, zeros, zeros,
+                        dict(e))
+            runs = lambda: ops.cond(flags[f"{which}_compressed"], compressed, plain)
+            return runs() if run is True else ops.cond(run, runs, idle)
+        if held is None:  # synchronous: the last step's residual joins before this exchange
+            err = {k: ops.add(read["err"][k], late[k]) for k in keys}
+            held_out = None
+        else:
+            held_out = exchange("held", held, flags["exchange_held"], read["err"])
+            err = {k: ops.add(held_out[4][k], late[k]) for k in keys}
+        own_out = exchange("own", own, drain, err)
+        for k in keys:
+            mem["err"].write(k, own_out[4][k], True)
+            for i in range(lag):
+                if held_out is not None:
+                    mem[f"q{i}"].write(k, held_out[1][k], flags["held_slot"][i])
+                mem[f"q{i}"].write(k, own_out[1][k], flags["own_slot"][i])
+            if held_out is None:
+                mem["late"].write(k, own_out[2][k], True)
+                continue
+            # residuals in flight, due in 1 .. s-1 steps; the held exchange's is due in s
+            res = [read[f"res{i}"][k] for i in range(1, lag - 1)] + [held_out[2][k]]
+            taken = [read[f"taken{i}"][k] for i in range(1, lag - 1)] + [held_out[3][k]]
+            drained = own_out[2][k]
+            for r in res:
+                drained = ops.add(drained, r)
+            mem["late"].write(k, ops.where(drain, drained, res[0]), True)
+            for i in range(1, lag - 1):  # a drain folds every one in: nothing left in flight
+                for kind, xs in (("res", res), ("taken", taken)):
+                    mem[f"{kind}{i}"].write(k, ops.where(drain, ops.zeros_like(xs[i]), xs[i]),
+                                            True)
+        return (held_out[0] if held_out is not None else []), own_out[0]
+
+    def delay_traffic(self, li: int, tensors: list, wire_bytes: Callable[[Any], int],
+                      compressed: Any) -> tuple[Any, Any]:
+        """Bytes and collectives of one step's exchange of layer ``li`` inside ``delay=``
+        (counted at its step, as the eager step counts them), where the device boolean
+        ``compressed`` says whether it is compressed (``wire_bytes``: a tensor's bytes on the
+        wire): the eager exchange's figures."""
+        ops = self.ops
+        plain = sum(wire_bytes(x) for x in tensors)
+        comp = [i for i, x in enumerate(tensors) if self.rank_for(li, i)]
+        if not comp:
+            return plain, 1
+        shapes = [(ops.matrix_shape(tensors[i]), self.rank_for(li, i)) for i in comp]
+        p_bytes = sum(wire_bytes(tensors[i]) * r // m for i, ((_, m), r) in zip(comp, shapes))
+        rows = sum(n * r for (n, _), r in shapes)
+        cols = sum(m * r for (_, m), r in shapes)
+        rest = plain - sum(wire_bytes(tensors[i]) for i in comp)
+        compressed_bytes = rest + p_bytes + p_bytes * cols // max(rows, 1)
+        return (ops.where(compressed, compressed_bytes, plain),
+                ops.where(compressed, 2 + (len(comp) < len(tensors)), 1))
+
+    def discard_in_delay(self, held: Optional[dict[str, Any]] = None) -> None:
+        """Traced: delay dropped its exchanges in flight (a flush): what they took goes back
+        to ``E``, with the residual folded in last (``late``). ``held``: by key, the newest
+        step's gradients where the traced step left their exchange to the next step -- it
+        runs now, as the eager step ran it in that step: its Q is a warm start of later
+        exchanges (and what a checkpoint keeps)."""
+        mem, ops, comm = self._in_trace, self.ops, self.comm
+        lag = self._lag
+        newest = self._finished()
+        if held and newest > self.config.warmup_steps:
+            slot = mem[f"q{newest % lag}"]
+            ms = {key: ops.add(ops.matrix(held[key]), mem["err"].read(key))
+                  for key in self._trace_keys}
+            ps = {key: comm.allreduce(f"hvdsync.lowrank.flush.P.{key}",
+                                      [ops.matmul(m, slot.read(key))]) for key, m in ms.items()}
+            comm.flush()
+            qs = {key: comm.allreduce(f"hvdsync.lowrank.flush.Q.{key}", [ops.matmul(
+                m, ops.orthonormal(ps[key].wait()[0]), transpose_a=True)])
+                  for key, m in ms.items()}
+            comm.flush()
+            for key, q in qs.items():
+                slot[key] = q.wait()[0]
+        for key, total in self._owed().items():
+            mem["err"][key] = total
+        for name in ["late"] + [f"{kind}{i}" for kind in ("res", "taken")
+                                for i in range(1, lag - 1)]:
+            mem[name].clear()
 
     # -- inside delay= ----------------------------------------------------------------------
     def exchange(self, li: int, ks: list[int], grads: list, step: int, lag: int,
@@ -540,6 +753,7 @@ class LowRankCompression(Transport):
         cols = sum(ops.matrix_shape(m)[1] * ops.matrix_shape(p)[1] for m, p in zip(ms, ps))
         exchange = _DelayedLowRank(self, step, ks, grads, plain, plain_p, compressed, keys, ms,
                                    taken, p_round, name, p_round.nbytes * cols // max(rows, 1))
+        self._live.append(exchange)
         if exchange._chained is None:
             self._no_q.append(exchange)
             self._start_arrived()  # a layer is ready: earlier exchanges' Q rounds can go
@@ -590,6 +804,14 @@ class LowRankCompression(Transport):
             if versions:
                 self.q[key] = versions[max(versions)]
         self._q_at.clear()
+        if self._in_trace is not None:  # traced: the newest Q, and every warm start from it
+            self.discard_in_delay()
+            newest = self._finished()
+            self.q.clear()
+            if newest > self.config.warmup_steps:
+                self.q.update((key, self._in_trace[f"q{newest % self._lag}"].read(key))
+                              for key in self._trace_keys)
+            self._fill_ring()
         return {"step": self.step, "q": {k: g.to_saved(k, v) for k, v in self.q.items()},
                 "err": {k: g.to_saved(k, v) for k, v in self.err.items()}}
 
@@ -601,6 +823,25 @@ class LowRankCompression(Transport):
         refill(self.q, {k: g.from_saved(k, v) for k, v in state["q"].items()})
         refill(self.err, {k: g.from_saved(k, v) for k, v in state.get("err", {}).items()})
         self._no_q.clear()
+        self._live.clear()
+        self._q_at.clear()  # inside delay=: the checkpoint's Q is every warm start's now
+        if self._in_trace is not None:
+            for name, memory in self._in_trace.items():
+                if name != "err":
+                    memory.clear()
+            self._fill_ring()
+
+    def _fill_ring(self) -> None:
+        """Traced inside ``delay=``: every warm start from :attr:`q` (where it has a matrix's
+        Q; else the seeded one), as the eager exchange after a checkpoint."""
+        for key, q in self.q.items():
+            for i in range(self._lag):
+                self._in_trace[f"q{i}"][key] = q
+
+    def settled(self, exchange: _DelayedLowRank) -> None:
+        """Inside ``delay=``: ``exchange`` was used or discarded (no longer in flight)."""
+        if exchange in self._live:
+            self._live.remove(exchange)
 
     def forget(self) -> None:
         """Start over: no residuals, fresh Q (every rank alike)."""
@@ -608,14 +849,43 @@ class LowRankCompression(Transport):
         self.err.clear()
         self._q_at.clear()
         self._no_q.clear()
+        self._live.clear()
         self._new_step()
+        for memory in (self._in_trace or {}).values():
+            memory.clear()
 
     def drop_per_rank(self) -> None:
         """Drop this rank's residuals; Q is shared and stays."""
         self.err.clear()
+        self._live.clear()
+        for name, memory in (self._in_trace or {}).items():
+            if not name.startswith("q"):
+                memory.clear()
+
+    def _owed(self) -> dict[str, Any]:
+        """By key, what this rank's compression has not delivered yet: ``E`` and, inside
+        ``delay=``, what the exchanges in flight took of it (they give it back if dropped)."""
+        ops = self.ops
+        if self._in_trace is not None:
+            mem = self._in_trace
+            owed = {}
+            for key in self._trace_keys:
+                total = ops.add(mem["err"].read(key), mem["late"].read(key))
+                for i in range(1, self._lag - 1):
+                    total = ops.add(total, mem[f"taken{i}"].read(key))
+                owed[key] = total
+            return owed
+        owed = dict(self.err)
+        for exchange in self._live:
+            for key, e in zip(exchange.keys, exchange.taken):
+                if e is not None:
+                    owed[key] = ops.add(owed[key], e) if key in owed else e
+        return owed
 
     def status(self) -> dict:
+        """``residual_norm``: of what this rank still owes (:meth:`_owed`)."""
         compressed = sorted({self.layer_names[li] for (li, _), r in self._rank.items() if r})
+        owed = list(self._owed().values())
         return {"step": self.step, "compressing": self.step >= self.config.warmup_steps,
                 "layers": compressed, "residual_norm": float(self.ops.to_host(
-                    [self.ops.norm(list(self.err.values()))])[0]) if self.err else 0.0}
+                    [self.ops.norm(owed)])[0]) if owed else 0.0}

@@ -567,6 +567,14 @@ class Transport(Technique):
         :meth:`host_flags` as device values."""
         raise NotImplementedError(f"{self.name} does not update locally")
 
+    def traced_traffic(self, li: int, tensors: list, wire_bytes: Callable[[Any], int],
+                       flags: dict[str, Any]) -> Optional[tuple[Any, Any]]:
+        """A traced step that updates locally: the bytes and collectives its exchange of
+        layer ``li``'s gradient ``tensors`` counts (device values where the step decides;
+        ``wire_bytes``: a tensor's bytes on the wire, ``flags``: :meth:`host_flags` as device
+        values), or ``None``: the plain exchange's."""
+        return None
+
     def host_before_update(self) -> bool:
         """Whether the next traced step that updates locally must run
         :meth:`before_optimizer_step` on the host before its update (it reads the parameters

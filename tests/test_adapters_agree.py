@@ -55,6 +55,9 @@ CASES = {
                   0.0625, None),
     "delay_due_clip_nan": (dict(delay=dict(staleness=1, average_every=3, fold="due"),
                                 clip=dict(max_norm=0.3)), "sgd", 0.125, 1),
+    # lowrank= inside: compressed exchanges in flight across steps (Keras: compiled)
+    "delay_due_lowrank": (dict(delay=dict(staleness=2, average_every=4, fold="due"),
+                               lowrank=LOWRANK), "momentum_exact", 0.0625, None),
     "outer": (dict(delay=OUTER), "sgd", 0.125, None),
     "outer_fp32_overlap1": (dict(delay=dict(OUTER, compress="none", overlap=1)), "sgd", 0.125,
                             None),

@@ -18,7 +18,8 @@ MODES = ("compiled", "run_eagerly", "pipeline")
 #: form (a decider of each kind of kept layer, local steps, lowrank=) -- the same Python builds
 #: every case's step, so more cases would repeat it at ~1 s of the shared job a fit
 RUN_EAGERLY = ("threshold", "select_hypernet", "diloco", "lowrank_bucketed_clip_global",
-               "sparse_switch_counts_first_clip", "delay_stale2_clip_nan")
+               "sparse_switch_counts_first_clip", "delay_stale2_clip_nan",
+               "delay_stale2_lowrank_nan")
 
 CASES = {
     "threshold": (dict(threshold=dict(threshold=0.6, max_skip=3)), "momentum", 0.05),
@@ -54,6 +55,15 @@ EXCHANGE_CASES = {
     # (staleness 1, without a correction waiting in a variable: test_adapters_agree)
     "delay_stale2_clip_nan": (dict(delay=dict(staleness=2, average_every=5),
                                    clip=dict(max_norm=0.3)), "adam", 0.01, "mlp", 40, 5),
+    # lowrank= inside: each exchange compressed (after warm-up) from the Q of the newest one
+    # every rank had, its residual joining E when folded in; warm-up ends mid-run, drains
+    # fold two exchanges of one step; a NaN on rank 1 at step 7 (compressing)
+    "delay_stale2_lowrank_nan": (dict(delay=dict(staleness=2, average_every=5),
+                                      lowrank=dict(rank=2, warmup_steps=3, min_compression=0)),
+                                 "momentum", 0.05, "mlp", 40, 7),
+    "delay_stale1_lowrank_clip": (dict(delay=dict(staleness=1, average_every=4),
+                                       lowrank=dict(rank=1, warmup_steps=2, min_compression=0),
+                                       clip=dict(max_norm=0.3)), "adam", 0.01),
 }
 #: lowrank= compiled: its P and Q rounds built into the step (a bucket's layers share them),
 #: Q and the error feedback in variables, warm-up a branch on a flag the host writes
@@ -203,12 +213,16 @@ def test_compiled_local_steps_equal_the_step_pipeline(runs, case):
         "the replicas differ between synchronizations (different data per rank)"
 
 
+def config_of(case: str) -> dict:
+    return EXCHANGE_CASES[case][0]
+
+
 @pytest.mark.parametrize("case", list(EXCHANGE_CASES))
 def test_compiled_delay_exchange_equals_the_step_pipeline(runs, case):
     """delay= exchanging every step, compiled: the same weights after every step, bytes,
     staleness histogram, averaging steps and non-finite count as the step pipeline folding
     when due; the replicas differ between averaging steps and agree after each one."""
-    config = EXCHANGE_CASES[case][0]["delay"]
+    config = config_of(case)["delay"]
     lags = tuple(f"staleness_{k}" for k in range(config["staleness"] + 1))
     for r in runs[case]:
         _equal_to_the_pipeline(r, lags + ("averaged", "nonfinite"))
@@ -224,6 +238,16 @@ def test_compiled_delay_exchange_equals_the_step_pipeline(runs, case):
     if len(EXCHANGE_CASES[case]) > 5:  # the NaN on rank 1: counted there only
         assert [r["compiled"]["total"].get("nonfinite", 0) > 0 for r in runs[case]] == [
             False, True] + [False] * (len(runs[case]) - 2)
+    if "lowrank" in config_of(case):  # compressed after warm-up: fewer bytes, same steps
+        for r in runs[case]:
+            total = r["compiled"]["total"]
+            assert total["bytes_sent"] < 0.7 * total["bytes_dense"], total
+            ref = r["pipeline"]["lowrank"]
+            for mode in _traced_modes(r):  # (residuals: what exchanges in flight took too)
+                assert r[mode]["lowrank"]["step"] == ref["step"] == STEPS
+                np.testing.assert_allclose(r[mode]["lowrank"]["residual_norm"],
+                                           ref["residual_norm"], rtol=1e-9)
+            assert ref["residual_norm"] > 0
 
 
 @pytest.mark.parametrize("case", list(LOWRANK_CASES))

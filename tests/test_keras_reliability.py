@@ -111,6 +111,10 @@ RESUME = {
     "threshold": dict(threshold=dict(threshold=0.3, max_skip=4)),
     "select": dict(select=dict(k=1, max_wait=3)),
     "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
+    # compiled lowrank= inside delay= (saved after the drain and averaging of step 8 -- the
+    # optimizer state averaged too: a file holds one rank's): Q ring, error feedback
+    "delay_lowrank": dict(delay=dict(staleness=1, average_every=4, optimizer_state="average"),
+                          lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
     # local steps, saved with an outer exchange in flight (started after step 8)
     "outer": dict(delay=dict(exchange_gradients=False, average_every=4, fragments=2, overlap=2,
                              mix=0.5, compress="int8", outer_lr=0.7, outer_momentum=0.9)),

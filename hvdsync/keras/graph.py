@@ -190,8 +190,11 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         if local is not None:  # its transport's step, below
             local_layers.append((li, list(range(len(layer))), layer))
             if local.sends_in_step:  # each step's gradient goes once (as the eager step counts)
-                sent[li] = tf.add_n([_bytes(comm, g, wire=True) for g in layer])
-                collectives[li] = comm.collectives(layer) if comm.size > 1 else 0
+                own = local.traced_traffic(li, layer, comm.wire_bytes, flags.of(local))
+                sent[li] = (tf.add_n([_bytes(comm, g, wire=True) for g in layer]) if own is None
+                            else tf.cast(own[0], tf.int64))
+                collectives[li] = (0 if comm.size == 1 else comm.collectives(layer)
+                                   if own is None else own[1])
             continue
 
         def send(xs: list, li=li, params=params) -> tuple[list, list]:
@@ -267,17 +270,20 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     names = [layer_names[li] for li in order]
     sends = plan if plan is not None else tf.ones([len(layer_names)], tf.bool)
     static_bytes = tf.stack([sent.get(li, tf.constant(0, tf.int64)) for li in order])
+    # (a device value where a transport's step decides: lowrank= inside delay=)
+    calls = tf.stack([tf.cast(collectives.get(li, 0), tf.int64) for li in order])
     counted = traffic.variable.read_value() if groups else tf.zeros([0, 2], tf.int64)
     sending = set(sent)  # (not delay='s local steps)
 
-    def finish(sent, dense, record, ok, sends, shared, own, local_bad, before,
+    def finish(sent, calls, dense, record, ok, sends, shared, own, local_bad, before,
                counted):  # on the host, numpy arrays in
         sends = sends.tolist()
         if groups:
             counted = traffic.since_last(counted)
         for li in grouped:  # (they go every step, whatever a decider planned)
             sends[li] = True
-        for li, name, nbytes, d in zip(order, names, sent.tolist(), dense.tolist()):
+        for li, name, nbytes, n, d in zip(order, names, sent.tolist(), calls.tolist(),
+                                          dense.tolist()):
             stats.dense(int(d))
             if li in grouped:
                 if comm.size > 1:
@@ -285,7 +291,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             elif not sends[li]:
                 stats.skipped(name)
             elif li in sending and (comm.size > 1 or kept is not None):
-                stats.sent(name, int(nbytes) if comm.size > 1 else 0, collectives[li])
+                stats.sent(name, int(nbytes) if comm.size > 1 else 0, int(n))
         if kept is not None and comm.size > 1:
             stats.control(shared.nbytes)
         if clip is not None:
@@ -310,8 +316,8 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         # numpy in and out, not py_function's eager tensors: 0.1-0.25 ms less a step (the
         # plain path 2.5-3.5 % of a small MLP's step: docs/keras.md, "The step's host call")
         _, *following = tf.numpy_function(
-            finish, [static_bytes, tf.stack(dense), record, ok, sends, shared, own, local_bad,
-                     before, counted], [tf.int32] + [tf.bool] * len(flags.variables),
+            finish, [static_bytes, calls, tf.stack(dense), record, ok, sends, shared, own,
+                     local_bad, before, counted], [tf.int32] + [tf.bool] * len(flags.variables),
             stateful=True)
     flags.assign_in_graph(following)
 
