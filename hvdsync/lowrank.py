@@ -419,7 +419,7 @@ class LowRankCompression(Transport):
     # memory assignments there made the compiled step slower than the eager pipeline (21.5 vs
     # 17.1 ms, docs/keras.md); ``delay=`` carries the exchange across steps.
     traceable = True
-    traced_with = ("clip", "plain", "delay")
+    traced_with = ("clip", "plain", "delay", "sparse")
 
     def host_flags(self) -> dict[str, bool]:
         if self.delayed:  # delay's traced step asks (delay_flags)
@@ -431,7 +431,12 @@ class LowRankCompression(Transport):
             return []
         self._traced = []  # a new traced step (a trace that failed midway leaves nothing)
         self._buckets()  # (fills _members)
-        present = {li for li in range(len(self.layer_names)) if self.grads.size(li)}
+        g = self.grads
+        # a layer whose matrices are all row-sparse this step is not this transport's (the
+        # plain exchange, or sparse='s)
+        present = {li for li in range(len(self.layer_names))
+                   if any(self.rank_for(li, k) and not g.is_row_sparse(li, k)
+                          for k in range(g.size(li)))}
         return [group for group in ([li for li in sorted(members) if li in present]
                                     for members in self._members) if group]
 

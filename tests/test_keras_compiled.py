@@ -92,6 +92,11 @@ SPARSE_CASES = {
     # plan says
     "sparse_select_clip": (dict(sparse=True, select=dict(k=1, max_wait=2),
                                 clip=dict(max_norm=0.5)), "sgd", 0.125, "emb_mlp", 500),
+    # beside lowrank=: the embedding by the sparse exchange, the dense matrices by low-rank
+    # factors after warm-up (each transport its own layers)
+    "sparse_lowrank_clip": (dict(sparse=dict(dense_ratio=0.55),
+                                 lowrank=dict(rank=2, warmup_steps=3, min_compression=0),
+                                 clip=dict(max_norm=0.3)), "adam", 0.01, "emb_mlp", 200),
 }
 #: (one route alone, and sparse= beside threshold=, run compiled in test_keras_techniques and
 #: test_adapters_agree: against the dense-computed reference and torch, step for step)
@@ -282,6 +287,12 @@ def test_compiled_sparse_equals_the_step_pipeline(runs, case):
         assert total["sparse_duplicate_rows"] > 0, total
         if case.startswith("sparse_switch"):
             assert 0 < total["sparse_gather"] < STEPS and total["sparse_dense"] > 0, total
+        elif "lowrank" in case:  # the dense matrices compressed after warm-up (residuals)
+            assert 0 < total["sparse_gather"] < STEPS and total["sparse_dense"] > 0, total
+            assert r["pipeline"]["lowrank"]["residual_norm"] > 0
+            for mode in _traced_modes(r):
+                np.testing.assert_allclose(r[mode]["lowrank"]["residual_norm"],
+                                           r["pipeline"]["lowrank"]["residual_norm"], rtol=1e-9)
         else:  # beside a decider, which kept some layers back
             assert total["layers_skipped"] > 0 and total["sparse_gather"] == STEPS, total
             assert total["bytes_sent"] < total["bytes_dense"]

@@ -157,6 +157,12 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     # (beside a decider: transports that go every step, sparse=)
     groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
     grouped = {li for _, group in groups for li in group}
+    if len(grouped) < sum(len(group) for _, group in groups):
+        raise NotImplementedError(
+            "hvdsync: a layer both of these transports exchange in the compiled step ("
+            f"{', '.join(sorted({t.name for t, _ in groups}))}: a layer with a row-sparse "
+            "gradient and a compressible matrix): set HVDSYNC_KERAS_PIPELINE=1 to run it "
+            "through the step pipeline")
     if kept is not None:  # it governs the layers no transport of its own takes
         decider = kept.decider.name
         kept.begin([(li, sum(payload_bytes(_dense(grads[p], comm, decider))

@@ -51,7 +51,7 @@ class SparseExchange(SparseTransport):
     traceable = True
     # beside a decider: its layers go every step, outside the decider's branches (they are
     # not decidable); lowrank='s rounds and its buckets are not built beside it
-    traced_with = ("clip", "plain", "threshold", "select")
+    traced_with = ("clip", "plain", "threshold", "select", "lowrank")
 
     def __init__(self, config: SparseConfig, grads: KerasGradients, comm: KerasCommunicator,
                  stats: SyncStats):
