@@ -12,8 +12,8 @@ layer sent every step); ``delay`` with staleness 0 (sends everything through the
 pipeline, for scale); and, by name only (``--methods``), ``delay="diloco"`` and
 ``delay="streaming"``: local steps, what an inner step costs in Keras -- compiled, through the
 eager step pipeline (``HVDSYNC_KERAS_PIPELINE=1``), and the wrapped optimizer alone (no
-exchange at all); ``lowrank=4`` alone (compiled, and through the eager step pipeline) and
-inside ``delay=`` (the eager pipeline), compressing. With ``--vocab V``: an embedding of ``V``
+exchange at all); ``lowrank=4`` alone, inside ``delay=`` and beside ``threshold=0`` (each compiled, and through
+the eager step pipeline), compressing. With ``--vocab V``: an embedding of ``V``
 rows (row-sparse gradients: Zipf-distributed token bags) before the MLP, and, by name,
 ``sparse=True`` compiled and through the eager step pipeline (Horovod's tape and the plain path
 send the embedding's rows by Horovod's own allgathers).
@@ -66,6 +66,12 @@ METHODS: dict[str, Any] = {
         lowrank=dict(rank=4, warmup_steps=0), delay=dict(staleness=1, average_every=32)),
     "lowrank=4 inside delay staleness=1 (eager pipeline)": dict(
         lowrank=dict(rank=4, warmup_steps=0), delay=dict(staleness=1, average_every=32)),
+    # beside a decider that sends every layer (threshold=0): each layer's rounds in the
+    # branch its plan takes (compiled), and through the eager step pipeline
+    "lowrank=4 + threshold=0 (compiled)": dict(lowrank=dict(rank=4, warmup_steps=0),
+                                               threshold=0.0),
+    "lowrank=4 + threshold=0 (eager pipeline)": dict(lowrank=dict(rank=4, warmup_steps=0),
+                                                     threshold=0.0),
     # row-sparse embedding gradients (--vocab): sparse= compiled, and through the eager
     # step pipeline (as before it was compiled)
     "sparse (compiled)": dict(sparse=True),

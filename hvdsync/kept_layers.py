@@ -69,13 +69,15 @@ class KeptLayers:
 
     # -- per layer, as backward produces it --------------------------------------------------
     def exchange(self, li: int, ks: list[int], layer: list, send_plan: Any,
-                 send: Callable[[list], tuple[list, list]], n_extra: int
-                 ) -> tuple[list, Any, Any, list]:
+                 send: Callable[[list], tuple[list, list]],
+                 idle: Callable[[], list] = list) -> tuple[list, Any, Any, list]:
         """``ops.cond(send_plan, send, keep)`` for layer ``li``'s (dense) gradients ``layer``
         (its parameters ``ks``).
 
         Send: what the layer holds joins the gradient and ``send(xs) -> (reduced, extras)``
-        runs (``extras``: ``n_extra`` float32 scalars, zeros when kept). Keep: a local step
+        runs (``extras``: what else leaves the branch -- a global clip's norm, a transport's
+        staged memory -- and ``idle()``, called in the other branch, what they are when the
+        layer is kept: the same structure). Keep: a local step
         with the layer's own gradient, or withheld (zeros; put back after the update).
         Returns the gradients to apply, the extras, and -- apart from the data, so the control
         round can start while the data is still in flight -- the norm of what the layer holds
@@ -102,7 +104,7 @@ class KeptLayers:
         def keep():
             out = (list(layer) if self.local_step  # the local update with its own gradient
                    else [ops.zeros_like(g) for g in layer])  # withheld (put back anyway)
-            return [*out, *[zero] * n_extra]
+            return [*out, *idle()]
         res = ops.cond(send_plan, go, keep)
         # a branch of its own: a branch's outputs all wait for its slowest op (the send), and
         # the control round should not wait for this layer's data

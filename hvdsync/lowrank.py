@@ -414,12 +414,20 @@ class LowRankCompression(Transport):
     # The same rounds as :meth:`start` / :meth:`flush` / :meth:`end_step`, built into the step:
     # ``Q`` and ``E`` live in the adapter's device variables (every matrix holds its seeded
     # ``Q`` and a zero ``E`` while it holds nothing: adding a zero ``E`` changes no bit), and
-    # warm-up is a branch on a flag the host writes (:meth:`host_flags`). Beside ``clip=`` only:
-    # beside a decider the rounds would sit inside the branch that sends the layer, and their
-    # memory assignments there made the compiled step slower than the eager pipeline (21.5 vs
-    # 17.1 ms, docs/keras.md); ``delay=`` carries the exchange across steps.
+    # warm-up is a branch on a flag the host writes (:meth:`host_flags`). The memory's next
+    # values are staged and written once, after every exchange (:meth:`trace_commit`): an
+    # assignment inside a branch with collectives made the step slower than the eager
+    # pipeline (21.5 vs 17.1 ms, docs/keras.md). Beside a decider each layer's rounds sit in
+    # the branch that sends it, so a bucket must be one layer (``bucket_bytes=0``, the
+    # default): a bucket of layers the plan splits would need rounds whose members are known
+    # at run time only; what the rounds staged leaves that branch (:meth:`staged`,
+    # :meth:`restage`). ``delay=`` carries the exchange across steps.
     traceable = True
-    traced_with = ("clip", "plain", "delay", "sparse")
+
+    @property
+    def traced_with(self) -> tuple[str, ...]:  # type: ignore[override]
+        beside = ("clip", "plain", "delay", "sparse")
+        return beside + (("threshold", "select") if self.config.bucket_bytes == 0 else ())
 
     def host_flags(self) -> dict[str, bool]:
         if self.delayed:  # delay's traced step asks (delay_flags)
@@ -472,11 +480,7 @@ class LowRankCompression(Transport):
         g, ops = self.grads, self.ops
         names = [self.layer_names[li] for li, _ in layers]
         label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-        # per layer: its compressible positions and the rest of its dense ones; row-sparse
-        # ones are not this transport's (the plain exchange, in either branch)
-        split = [(li, [k for k in ks if self.rank_for(li, k) and not g.is_row_sparse(li, k)],
-                  [k for k in ks if not self.rank_for(li, k) and not g.is_row_sparse(li, k)])
-                 for li, ks in layers]
+        split = self._split(layers)
         keys = [g.key(li, k) for li, comp, _ in split for k in comp]
 
         def compressed() -> tuple[list, list, list]:
@@ -506,6 +510,28 @@ class LowRankCompression(Transport):
                 by_k.update(zip(sparse, plain(li, [g.get(li, k) for k in sparse])))
             result[li] = [by_k[k] for k in ks]
         return result
+
+    def _split(self, layers: list[tuple[int, list[int]]]
+               ) -> list[tuple[int, list[int], list[int]]]:
+        """Per layer: its compressible positions and the rest of its dense ones; row-sparse
+        ones are not this transport's (the plain exchange, in either branch)."""
+        g = self.grads
+        return [(li, [k for k in ks if self.rank_for(li, k) and not g.is_row_sparse(li, k)],
+                 [k for k in ks if not self.rank_for(li, k) and not g.is_row_sparse(li, k)])
+                for li, ks in layers]
+
+    def staged(self, layers: list[tuple[int, list[int]]], built: bool) -> list:
+        if built:  # the last trace_exchange's (these layers'): new Qs, then residuals
+            _, new_q, new_err, _ = self._traced.pop()
+            return [*new_q, *new_err]
+        keys = [self.grads.key(li, k) for li, comp, _ in self._split(layers) for k in comp]
+        return [*(self.q.read(k) for k in keys), *(self.err.read(k) for k in keys)]
+
+    def restage(self, layers: list[tuple[int, list[int]]], values: list, taken: Any) -> None:
+        keys = [self.grads.key(li, k) for li, comp, _ in self._split(layers) for k in comp]
+        n = len(keys)
+        # (warm-up writes back the memory as it was: a no-op, and no flag to read here)
+        self._traced.append((keys, values[:n], values[n:], taken))
 
     def _rounds(self, layers: list[tuple[list, list, list, list]],
                 reduce: Callable[[str, list], list], label: str

@@ -619,6 +619,20 @@ class Transport(Technique):
         memory should become waits for :meth:`trace_commit`."""
         raise NotImplementedError(f"{self.name} has no traced exchange")
 
+    def staged(self, layers: list[tuple[int, list[int]]], built: bool) -> list:
+        """What the memory should become after :meth:`trace_exchange` of ``layers``, as a
+        flat list of tensors, so it can leave a branch (a decider's, that sends the layers
+        only where the plan says). ``built``: inside the branch that just built the exchange
+        (what it staged, taken back from :meth:`trace_commit`'s list); else, in the other
+        branch, the memory as it stands. :meth:`restage` gives it back after the branch.
+        Default: nothing staged."""
+        return []
+
+    def restage(self, layers: list[tuple[int, list[int]]], values: list, taken: Any) -> None:
+        """Stage ``values`` (:meth:`staged`, as they left the branch) for
+        :meth:`trace_commit`, written only where the device boolean ``taken`` holds (the
+        branch that built the exchange ran)."""
+
     def trace_commit(self, ok: Any) -> Optional[list]:
         """Build the step's memory update, once a step (after every exchange): what the
         step's :meth:`trace_exchange` calls computed becomes the memory where ``ok`` (a device

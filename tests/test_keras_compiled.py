@@ -75,6 +75,14 @@ LOWRANK_CASES = {
              clip=dict(max_norm=0.2, mode="global")), "sgd", 0.1),
     "lowrank_clip_adam": (dict(lowrank=dict(rank=2, warmup_steps=0), clip=dict(max_norm=0.3)),
                           "adam", 0.01),
+    # beside a decider: a layer's rounds in the branch its plan takes, on the gradient plus
+    # what the layer held; Q and E written only where it was sent; a NaN on rank 1 at step 7
+    "lowrank_threshold_nan": (dict(lowrank=dict(rank=2, warmup_steps=3, min_compression=0),
+                                   threshold=dict(threshold=0.6, max_skip=3)), "momentum",
+                              0.05, "mlp", 40, 7),
+    "lowrank_select_clip_global": (dict(lowrank=dict(rank=1, warmup_steps=2, min_compression=0),
+                                        select=dict(k=2, selector="round_robin"),
+                                        clip=dict(max_norm=0.2, mode="global")), "sgd", 0.1),
 }
 #: sparse= compiled: the row-sparse embedding's route a branch on a flag the host writes
 #: (or, codes first, on the codes gathered in the step), the dense layers per layer as plain
@@ -258,14 +266,19 @@ def test_compiled_delay_exchange_equals_the_step_pipeline(runs, case):
 @pytest.mark.parametrize("case", list(LOWRANK_CASES))
 def test_compiled_lowrank_equals_the_step_pipeline(runs, case):
     """lowrank= compiled: the same weights, layers and bytes as the step pipeline (warm-up
-    steps plain, then the factors), the same residuals (their norm) and step count."""
+    steps plain, then the factors), the same residuals (their norm) and step count; beside a
+    decider, layers kept back (a NaN step skipped everywhere, uncounted by lowrank=)."""
+    options, nan = LOWRANK_CASES[case][0], len(LOWRANK_CASES[case]) > 5
     for r in runs[case]:
-        _equal_to_the_pipeline(r)
+        _equal_to_the_pipeline(r, ("nonfinite_steps",))
         total, status = r["compiled"]["total"], r["compiled"]["lowrank"]
         assert total["bytes_sent"] < 0.7 * total["bytes_dense"], total  # it compressed
+        if options.keys() & {"threshold", "select"}:
+            assert total["layers_skipped"] > 0, total
+        assert total.get("nonfinite_steps", 0) == nan, total
         for mode in _traced_modes(r):
             got, ref = r[mode]["lowrank"], r["pipeline"]["lowrank"]
-            assert got["step"] == ref["step"] == STEPS and got["layers"] == ref["layers"]
+            assert got["step"] == ref["step"] == STEPS - nan and got["layers"] == ref["layers"]
             np.testing.assert_allclose(got["residual_norm"], ref["residual_norm"], rtol=1e-9)
         assert status["residual_norm"] > 0
 

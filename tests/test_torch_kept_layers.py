@@ -44,8 +44,7 @@ def traced_decider_body(kind: str, cfg: dict, steps: int, nan_rank: int,
                 local = [g.get(li, k) for k in ks]
                 reduced, held, bad, _ = kept.exchange(
                     li, ks, local, plan[li],
-                    lambda xs, li=li: (comm.allreduce(f"hvdsync.traced.{li}", xs).wait(), []),
-                    0)
+                    lambda xs, li=li: (comm.allreduce(f"hvdsync.traced.{li}", xs).wait(), []))
                 layers.append((li, ks, local))
                 held_norms.append(held)
                 bads.append(bad)

@@ -154,15 +154,25 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     plan = None
     groups: list[tuple[Technique, list[int]]] = []
     pipeline.grads.begin_step(variables, grads)  # the step's gradients, as techniques see them
-    # (beside a decider: transports that go every step, sparse=)
     groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
-    grouped = {li for _, group in groups for li in group}
-    if len(grouped) < sum(len(group) for _, group in groups):
+    if len({li for _, group in groups for li in group}) < sum(len(g) for _, g in groups):
         raise NotImplementedError(
             "hvdsync: a layer both of these transports exchange in the compiled step ("
             f"{', '.join(sorted({t.name for t, _ in groups}))}: a layer with a row-sparse "
             "gradient and a compressible matrix): set HVDSYNC_KERAS_PIPELINE=1 to run it "
             "through the step pipeline")
+    # beside a decider, a decidable transport's layers (lowrank=) go where the plan says, one
+    # layer's rounds in the branch that sends it; the others' groups (sparse=) every step
+    decided: dict[int, Technique] = {}
+    if kept is not None:
+        decided = {li: t for t, group in groups if t.decidable for li in group}
+        if len(decided) < sum(len(g) for t, g in groups if t.decidable):
+            raise NotImplementedError("hvdsync: beside a decider, a transport's rounds in the "
+                                      "compiled step take one layer each")
+        groups = [(t, group) for t, group in groups if not t.decidable]
+    grouped = {li for _, group in groups for li in group}
+    exchangers = list({t.name: t for t in [*(t for t, _ in groups), *decided.values()]}
+                      .values())
     if kept is not None:  # it governs the layers no transport of its own takes
         decider = kept.decider.name
         kept.begin([(li, sum(payload_bytes(_dense(grads[p], comm, decider))
@@ -172,6 +182,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         flags.refresh()
     if kept is not None:
         plan = flags.of(kept.decider)["plan"]
+    flags_of = {t.name: flags.of(t) for t in exchangers}
     held_norms, bads, steps, params_of = [], [], [], {}  # (steps: a decider's layers)
     local_layers: list[tuple[int, list[int], list]] = []
 
@@ -203,20 +214,39 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                                    if own is None else own[1])
             continue
 
-        def send(xs: list, li=li, params=params) -> tuple[list, list]:
-            reduced = comm.reduce(xs, name=None if kept is None
-                                  else f"hvdsync.{layer_names[li]}")
+        transport = decided.get(li)
+        one = [(li, list(range(len(layer))))]
+
+        def send(xs: list, li=li, params=params, t=transport, one=one) -> tuple[list, list]:
+            if t is None:
+                reduced = comm.reduce(xs, name=None if kept is None
+                                      else f"hvdsync.{layer_names[li]}")
+            else:  # its rounds, on what the layer holds and its gradient
+                for k, x in enumerate(xs):
+                    pipeline.grads.set(li, k, x)
+                reduced = t.trace_exchange(one, _counted(comm, traffic, li),
+                                           _plain(comm, traffic, layer_names),
+                                           flags_of[t.name], _count(comm, traffic))[li]
             if kept is not None:  # (a branch's outputs keep the shapes both branches give)
                 for r, x in zip(reduced, xs):
                     r.set_shape(x.shape)
-            return global_clip(li, reduced, params)
+            reduced, extras = global_clip(li, reduced, params)
+            return reduced, extras + (t.staged(one, built=True) if t is not None else [])
         if kept is None:
             reduced, extras = send(layer)
         else:
             layer = [_dense(g, comm, decider) for g in layer]
-            ks = list(range(len(layer)))
-            reduced, held, bad, extras = kept.exchange(li, ks, layer, plan[li], send,
-                                                       2 if mode == "global" else 0)
+            ks = one[0][1]
+            n_clip = 2 if mode == "global" else 0
+            reduced, held, bad, extras = kept.exchange(
+                li, ks, layer, plan[li], send,
+                lambda t=transport, one=one: [kept.ops.zero()] * n_clip + (
+                    t.staged(one, built=False) if t is not None else []))
+            if transport is not None:  # written after the step where the plan sent it
+                transport.restage(one, extras[n_clip:], plan[li])
+                extras = extras[:n_clip]
+                for k, g in enumerate(layer):  # (the local gradients again, outside)
+                    pipeline.grads.set(li, k, g)
             held_norms.append(held)
             bads.append(bad)
             steps.append((li, ks, layer))
@@ -224,6 +254,8 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             records[li] = tf.stack(extras)
         for p, r in zip(positions, reduced):
             grads[p] = r
+        if transport is not None:  # counted where its rounds ran (traffic)
+            continue
         sent[li] = tf.add_n([_bytes(comm, g, wire=True) for g in layer])
         collectives[li] = comm.collectives(layer) if comm.size > 1 else 0
     positions_of = dict(layers)
@@ -263,7 +295,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     else:
         shared, own, ok = kept.control(steps, held_norms, bads, grads, _control_round(comm))
     host_reads: list = []  # what the transports' host calls read after the step
-    for t in {t.name: t for t, _ in groups}.values():  # what the rounds staged, if ok
+    for t in exchangers:  # what the rounds staged, if ok
         host_reads += t.trace_commit(ok) or []
     if kept is not None:  # (the transports' groups beside it went every step: sparse=)
         put_back = kept.commit(steps, plan, ok)
@@ -278,13 +310,14 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     static_bytes = tf.stack([sent.get(li, tf.constant(0, tf.int64)) for li in order])
     # (a device value where a transport's step decides: lowrank= inside delay=)
     calls = tf.stack([tf.cast(collectives.get(li, 0), tf.int64) for li in order])
-    counted = traffic.variable.read_value() if groups else tf.zeros([0, 2], tf.int64)
+    counted = (traffic.variable.read_value() if exchangers
+               else tf.zeros([0, 2], tf.int64))
     sending = set(sent)  # (not delay='s local steps)
 
     def finish(sent, calls, dense, record, ok, sends, shared, own, local_bad, before,
                counted):  # on the host, numpy arrays in
         sends = sends.tolist()
-        if groups:
+        if exchangers:
             counted = traffic.since_last(counted)
         for li in grouped:  # (they go every step, whatever a decider planned)
             sends[li] = True
@@ -296,6 +329,8 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                     stats.sent(name, int(counted[li][0]), int(counted[li][1]))
             elif not sends[li]:
                 stats.skipped(name)
+            elif li in decided:
+                stats.sent(name, int(counted[li][0]), int(counted[li][1]))
             elif li in sending and (comm.size > 1 or kept is not None):
                 stats.sent(name, int(nbytes) if comm.size > 1 else 0, int(n))
         if kept is not None and comm.size > 1:
@@ -306,7 +341,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                               if mode == "local" or sends[li]], bool(ok))
         if kept is not None:
             kept.settle(bool(ok), shared.tolist(), own.tolist())
-        for t in {t for t, _ in groups}:
+        for t in exchangers:
             t.end_traced_step(bool(ok))
         if local is not None:
             if not before:  # the transport did not need it before the update
