@@ -38,6 +38,10 @@ METHODS = {
     "fp16": "fp16",
     "lowrank r=4": dict(lowrank=dict(rank=4)),
     "lowrank r=4 + fp16": dict(lowrank=dict(rank=4), fp16=True),
+    "lowrank r=4 + threshold 0.5": dict(lowrank=dict(rank=4),
+                                        threshold=dict(threshold=0.5, max_skip=8)),
+    "lowrank r=4 + threshold 0.5, eager pipeline": dict(
+        lowrank=dict(rank=4), threshold=dict(threshold=0.5, max_skip=8), pipeline=True),
     "lowrank r=4 + delay s=1 K=32": dict(lowrank=dict(rank=4),
                                          delay=dict(staleness=1, average_every=32)),
     # local steps (compiled): DiLoCo (K 32, Nesterov outer SGD) and its streamed preset (K 8
