@@ -520,15 +520,18 @@ class LowRankCompression(Transport):
                  [k for k in ks if not self.rank_for(li, k) and not g.is_row_sparse(li, k)])
                 for li, ks in layers]
 
+    def _compressed_keys(self, layers: list[tuple[int, list[int]]]) -> list[str]:
+        return [self.grads.key(li, k) for li, comp, _ in self._split(layers) for k in comp]
+
     def staged(self, layers: list[tuple[int, list[int]]], built: bool) -> list:
         if built:  # the last trace_exchange's (these layers'): new Qs, then residuals
             _, new_q, new_err, _ = self._traced.pop()
             return [*new_q, *new_err]
-        keys = [self.grads.key(li, k) for li, comp, _ in self._split(layers) for k in comp]
+        keys = self._compressed_keys(layers)
         return [*(self.q.read(k) for k in keys), *(self.err.read(k) for k in keys)]
 
     def restage(self, layers: list[tuple[int, list[int]]], values: list, taken: Any) -> None:
-        keys = [self.grads.key(li, k) for li, comp, _ in self._split(layers) for k in comp]
+        keys = self._compressed_keys(layers)
         n = len(keys)
         # (warm-up writes back the memory as it was: a no-op, and no flag to read here)
         self._traced.append((keys, values[:n], values[n:], taken))
