@@ -439,12 +439,11 @@ class LowRankCompression(Transport):
             return []
         self._traced = []  # a new traced step (a trace that failed midway leaves nothing)
         self._buckets()  # (fills _members)
-        g = self.grads
         # a layer whose matrices are all row-sparse this step is not this transport's (the
         # plain exchange, or sparse='s)
-        present = {li for li in range(len(self.layer_names))
-                   if any(self.rank_for(li, k) and not g.is_row_sparse(li, k)
-                          for k in range(g.size(li)))}
+        present = {li for li, comp, _ in self._split(
+            [(li, list(range(self.grads.size(li)))) for li in range(len(self.layer_names))])
+            if comp}
         return [group for group in ([li for li in sorted(members) if li in present]
                                     for members in self._members) if group]
 
