@@ -61,23 +61,32 @@ CASE_SECONDS: dict[tuple[str, int], dict[str, float]] = {}
 SLOW_CASE_S = 60
 
 
+def run_family_job(family: str, modules: list, np_: int, directory: str,
+                   env: Optional[dict[str, str]] = None) -> dict[str, list]:
+    """One shared job of ``family`` on ``np_`` ranks: the cases that ``modules`` declare (those
+    without the family's hook sit out), after the family's first case; per case name, every
+    rank's ``(result, seconds)``. ``env``: more for the ranks (tests/time_job.py)."""
+    hook, first, family_env, launcher = FAMILIES[family]
+    cases = {f"{mod.__name__}:{name}": case
+             for mod in modules if hasattr(mod, hook)
+             for name, case in getattr(mod, hook)(np_, directory).items()}
+    cases = {f"conftest:{first[0].__name__}": first, **cases}
+    return run_cases(timed_call, np_, cases,
+                     timeout=BASE_TIMEOUT_S + PER_CASE_TIMEOUT_S * len(cases),
+                     env={"HVDSYNC_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S), **family_env,
+                          **(env or {})},
+                     launcher=launcher)
+
+
 def _jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
           family: str) -> Callable[..., dict]:
-    hook, first, env, launcher = FAMILIES[family]
     modules = list(dict.fromkeys(item.module for item in request.session.items
                                  if getattr(item, "module", None) is not None))
     results: dict[int, dict | BaseException] = {}
 
     def run(np_: int) -> dict:
         directory = str(tmp_path_factory.mktemp(f"{family}_job_np{np_}"))
-        cases = {f"{mod.__name__}:{name}": case
-                 for mod in modules if hasattr(mod, hook)
-                 for name, case in getattr(mod, hook)(np_, directory).items()}
-        cases = {f"conftest:{first[0].__name__}": first, **cases}
-        timed = run_cases(timed_call, np_, cases,
-                          timeout=BASE_TIMEOUT_S + PER_CASE_TIMEOUT_S * len(cases),
-                          env={"HVDSYNC_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S), **env},
-                          launcher=launcher)
+        timed = run_family_job(family, modules, np_, directory)
         CASE_SECONDS[family, np_] = {name: max(s for _, s in ranks)
                                      for name, ranks in timed.items()}
         return {name: [r for r, _ in ranks] for name, ranks in timed.items()}

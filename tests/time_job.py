@@ -21,27 +21,21 @@ import os
 import tempfile
 import time
 
-from tests.conftest import FAMILIES
-from tests.models import run_cases, timed_call
+from tests.conftest import FAMILIES, run_family_job
 
 
 def time_job(family: str, modules: list[str], np_: int, env: dict[str, str]
              ) -> tuple[dict[str, float], dict[str, float]]:
     """Every case's seconds (slowest rank) and the job's totals: wall, and the ranks' user and
     system CPU (the launcher's children, reaped when the job ends)."""
-    hook, first, family_env, launcher = FAMILIES[family]
-    directory = tempfile.mkdtemp()
-    cases = {f"conftest:{first[0].__name__}": first}
-    for name in modules:
-        module = importlib.import_module(name)
-        declared = getattr(module, hook, None)
-        if declared is None:
-            raise SystemExit(f"{name} declares no {hook}: not part of the {family} job")
-        cases.update({f"{name}:{case}": body for case, body in declared(np_, directory).items()})
+    hook = FAMILIES[family][0]
+    imported = [importlib.import_module(name) for name in modules]
+    for module in imported:
+        if not hasattr(module, hook):
+            raise SystemExit(f"{module.__name__} declares no {hook}: not part of the {family} "
+                             "job")
     start, before = time.perf_counter(), os.times()
-    timed = run_cases(timed_call, np_, cases, timeout=300 + 120 * len(cases),
-                      env={"HVDSYNC_TIMEOUT_SECONDS": "120", **family_env, **env},
-                      launcher=launcher)
+    timed = run_family_job(family, imported, np_, tempfile.mkdtemp(), env)
     after = os.times()
     totals = dict(wall=time.perf_counter() - start,
                   user=after.children_user - before.children_user,
