@@ -78,6 +78,11 @@ def run_family_job(family: str, modules: list, np_: int, directory: str,
                      launcher=launcher)
 
 
+def slowest_rank_seconds(timed: dict[str, list]) -> dict[str, float]:
+    """Per case of :func:`run_family_job`'s answer, its slowest rank's seconds."""
+    return {name: max(s for _, s in ranks) for name, ranks in timed.items()}
+
+
 def _jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
           family: str) -> Callable[..., dict]:
     modules = list(dict.fromkeys(item.module for item in request.session.items
@@ -87,8 +92,7 @@ def _jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     def run(np_: int) -> dict:
         directory = str(tmp_path_factory.mktemp(f"{family}_job_np{np_}"))
         timed = run_family_job(family, modules, np_, directory)
-        CASE_SECONDS[family, np_] = {name: max(s for _, s in ranks)
-                                     for name, ranks in timed.items()}
+        CASE_SECONDS[family, np_] = slowest_rank_seconds(timed)
         return {name: [r for r, _ in ranks] for name, ranks in timed.items()}
 
     def of(module: Any, np_: int, group: Optional[str] = None) -> dict:

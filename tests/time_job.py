@@ -21,7 +21,7 @@ import os
 import tempfile
 import time
 
-from tests.conftest import FAMILIES, run_family_job
+from tests.conftest import FAMILIES, run_family_job, slowest_rank_seconds
 
 
 def time_job(family: str, modules: list[str], np_: int, env: dict[str, str]
@@ -40,7 +40,7 @@ def time_job(family: str, modules: list[str], np_: int, env: dict[str, str]
     totals = dict(wall=time.perf_counter() - start,
                   user=after.children_user - before.children_user,
                   system=after.children_system - before.children_system)
-    return {name: max(s for _, s in ranks) for name, ranks in timed.items()}, totals
+    return slowest_rank_seconds(timed), totals
 
 
 def main(argv: list[str] | None = None) -> None:
