@@ -188,13 +188,14 @@ class KeptLayers:
     def _commit_layer(self, keys: list[str], local: list, kept: Any, anchored: Any) -> None:
         """One layer's commit (inside its branch): ``local``, its gradients of this step."""
         ops, grads = self.ops, self.grads
+        back = ~kept & anchored  # sent after local steps: back to its sync point
         for key, g in zip(keys, local):
             now = grads.snapshot(key)
             if self.local_step:
                 sync = self.copies.read(key)
                 # a sync point is taken before the first local step and kept until sent
                 self.copies.put(key, ops.where(anchored, sync, now), kept)
-                grads.restore(key, ops.where(~kept & anchored, sync, now))  # sent: back
+                grads.restore(key, ops.where(back, sync, now))
             else:  # withheld: copied aside, put back after the update
                 self.copies.put(key, now, kept)
             h = self.held.read(key)

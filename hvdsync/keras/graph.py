@@ -182,6 +182,9 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         flags.refresh()
     if kept is not None:
         plan = flags.of(kept.decider)["plan"]
+        # one op for every layer's flag (indexing the vector: a strided slice and three
+        # constants per use)
+        plan_of = tf.unstack(plan)
     flags_of = {t.name: flags.of(t) for t in exchangers}
     held_norms, bads, steps, params_of = [], [], [], {}  # (steps: a decider's layers)
     local_layers: list[tuple[int, list[int], list]] = []
@@ -239,11 +242,11 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             ks = one[0][1]
             n_clip = 2 if mode == "global" else 0
             reduced, held, bad, extras = kept.exchange(
-                li, ks, layer, plan[li], send,
+                li, ks, layer, plan_of[li], send,
                 lambda t=transport, one=one: [kept.ops.zero()] * n_clip + (
                     t.staged(one, built=False) if t is not None else []))
             if transport is not None:  # written after the step where the plan sent it
-                transport.restage(one, extras[n_clip:], plan[li])
+                transport.restage(one, extras[n_clip:], plan_of[li])
                 extras = extras[:n_clip]
                 for k, g in enumerate(layer):  # (the local gradients again, outside)
                     pipeline.grads.set(li, k, g)
@@ -298,7 +301,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     for t in exchangers:  # what the rounds staged, if ok
         host_reads += t.trace_commit(ok) or []
     if kept is not None:  # (the transports' groups beside it went every step: sparse=)
-        put_back = kept.commit(steps, plan, ok)
+        put_back = kept.commit(steps, plan_of, ok)
         _apply_if(ok, apply, grads, variables)
         put_back()
     clipped = sorted(records)

@@ -82,12 +82,18 @@ class VariableMemory(MutableMapping):
 
     def put(self, key: str, value: Any, present: tf.Tensor) -> None:
         """The key holds ``value`` where the device boolean ``present`` holds and nothing
-        elsewhere (a one-tensor key: its empty value; with slots the tensors stay, unread
-        while absent). Keys of one layer are put together."""
-        empty = self._empty_values[key] if not self.with_slots else self.store[key]
-        for x, v, e in zip(self.store[key], self._as_list(value), empty):
-            x.assign(tf.where(present, tf.cast(v, x.dtype), e))
-        self.flags[self._layer[key]].assign(present)
+        elsewhere: a one-tensor key then holds its empty value; with slots the tensors take
+        ``value`` either way (unread while absent: no select, no second read). Keys of one
+        layer are put together: its flag is assigned with its first key."""
+        if self.with_slots:
+            for x, v in zip(self.store[key], self._as_list(value)):
+                x.assign(tf.cast(v, x.dtype))
+        else:
+            for x, v, e in zip(self.store[key], self._as_list(value), self._empty_values[key]):
+                x.assign(tf.where(present, tf.cast(v, x.dtype), e))
+        li = self._layer[key]
+        if key == self.layer_keys[li][0]:
+            self.flags[li].assign(present)
 
     def _as_held(self, values: list) -> Any:
         return {"value": values[0], "state": values[1:]} if self.with_slots else values[0]
