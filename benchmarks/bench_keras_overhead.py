@@ -48,6 +48,10 @@ METHODS: dict[str, Any] = {
     # it arrives (the eager step pipeline: a background exchange the host polls)
     "delay staleness=1 K=32 (compiled)": dict(delay=dict(staleness=1, average_every=32)),
     "delay staleness=2 K=32 (compiled)": dict(delay=dict(staleness=2, average_every=32)),
+    # the averaging round as the outer synchronization's exchange: int8 differences from
+    # the last synchronized point (1/4 of its bytes), merged a step later (overlap)
+    "delay staleness=1 K=32 int8 averaging (compiled)": dict(
+        delay=dict(staleness=1, average_every=32, compress="int8", overlap=1)),
     "delay staleness=1 K=32 (arrived, eager pipeline)": dict(
         delay=dict(staleness=1, average_every=32, fold="arrived")),
     # local steps (nothing exchanged between synchronizations): what an inner step costs,
