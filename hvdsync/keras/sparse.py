@@ -70,8 +70,14 @@ class SparseExchange(SparseTransport):
         self._traced: list[int] = []
         self._lookups: dict = {}
         self._counts_first = True
-        self._shared: Optional[tf.Variable] = None
-        self._rows: Optional[tf.Variable] = None
+        with tf.init_scope():  # made with the optimizer: a variable made while the train
+            # function is traced makes TensorFlow trace it a second time
+            n = 2 * len(self._vars)  # (per rank: the world may change, Horovod Elastic)
+            self._shared = tf.Variable(tf.zeros([comm.size, n], tf.int64),
+                                       shape=tf.TensorShape([None, n]), trainable=False,
+                                       name="hvdsync_sparse_codes")
+            self._rows = tf.Variable(tf.zeros([2, len(self._vars)], tf.int64),
+                                     trainable=False, name="hvdsync_sparse_rows")
 
     def owns(self, li: int, k: int) -> bool:
         return self.grads.is_row_sparse(li, k)
@@ -216,14 +222,6 @@ class SparseExchange(SparseTransport):
         # the lookups before anything merged them (a local clip sums duplicates first)
         self._lookups = {i: tf.cast(tf.shape(g.get(*self._at[i]).indices)[0], tf.int64)
                          for i in self._traced}
-        if layers and self._shared is None:
-            with tf.init_scope():  # what the host reads after a step
-                n = 2 * len(self._vars)  # (per rank: the world may change, Horovod Elastic)
-                self._shared = tf.Variable(tf.zeros([self.comm.size, n], tf.int64),
-                                           shape=tf.TensorShape([None, n]), trainable=False,
-                                           name="hvdsync_sparse_codes")
-                self._rows = tf.Variable(tf.zeros([2, len(self._vars)], tf.int64),
-                                         trainable=False, name="hvdsync_sparse_rows")
         return [layers] if layers else []
 
     def trace_exchange(self, layers, reduce, plain, flags, count=None) -> dict[int, list]:
