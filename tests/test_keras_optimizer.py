@@ -123,7 +123,24 @@ def callbacks_rank() -> dict:
     r = fit_body(dict(clip=dict(max_norm=0.05)), "sgd", 0.1, 4, 16,
                  callbacks=("broadcast", "stats"))
     out["clip_logs"] = r["logs"]
+    out["broadcast_variables"] = broadcast_mixed_variables(root_rank=1)
     return out
+
+
+def broadcast_mixed_variables(root_rank: int) -> list:
+    """``hvd.broadcast_variables`` of variables of three dtypes and several shapes (one
+    broadcast per dtype, flattened): every rank ends with ``root_rank``'s values, shapes
+    kept, the dtypes interleaved in the list."""
+    import keras
+    import hvdsync.keras as hvd
+    r = hvd.rank()
+    variables = [keras.Variable(np.full((2, 3), r, "float32")),
+                 keras.Variable(np.int64(10 + r)),
+                 keras.Variable(np.arange(4, dtype="float64") * (r + 1)),
+                 keras.Variable(np.full((3, 2), -r, "float32")),
+                 keras.Variable(np.zeros((0, 5), "float32") + r)]
+    hvd.broadcast_variables(variables, root_rank=root_rank)
+    return [np.array(v.numpy()) for v in variables]
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +155,15 @@ def test_broadcast_callback_starts_every_rank_from_rank0(callbacks_run):
             np.testing.assert_array_equal(first[0][k], other[k])
     unsynced = [r["no_broadcast"] for r in callbacks_run]
     assert any(not np.array_equal(unsynced[0][k], unsynced[1][k]) for k in unsynced[0])
+
+
+def test_broadcast_variables_of_mixed_dtypes_and_shapes(callbacks_run):
+    expected = [np.full((2, 3), 1, "float32"), np.int64(11), np.arange(4, dtype="float64") * 2,
+                np.full((3, 2), -1, "float32"), np.zeros((0, 5), "float32")]
+    for rank, r in enumerate(callbacks_run):
+        for got, want in zip(r["broadcast_variables"], expected):
+            assert got.dtype == want.dtype and got.shape == want.shape, (rank, got, want)
+            np.testing.assert_array_equal(got, want, err_msg=f"rank {rank}")
 
 
 def test_metric_average_callback(callbacks_run):
