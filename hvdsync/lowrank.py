@@ -68,7 +68,8 @@ class LowRankConfig:
     (``0``: every matrix, whatever the rank). ``seed``: of the first ``Q`` (the same on every
     rank). ``bucket_bytes``: consecutive layers (in backward order) share their P and Q
     rounds until their factors reach this many bytes -- fewer collectives, each a little
-    later; ``0``: every layer has its own rounds.
+    later; ``0``: every layer has its own rounds (as in Keras' compiled step beside a
+    decider, whose branches send one layer each).
     """
 
     rank: int = 4
@@ -418,23 +419,20 @@ class LowRankCompression(Transport):
     # values are staged and written once, after every exchange (:meth:`trace_commit`): an
     # assignment inside a branch with collectives made the step slower than the eager
     # pipeline (21.5 vs 17.1 ms, docs/keras.md). Beside a decider each layer's rounds sit in
-    # the branch that sends it, so a bucket must be one layer (``bucket_bytes=0``, the
-    # default): a bucket of layers the plan splits would need rounds whose members are known
-    # at run time only; what the rounds staged leaves that branch (:meth:`staged`,
+    # the branch that sends it, so the traced step gives every layer its own rounds whatever
+    # ``bucket_bytes`` says (a bucket of layers the plan splits would need rounds whose
+    # members are known at run time only; a bucket only shares collectives, so the numbers
+    # are the eager step's); what the rounds staged leaves that branch (:meth:`staged`,
     # :meth:`restage`). ``delay=`` carries the exchange across steps.
     traceable = True
-
-    @property
-    def traced_with(self) -> tuple[str, ...]:  # type: ignore[override]
-        beside = ("clip", "plain", "delay", "sparse")
-        return beside + (("threshold", "select") if self.config.bucket_bytes == 0 else ())
+    traced_with = ("clip", "plain", "delay", "sparse", "threshold", "select")
 
     def host_flags(self) -> dict[str, bool]:
         if self.delayed:  # delay's traced step asks (delay_flags)
             return {}
         return {"compressing": self.step >= self.config.warmup_steps}
 
-    def traced_groups(self) -> list[list[int]]:
+    def traced_groups(self, one_layer_each: bool = False) -> list[list[int]]:
         if self.delayed:  # delay builds the exchange (trace_in_delay)
             return []
         self._traced = []  # a new traced step (a trace that failed midway leaves nothing)
@@ -444,8 +442,9 @@ class LowRankCompression(Transport):
         present = {li for li, comp, _ in self._split(
             [(li, list(range(self.grads.size(li)))) for li in range(len(self.layer_names))])
             if comp}
-        return [group for group in ([li for li in sorted(members) if li in present]
-                                    for members in self._members) if group]
+        groups = [group for group in ([li for li in sorted(members) if li in present]
+                                      for members in self._members) if group]
+        return [[li] for group in groups for li in group] if one_layer_each else groups
 
     def memory_to_trace(self, params: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """``q`` and ``err`` per compressible matrix; inside ``delay=`` (:meth:`trace_in_delay`)

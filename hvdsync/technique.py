@@ -590,11 +590,13 @@ class Transport(Technique):
     # -- a traced step that exchanges through this transport's own rounds ------------------
     # (``lowrank=``: a tracing adapter builds these into the step; the plain exchange needs
     # none of them, the adapter builds its one collective per layer itself)
-    def traced_groups(self) -> list[list[int]]:
+    def traced_groups(self, one_layer_each: bool = False) -> list[list[int]]:
         """The layers whose exchange :meth:`trace_exchange` builds, by group (the layers of
         one group share their collectives), in sending order; called at trace time with the
-        step's (symbolic) gradients in :class:`Gradients`. Default: none (the plain
-        exchange)."""
+        step's (symbolic) gradients in :class:`Gradients`. ``one_layer_each``: the layers go
+        where a decider's plan says, each in its own branch, so every group must be one layer
+        (a transport whose groups only share collectives splits them). Default: none (the
+        plain exchange)."""
         return []
 
     def use_memory(self, memory: dict[str, Any]) -> None:

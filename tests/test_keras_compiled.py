@@ -80,9 +80,12 @@ LOWRANK_CASES = {
     "lowrank_threshold_nan": (dict(lowrank=dict(rank=2, warmup_steps=3, min_compression=0),
                                    threshold=dict(threshold=0.6, max_skip=3)), "momentum",
                               0.05, "mlp", 40, 7),
-    "lowrank_select_clip_global": (dict(lowrank=dict(rank=1, warmup_steps=2, min_compression=0),
-                                        select=dict(k=2, selector="round_robin"),
-                                        clip=dict(max_norm=0.2, mode="global")), "sgd", 0.1),
+    # buckets beside a decider: the pipeline's bucket takes the members the plan sends, the
+    # compiled step gives each layer its own rounds in its branch (the same numbers)
+    "lowrank_bucketed_select_clip_global": (
+        dict(lowrank=dict(rank=1, warmup_steps=2, min_compression=0, bucket_bytes=1 << 20),
+             select=dict(k=2, selector="round_robin"), clip=dict(max_norm=0.2, mode="global")),
+        "sgd", 0.1),
 }
 #: sparse= compiled: the row-sparse embedding's route a branch on a flag the host writes
 #: (or, codes first, on the codes gathered in the step), the dense layers per layer as plain

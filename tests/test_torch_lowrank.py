@@ -243,11 +243,13 @@ def test_threshold_and_select_still_decide(runs):
 
 
 # -- the traced exchange (what Keras' compiled function builds), here in torch ---------------
-def traced_exchange_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> dict:
+def traced_exchange_body(cfg: dict, steps: int, nan_rank: int, nan_step: int,
+                         one_layer_each: bool = False) -> dict:
     """The same float64 model and batches twice: the eager step, then the traced form a
     tracing adapter builds (``traced_groups``, ``trace_exchange`` with blocking collectives,
     ``trace_commit``, ``end_traced_step``; memory from ``memory_to_trace``). Parameters after
-    every step, the technique's status."""
+    every step, the technique's status. ``one_layer_each``: the traced form gives every layer
+    its own rounds (as beside a decider), the eager step its buckets."""
     import hvdsync.torch as hvd
     from hvdsync.torch.optimizer import _DistributedOptimizer
     hvd.init()
@@ -267,7 +269,10 @@ def traced_exchange_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) ->
             for p, grad in zip(params, step_grads):
                 p.grad = grad
             flags = {k: torch.tensor(v) for k, v in t.host_flags().items()}
-            for group in t.traced_groups():
+            groups = t.traced_groups(one_layer_each=one_layer_each)
+            if one_layer_each:
+                assert all(len(group) == 1 for group in groups), groups
+            for group in groups:
                 layers = [(li, list(range(g.size(li)))) for li in group]
                 delivered = t.trace_exchange(
                     layers, lambda name, xs: comm.allreduce(name, xs).wait(),
@@ -294,6 +299,10 @@ TRACED = {
     "rank2_nan": (dict(rank=2, warmup_steps=2, min_compression=0), 10, 1, 5),
     "bucketed": (dict(rank=1, warmup_steps=1, min_compression=0, bucket_bytes=1 << 20), 8,
                  -1, -1),
+    # beside a decider the traced step splits the buckets: a bucket only shares collectives,
+    # so every layer's own rounds give the same numbers
+    "bucketed_one_layer_each": (dict(rank=1, warmup_steps=1, min_compression=0,
+                                     bucket_bytes=1 << 20), 8, 1, 6, True),
 }
 
 
@@ -302,7 +311,8 @@ def test_the_traced_exchange_equals_the_eager_step(case):
     """In process (2 simulated ranks): the traced form of lowrank='s exchange, driven by hand
     on torch tensors, gives the eager step's parameters bit for bit, its residuals and step
     count -- warm-up, buckets, and a NaN on one rank (the step skipped everywhere, nothing
-    committed) included."""
+    committed) included; and with the buckets split into one layer each (as beside a
+    decider)."""
     runs = run_cases(traced_exchange_body, 2, {case: TRACED[case]}, timeout=120,
                      launcher="simulated")[case]
     for r in runs:
@@ -311,7 +321,7 @@ def test_the_traced_exchange_equals_the_eager_step(case):
         assert r["traced"]["err"].keys() == r["eager"]["err"].keys() != set()
         for k, e in r["eager"]["err"].items():
             np.testing.assert_array_equal(r["traced"]["err"][k], e)
-    if case == "rank2_nan":  # the NaN step counted nowhere
+    if TRACED[case][3] > 0:  # the NaN step counted nowhere
         assert runs[0]["eager"]["status"]["step"] == TRACED[case][1] - 1
 
 

@@ -154,7 +154,8 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     plan = None
     groups: list[tuple[Technique, list[int]]] = []
     pipeline.grads.begin_step(variables, grads)  # the step's gradients, as techniques see them
-    groups = [(t, group) for t in pipeline.transports for group in t.traced_groups()]
+    groups = [(t, group) for t in pipeline.transports
+              for group in t.traced_groups(one_layer_each=kept is not None and t.decidable)]
     if len({li for _, group in groups for li in group}) < sum(len(g) for _, g in groups):
         raise NotImplementedError(
             "hvdsync: a layer both of these transports exchange in the compiled step ("

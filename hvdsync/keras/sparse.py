@@ -210,8 +210,9 @@ class SparseExchange(SparseTransport):
         return {"dense": [predicted.get(i) == "dense" for i in range(len(self._vars))],
                 "counts_first": self._counts_first}
 
-    def traced_groups(self) -> list[list[int]]:
-        """The layers with a row-sparse gradient, as one group."""
+    def traced_groups(self, one_layer_each: bool = False) -> list[list[int]]:
+        """The layers with a row-sparse gradient, as one group (never decided: it goes
+        every step, so never split)."""
         g = self.grads
         layers = [li for li in range(len(g.layer_vars))
                   if any(g.is_row_sparse(li, k) for k in range(g.size(li)))]
