@@ -16,7 +16,9 @@ exchange at all); ``lowrank=4`` alone, inside ``delay=`` and beside ``threshold=
 the eager step pipeline), compressing. With ``--vocab V``: an embedding of ``V``
 rows (row-sparse gradients: Zipf-distributed token bags) before the MLP, and, by name,
 ``sparse=True`` compiled and through the eager step pipeline (Horovod's tape and the plain path
-send the embedding's rows by Horovod's own allgathers).
+send the embedding's rows by Horovod's own allgathers). And, by name, the floor of a
+decider's own work: Horovod's tape plus each layer's gradient norm every step (per layer,
+packed, or allreduced as a decider's control round; ``benchmarks.keras_peers.STATISTICS``).
 Rounds interleave the methods (the order rotates every round); each
 method trains ``--steps`` steps per round after a warm-up ``fit`` (tracing), timed from the
 end of its first step to the end of its last; the warm-up ``fit`` (2 steps, with
@@ -39,6 +41,12 @@ from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_rank
 
 METHODS: dict[str, Any] = {
     "horovod (tape)": None,
+    # the floor of a decider's own work on the tape (benchmarks.keras_peers.STATISTICS):
+    # every layer's gradient norm each step, per layer or packed, and shared in a control
+    # round -- what threshold= and select= compute at the least (docs/keras.md)
+    "horovod (tape) + layer statistics": ("tape", "layers"),
+    "horovod (tape) + packed layer statistics": ("tape", "packed"),
+    "horovod (tape) + shared layer statistics": ("tape", "layers, shared"),
     "hvdsync (plain path)": {},
     "clip (never clips)": dict(clip=dict(max_norm=1e9)),
     "threshold=0": dict(threshold=0.0),
@@ -126,8 +134,8 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
             [keras.Input((BAG,), dtype="int32"), keras.layers.Embedding(vocab, features),
              keras.layers.GlobalAveragePooling1D(), mlp(width, depth)])
         opt = keras.optimizers.Adam(1e-3)
-        if METHODS[name] is None:
-            model = horovod_tape_model(model)
+        if METHODS[name] is None or isinstance(METHODS[name], tuple):
+            model = horovod_tape_model(model, statistics=(METHODS[name] or (None, None))[1])
         elif METHODS[name] != "alone":
             # read when the optimizer is built (by the callback in the first fit)
             os.environ["HVDSYNC_KERAS_PIPELINE"] = "1" if "eager pipeline" in name else "0"
