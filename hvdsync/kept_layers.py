@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hvdsync.technique import LOCAL_STEP, Decider, Gradients, TensorOps
+from hvdsync.technique import LOCAL_STEP, Decider, Gradients, TensorOps, control_dtype
 
 
 class KeptLayers:
@@ -117,8 +117,9 @@ class KeptLayers:
     def control(self, layers: Sequence[tuple[int, list[int], list]], held_norms: list,
                 bads: list, applied: list, reduce: Callable[[str, Any], Any]
                 ) -> tuple[Any, Any, Any]:
-        """The step's control vector (the eager pipeline's layout, float64), averaged over
-        ranks by ``reduce(name, vector)`` (one collective). ``layers``: ``(li, ks, local
+        """The step's control vector (the eager pipeline's layout and precision:
+        :func:`control_dtype`), averaged over ranks by ``reduce(name, vector)`` (one
+        collective). ``layers``: ``(li, ks, local
         gradients)`` as given to :meth:`exchange`, with its ``held_norms`` and ``bads``;
         ``applied``: the gradients to apply. Returns (shared, this rank's values, whether the
         step was finite on every rank: the shared flags and statistics, and the gradients to
@@ -148,7 +149,7 @@ class KeptLayers:
             raise ValueError(f"hvdsync: no traced form of the control statistic {name!r}")
         values = [x for name in decider.control for x in statistic(name)]
         bad = ops.cast(ops.norm(bads) > 0, "float64")  # any kept gradient non-finite: 1
-        local = ops.vector(values + [bad])
+        local = ops.vector(values + [bad], control_dtype(ops, applied))
         shared = reduce(decider.control_name, local)
         ok = (shared[-1] == 0) & (ops.bad([shared[:-1], *applied]) == 0)
         return shared, local[:-1], ok

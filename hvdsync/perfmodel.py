@@ -398,8 +398,8 @@ def _predict(technique: str, s: dict, model: ModelSizes, cluster: Cluster,
     elif c.fusion_bytes and not s.get("hvdsync"):
         st.collectives = math.ceil(st.nbytes / c.fusion_bytes)  # Horovod's fusion buffer
     if "send_fraction" in s:
-        st.collectives += 1  # the control round
-        st.comm += allreduce_s(8 * len(model.layers), cluster, c)
+        st.collectives += 1  # the control round: a value per layer, in the gradients' precision
+        st.comm += allreduce_s(max(4, vb) * len(model.layers), cluster, c)
         notes.append(f"sends {s['send_fraction']:.0%} of the layers' bytes (measured share)")
     fixed = st.collectives * c.collective_s
     if s.get("staleness"):

@@ -438,7 +438,8 @@ class SelectedPushes(Decider):
             values += [d * d for d in host[:len(dots)]]
         self._local = values
         self._dots = [None] * n
-        self._control = self.comm.control_async(values + host[-1:], self.control_name)
+        self._control = self.comm.control_async(values + host[-1:], self.control_name,
+                                                self.control_dtype_of(self.ops, self.grads))
 
     def settle(self, data_ok: bool) -> bool:
         """Take the next step's layers from the shared statistics; a non-finite step puts

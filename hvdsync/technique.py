@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Optional, Protocol
 
@@ -170,6 +170,15 @@ def control_part(values: Sequence[float], control: Sequence[str], name: str,
     return list(values[i:i + num_layers])
 
 
+def control_dtype(ops: "TensorOps", tensors: Iterable[Any]) -> str:
+    """The precision a decider's control vector travels in: float64 beside float64
+    gradients, else float32 -- the data's, so that Horovod fuses the vector with the step's
+    data into one collective instead of running it as a round of its own after them (about a
+    tenth of a decider's step on loopback: docs/keras.md, "A decider's floor"). Its statistics
+    are float32 values either way; a float32 average of them rounds once more."""
+    return "float64" if any(ops.dtype_key(t) == "float64" for t in tensors) else "float32"
+
+
 def shared_ok(shared: Sequence[float]) -> bool:
     """Whether a decider's shared control vector says the step was finite everywhere: its
     last entry (the ranks' non-finite flags, averaged) is 0 and every statistic is finite."""
@@ -283,8 +292,9 @@ class TensorOps(Protocol):
         """``yes`` where the device boolean ``flag`` holds, else ``no`` (tensors, or nested
         dicts and lists of them alike: a snapshot): a Python choice where the step runs
         eagerly, a select in a trace (no branch)."""
-    def vector(self, scalars: Sequence[Any]) -> Any:
-        """Device scalars as one float64 vector (a traced step's control vector)."""
+    def vector(self, scalars: Sequence[Any], dtype: str = "float64") -> Any:
+        """Device scalars as one vector of ``dtype`` (a traced step's control vector:
+        :func:`control_dtype`)."""
     def fused(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` -- arithmetic of these ops over lists of tensors (``None`` for an absent
         one), with no host read, no branch on a tensor's value and no collective -- as the
@@ -306,8 +316,10 @@ class Communicator(Protocol):
 
     def allreduce(self, name: str, tensors: list) -> Pending: ...
     def flush(self, background: bool = False) -> None: ...
-    def control(self, values: list[float], name: str) -> list[float]: ...
-    def control_async(self, values: list[float], name: str) -> Pending: ...
+    def control(self, values: list[float], name: str, dtype: str = "float64"
+                ) -> list[float]: ...
+    def control_async(self, values: list[float], name: str, dtype: str = "float64"
+                      ) -> Pending: ...
     def average(self, groups: list[tuple[str, list]]) -> tuple[int, int]: ...
     def allgather_async(self, name: str, tensors: list) -> Pending:
         """Start gathering every rank's 1-d ``tensors`` (same length on every rank); the
@@ -454,6 +466,7 @@ class Decider(Technique):
     #: the statistics of its control vector, in order (names from :data:`CONTROL_STATISTICS`):
     #: one value per layer each, then the ranks' non-finite flag; averaged over ranks
     control: tuple[str, ...] = ()
+    _control_dtype: Optional[str] = None
     #: :data:`LOCAL_STEP` (a kept-back layer is updated with this rank's own gradient from a
     #: sync point it returns to before its next send) or :data:`WITHHELD` (it does not move)
     kept_layers: str = WITHHELD
@@ -461,6 +474,15 @@ class Decider(Technique):
     def host_flags(self) -> dict[str, Any]:
         """``plan``: whether each layer is sent this step (:meth:`decision`)."""
         return {"plan": [bool(self.decision(li)) for li in range(self.num_layers)]}
+
+    def control_dtype_of(self, ops: TensorOps, grads: Gradients) -> str:
+        """:func:`control_dtype` of its step's gradients (every layer's, at :meth:`share`;
+        taken once: a model's dtypes do not change)."""
+        if self._control_dtype is None:
+            self._control_dtype = control_dtype(
+                ops, (grads.get(li, k) for li in range(self.num_layers)
+                      for k in range(grads.size(li))))
+        return self._control_dtype
 
     @property
     def control_name(self) -> str:

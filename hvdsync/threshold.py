@@ -224,7 +224,8 @@ class AccumulationThreshold(Decider):
                                              else g.value(li, k)
                                              for k, key in enumerate(keys)]))
         host = ops.to_host(expected + param_norms + [local_bad])  # one device read
-        self._control = self.comm.control_async(host, self.control_name)
+        self._control = self.comm.control_async(host, self.control_name,
+                                                self.control_dtype_of(ops, g))
 
     def settle(self, data_ok: bool) -> bool:
         """If the step was finite on every rank: synced layers drop their accumulation and

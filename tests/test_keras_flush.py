@@ -33,7 +33,10 @@ def flush_case(names: tuple[str, ...]) -> dict:
     model = "emb" if "sparse" in names else "mlp"
     out = fit_body(_options(names), "momentum", 0.05, STEPS, 16, model=model, vocab=60,
                    record_weights=True, callbacks=("broadcast", "flush"))
-    return dict(final=out["final"], opt_vars=out["opt_vars"], last=out["weights"][-1])
+    return dict(final=out["final"], opt_vars=out["opt_vars"], last=out["weights"][-1],
+                # the bytes of the steps that sent no layer (a decider's control vector alone)
+                quiet=[s["bytes_sent"] for s, sent in zip(out["steps"], out["sent"])
+                       if not sent], layers=len(out["layers"]))
 
 
 def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
@@ -66,6 +69,15 @@ def test_flush_callback_leaves_identical_replicas(request, shared_job, np_, case
             continue
         for k, v in ranks[0]["opt_vars"].items():
             np.testing.assert_array_equal(v, other["opt_vars"][k], err_msg=f"{case} {k}")
+
+
+def test_a_float32_models_control_vector_is_float32(runs):
+    """A decider's control vector travels in the gradients' precision (here float32: one
+    value per layer, then the non-finite flag), so Horovod fuses it with the data
+    (docs/keras.md, "The control vector in the gradients' precision"); a step that sends no
+    layer sends that alone."""
+    for r in runs["threshold"]:
+        assert r["quiet"] and set(r["quiet"]) == {4 * (r["layers"] + 1)}, r["quiet"]
 
 
 @pytest.mark.parametrize("case", ["threshold", "delay", "outer"])

@@ -146,6 +146,10 @@ def test_threshold_decisions_shared_and_synced_layers_identical(runs, case):
     t = ranks[0]["stats"]["total"]
     assert t["bytes_sent"] < t["bytes_dense"]
     assert t["layers_skipped"] > 0
+    # a step that sends no layer sends the control vector alone: one value per layer and the
+    # non-finite flag, in the gradients' precision (float64 here; float32: test_keras_flush)
+    quiet = [s["bytes_sent"] for s, step in zip(ranks[0]["steps"], sent) if not step]
+    assert quiet and set(quiet) == {8 * (len(ranks[0]["layers"]) + 1)}, quiet
 
 
 def test_threshold_zero_is_plain_training(runs):

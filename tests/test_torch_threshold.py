@@ -40,8 +40,9 @@ def threshold_body(cfg: dict, opt_name: str, steps: int) -> dict:
         payload.append(opt.stats.last.bytes_sent)
     return dict(sent=sent_per_step, params=synced_params, payload=payload,
                 stats=opt.stats.as_dict(),
-                # one float64 per layer (two when relative), plus the shared "some rank is non-finite" flag
-                control_bytes=8 * (len(layer_names) * (2 if cfg.get("relative") else 1) + 1),
+                # one value per layer (two when relative), plus the shared "some rank is
+                # non-finite" flag, in the gradients' precision (float32 here)
+                control_bytes=4 * (len(layer_names) * (2 if cfg.get("relative") else 1) + 1),
                 final={n: p.detach().numpy().copy() for n, p in named.items()})
 
 

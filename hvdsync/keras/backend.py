@@ -247,8 +247,8 @@ class KerasOps:
         return tf.nest.map_structure(lambda a, b: tf.where(flag, a, b), yes, no)
 
     @staticmethod
-    def vector(scalars: Sequence) -> tf.Tensor:
-        return tf.stack([tf.cast(s, tf.float64) for s in scalars])
+    def vector(scalars: Sequence, dtype: str = "float64") -> tf.Tensor:
+        return tf.stack([tf.cast(s, dtype) for s in scalars])
 
     @staticmethod
     def fused(fn: Callable) -> Callable:

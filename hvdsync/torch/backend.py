@@ -194,8 +194,9 @@ class TorchOps:
         return yes if bool(flag) else no
 
     @staticmethod
-    def vector(scalars: Sequence[Any]) -> torch.Tensor:
-        return torch.stack([torch.as_tensor(s).to(torch.float64).reshape(()) for s in scalars])
+    def vector(scalars: Sequence[Any], dtype: str = "float64") -> torch.Tensor:
+        return torch.stack([torch.as_tensor(s).to(getattr(torch, dtype)).reshape(())
+                            for s in scalars])
 
     @staticmethod
     def fused(fn: Callable[..., Any]) -> Callable[..., Any]:

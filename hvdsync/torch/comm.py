@@ -111,18 +111,21 @@ class TorchCommunicator:
     def flush(self, background: bool = False) -> None:
         """Nothing is queued: every collective started when it was asked for."""
 
-    def control(self, values: list[float], name: str) -> list[float]:
+    def control(self, values: list[float], name: str, dtype: str = "float64"
+                ) -> list[float]:
         """The control plane: one small allreduce (average) of per-layer statistics, so that
         decisions changing which collectives run are taken from values every rank shares.
-        Counted in ``stats`` when a collective runs (not on a single rank)."""
-        return self.control_async(values, name).wait()
+        Counted in ``stats`` when a collective runs (not on a single rank). ``dtype``: the
+        vector's precision (:func:`hvdsync.technique.control_dtype`)."""
+        return self.control_async(values, name, dtype).wait()
 
-    def control_async(self, values: list[float], name: str) -> Pending:
+    def control_async(self, values: list[float], name: str, dtype: str = "float64"
+                      ) -> Pending:
         """:meth:`control` started now; the pending's ``wait()`` gives the averages (a
         decider starts it with the step's data and waits after the data)."""
-        if self.size == 1:
-            return Pending.resolved(list(values))
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=getattr(torch, dtype))
+        if self.size == 1:  # (in the vector's precision, as the ranks' average would be)
+            return Pending.resolved(t.tolist())
         self.stats.control(t.numel() * t.element_size())
         ops = self.ops
         handle = ops.allreduce_async(t, name=name, op=ops.Average, process_set=self.process_set)
