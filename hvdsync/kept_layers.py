@@ -119,11 +119,11 @@ class KeptLayers:
                 ) -> tuple[Any, Any, Any]:
         """The step's control vector (the eager pipeline's layout and precision:
         :func:`control_dtype`), averaged over ranks by ``reduce(name, vector)`` (one
-        collective). ``layers``: ``(li, ks, local
-        gradients)`` as given to :meth:`exchange`, with its ``held_norms`` and ``bads``;
-        ``applied``: the gradients to apply. Returns (shared, this rank's values, whether the
-        step was finite on every rank: the shared flags and statistics, and the gradients to
-        apply -- a kept gradient's NaN is in the flags too, so every rank concludes alike)."""
+        collective). ``layers``: ``(li, ks, local gradients)`` as given to :meth:`exchange`,
+        with its ``held_norms`` and ``bads``; ``applied``: the gradients to apply. Returns
+        (shared, this rank's values, whether the step was finite on every rank: the shared
+        flags and statistics, and the gradients to apply -- a kept gradient's NaN is in the
+        flags too, so every rank concludes alike)."""
         ops, grads, decider = self.ops, self.grads, self.decider
         n, zero = decider.num_layers, ops.zero()
         at = {li: i for i, (li, _, _) in enumerate(layers)}
