@@ -148,7 +148,7 @@ class KeptLayers:
                 return [ops.cast(d, "float64") * ops.cast(d, "float64") for d in dots]
             raise ValueError(f"hvdsync: no traced form of the control statistic {name!r}")
         values = [x for name in decider.control for x in statistic(name)]
-        bad = ops.cast(ops.norm(bads) > 0, "float64")  # any kept gradient non-finite: 1
+        bad = ops.norm(bads) > 0  # any kept gradient non-finite: 1 (in the vector's dtype)
         local = ops.vector(values + [bad], control_dtype(ops, applied))
         shared = reduce(decider.control_name, local)
         ok = (shared[-1] == 0) & (ops.bad([shared[:-1], *applied]) == 0)
