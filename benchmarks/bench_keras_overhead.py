@@ -8,7 +8,8 @@ Each rank pins itself to one core (2 ranks on 2 cores, one TensorFlow thread eac
 every method on its own copy of the same model (bench_keras' MLP, Adam) through ``model.fit``:
 Horovod's tape; hvdsync with nothing enabled (the plain graph path); ``clip`` with a limit
 never reached; ``threshold=0`` and ``select`` with every layer (the deciders, compiled: every
-layer sent every step); ``delay`` with staleness 0 (sends everything through the eager step
+layer sent every step; by name, ``select`` with the norm selector: no hypernet, so no dot
+product of each layer's gradient and weights); ``delay`` with staleness 0 (sends everything through the eager step
 pipeline, for scale); and, by name only (``--methods``), ``delay="diloco"`` and
 ``delay="streaming"``: local steps, what an inner step costs in Keras -- compiled, through the
 eager step pipeline (``HVDSYNC_KERAS_PIPELINE=1``), and the wrapped optimizer alone (no
@@ -51,6 +52,8 @@ METHODS: dict[str, Any] = {
     "clip (never clips)": dict(clip=dict(max_norm=1e9)),
     "threshold=0": dict(threshold=0.0),
     "select (every layer)": dict(select=dict(k=1.0)),
+    # the same without the hypernet: no dot product of each layer's gradient and weights
+    "select, norm selector (every layer)": dict(select=dict(k=1.0, selector="norm")),
     "delay staleness=0 (compiled)": dict(delay=dict(staleness=0)),
     # the stale global gradient: compiled (folded when due, Keras' default), and folded as
     # it arrives (the eager step pipeline: a background exchange the host polls)
