@@ -11,11 +11,12 @@ never reached; ``threshold=0`` and ``select`` with every layer (the deciders, co
 layer sent every step; by name, ``select`` with the norm selector: no hypernet, so no dot
 product of each layer's gradient and weights); ``delay`` with staleness 0 (sends everything
 through the eager step pipeline, for scale); and, by name only (``--methods``),
-``delay="diloco"`` and ``delay="streaming"``: local steps, what an inner step costs in Keras -- compiled, through the
-eager step pipeline (``HVDSYNC_KERAS_PIPELINE=1``), and the wrapped optimizer alone (no
-exchange at all); ``lowrank=4`` alone, inside ``delay=`` and beside ``threshold=0`` (each compiled, and through
-the eager step pipeline), compressing. With ``--vocab V``: an embedding of ``V``
-rows (row-sparse gradients: Zipf-distributed token bags) before the MLP, and, by name,
+``delay="diloco"`` and ``delay="streaming"``: local steps, what an inner step costs in Keras
+-- compiled, through the eager step pipeline (``HVDSYNC_KERAS_PIPELINE=1``), and the wrapped
+optimizer alone (no exchange at all); ``lowrank=4`` alone, inside ``delay=`` and beside
+``threshold=0`` (each compiled, and through the eager step pipeline), compressing. With
+``--vocab V``: an embedding of ``V`` rows (row-sparse gradients: Zipf-distributed token bags)
+before the MLP, and, by name,
 ``sparse=True`` compiled and through the eager step pipeline (Horovod's tape and the plain path
 send the embedding's rows by Horovod's own allgathers). And, by name, the floor of a
 decider's own work: Horovod's tape plus each layer's gradient norm every step (per layer,

@@ -9,7 +9,7 @@ One process, one core, one TensorFlow thread per pool. Three parts:
 * a ``tf.function`` that writes ``n`` variables in a branch it never takes: each variable is
   captured, so every call passes its handle in (the call's time against ``n``);
 * ``n`` branches never taken, ~22 nodes each (what skipping a lowered branch costs);
-* bench_keras' MLP (width 256, Adam) compiled three ways -- hvdsync's plain path,
+* bench_keras' MLP (``--width``, 256 by default; Adam) compiled three ways -- hvdsync's plain path,
   ``threshold=0`` and ``select`` with every layer -- and each train function's captured
   inputs and nodes (its graph and the functions it calls).
 
