@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
@@ -178,23 +178,27 @@ class ClipPolicy:
         self._sums = {(int(layer), float(beta)): (m, s) for layer, beta, m, s in state["sums"]}
 
 
-#: ``clip_layer(grads, params, config, limit) -> (clipped grads, pre-clip norm, clipped?)``:
-#: the adapter's arithmetic for one layer (device values; ``limit`` is ``max_norm`` and the
-#: adaptive limits as a float, ``inf`` when none applies; the ``ratio`` rule is applied inside).
-ClipLayer = Callable[[list, list, ClipConfig, float], tuple[list, Any, Any]]
+#: ``clip_layers(layers, params, config, limits) -> (clipped layers, record)``: the adapter's
+#: arithmetic for a group of layers (``layers``: each layer's gradients, device values;
+#: ``limits``: each layer's ``max_norm`` and adaptive limit as a float, ``inf`` where none
+#: applies -- one float when all are alike; the ``ratio`` rule is applied inside, from
+#: ``params``). ``record``: a float32 device matrix, row 0 each layer's pre-clip norm, row 1
+#: a factor below 1 exactly where the layer was clipped (``None``: the group holds no values).
+ClipLayers = Callable[[list, list, ClipConfig, Union[float, list]], tuple[list, Any]]
 
 
 class LayerClip(Transform):
     """Clips each layer's gradient by the configured rules -- before its send (``"local"``) or
     once its average has arrived (``"global"``) -- and counts what it did (``clipped``: layers
-    whose gradient changed; ``nonfinite``: layers with NaN/Inf). The norms go to the host once
-    per step, in :meth:`end_step`."""
+    whose gradient changed; ``nonfinite``: layers with NaN/Inf). A ready group of layers is
+    clipped at once (the adapter's ``clip_layers``); the norms go to the host once per step,
+    in :meth:`end_step`."""
 
     name = "clip"
     traceable = True
 
     def __init__(self, config: ClipConfig, grads: Gradients, ops: TensorOps,
-                 clip_layer: ClipLayer, layer_names: list[str], stats: SyncStats):
+                 clip_layers: ClipLayers, layer_names: list[str], stats: SyncStats):
         self.config = config
         self.reads_values = config.ratio is not None
         # local mode: each rank's limits come from its own gradients' history
@@ -202,36 +206,46 @@ class LayerClip(Transform):
         self.policy = ClipPolicy(config, len(layer_names))
         self.grads = grads
         self.ops = ops
-        self.clip_layer = clip_layer
+        self.clip_layers = clip_layers
         self.layer_names = layer_names
         self.stats = stats
-        self._step: list[tuple[int, Any, Any]] = []  # (layer, pre-clip norm, clipped?)
+        self._step: list[tuple[list[int], Any]] = []  # (layers, their record)
 
-    def layer_ready(self, li: int, ks: list[int]) -> None:
+    def group_ready(self, layers: list[tuple[int, list[int]]]) -> None:
         if self.config.mode == "local":
-            self._clip(li)
+            self._clip([li for li, _ in layers])
 
-    def after_wait(self, li: int) -> None:
+    def after_wait(self, layers: list[int]) -> None:
         if self.config.mode == "global":
-            self._clip(li)
+            self._clip(layers)
 
-    def _clip(self, li: int) -> None:
-        ks = range(self.grads.size(li))
-        grads = [self.grads.get(li, k) for k in ks]
-        params = [self.grads.value(li, k) for k in ks] if self.config.ratio is not None else []
-        new, norm, clipped = self.clip_layer(grads, params, self.config, self.norm_limit(li))
-        if norm is None:  # an empty layer
+    def _clip(self, layers: list[int]) -> None:
+        g = self.grads
+        # an empty layer (no values: a sparse gradient without rows) is neither clipped nor
+        # observed
+        layers = [li for li in layers if g.payload_bytes(li)]
+        if not layers:
             return
-        for k, g in zip(ks, new):
-            self.grads.set(li, k, g)
-        self._step.append((li, norm, clipped))
-
+        grads = [[g.get(li, k) for k in range(g.size(li))] for li in layers]
+        params = ([[g.value(li, k) for k in range(g.size(li))] for li in layers]
+                  if self.config.ratio is not None else [])
+        limits = [self.norm_limit(li) for li in layers]
+        new, record = self.clip_layers(
+            grads, params, self.config, limits[0] if len(set(limits)) == 1 else limits)
+        if record is None:
+            return
+        for li, layer, before in zip(layers, new, grads):
+            for k, (x, y) in enumerate(zip(layer, before)):
+                if x is not y:  # (a sparse gradient coalesced)
+                    g.set(li, k, x)
+        self._step.append((layers, record))
     def end_step(self, ok: bool) -> None:
         if not self._step:
             return
-        host = self.ops.to_host([x for _, n, c in self._step for x in (n, c)])
-        records = [(li, host[2 * i], bool(host[2 * i + 1]))
-                   for i, (li, _, _) in enumerate(self._step)]
+        host = self.ops.read([record for _, record in self._step])  # one read
+        records = [(li, norm, factor < 1.0)
+                   for (layers, _), values in zip(self._step, host)
+                   for li, norm, factor in zip(layers, values, values[len(layers):])]
         self._step.clear()
         self.record_step(records, ok)
 

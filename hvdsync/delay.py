@@ -327,8 +327,10 @@ class DelayedGradients(Transport):
         self._in_flight: dict[int, dict[int, _InFlight]] = {}  # step id -> layer -> part
         self._average_after_step = False
         self._outer_due = False  # the outer synchronization's turn after this step's update
-        self._bad: list = []  # this step's device flags: a layer's local gradient non-finite
+        self._bad = 0  # this step's layers whose local gradient was non-finite (zeroed)
         self._local: list[tuple[int, list[int]]] = []  # local steps: this step's layers
+        #: exchanging: this ready group's layers, sent together at group_started
+        self._queued: list[tuple[int, list[int], Pending]] = []
         #: whether the last step replaced a non-finite local gradient by zeros
         self.local_nonfinite = False
         #: the outer synchronization (DiLoCo class), or None: plain K-step averaging
@@ -355,9 +357,10 @@ class DelayedGradients(Transport):
         return sorted(self._in_flight)
 
     def start(self, li: int, ks: list[int]) -> Optional[Pending]:
-        """Start the background allreduce of the layer's local gradient for this step; the
-        returned pending only carries the byte and collective counts (nothing to wait for).
-        Without ``exchange_gradients`` nothing is sent (``None``)."""
+        """Queue the layer's local gradient for this step's background allreduce (it starts
+        with its ready group's, :meth:`group_started`); the returned pending only carries the
+        byte and collective counts (nothing to wait for). Without ``exchange_gradients``
+        nothing is sent (``None``)."""
         for k in ks:
             if self.grads.is_row_sparse(li, k):
                 raise ValueError("delay= supports dense gradients only; a row-sparse gradient "
@@ -365,32 +368,48 @@ class DelayedGradients(Transport):
         if not self.config.exchange_gradients:  # local steps: nothing goes until the sync
             self._local.append((li, ks))  # checked once for the whole step in flush()
             return None
+        counts = Pending()
+        self._queued.append((li, list(ks), counts))
+        return counts
+
+    def group_started(self) -> None:
+        """Start the ready group's allreduces, one per layer: the group's local gradients
+        checked for NaN/Inf at once (one read), copied at once (one multi-tensor op)."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        g, ops = self.grads, self.ops
         step = self.policy.current
-        local = [self.grads.get(li, k) for k in ks]
+        local = [[g.get(li, k) for k in ks] for li, ks, _ in queued]
         # Non-finite on this rank: its steps are not exchanged synchronously, so the step
         # cannot be skipped everywhere; this rank contributes (and applies) zeros instead.
-        local, bad = self._zeroed(local)
-        self._bad.append(bad)
-        for k, g in zip(ks, local):
-            self.grads.set(li, k, g)
+        if not ops.all_finite([x for xs in local for x in xs]):  # (rare: then per layer)
+            for (li, ks, _), xs in zip(queued, local):
+                if not ops.all_finite(xs):
+                    xs[:] = ops.zero_if(ops.bad(xs), xs)
+                    self._bad += 1
+                    for k, x in zip(ks, xs):
+                        g.set(li, k, x)
+        copies = iter(ops.clone_all([x for xs in local for x in xs]))
         # In-flight ids span at most staleness + 1 consecutive steps, so this slot keeps
         # collective names unique while letting Horovod's response cache reuse them.
         slot = step % (self.config.staleness + 1)
-        name = f"hvdsync.{self.layer_names[li]}.delay{slot}"
-        copies = [self.ops.clone(g) for g in local]
-        pending = (self.compressor.exchange(li, list(ks), copies, step,
-                                            self.config.staleness + 1, name)
-                   if self.compressor is not None else self.comm.allreduce(name, copies))
-        self._in_flight.setdefault(step, {})[li] = _InFlight(list(ks), local, pending)
-        return Pending(nbytes=pending.nbytes, collectives=pending.collectives)
+        for (li, ks, counts), xs in zip(queued, local):
+            name = f"hvdsync.{self.layer_names[li]}.delay{slot}"
+            sent = [next(copies) for _ in ks]
+            pending = (self.compressor.exchange(li, list(ks), sent, step,
+                                                self.config.staleness + 1, name)
+                       if self.compressor is not None else self.comm.allreduce(name, sent))
+            self._in_flight.setdefault(step, {})[li] = _InFlight(ks, xs, pending)
+            counts.nbytes, counts.collectives = pending.nbytes, pending.collectives
 
     def flush(self) -> dict[int, Pending]:
         if self._local:  # local steps: one finiteness check for the step, before the verdict
             layers, self._local = self._local, []
             local = [self.grads.get(li, k) for li, ks in layers for k in ks]
             if not self.ops.all_finite(local):  # one read; zeroing only when needed
-                zeroed, bad = self._zeroed(local)
-                self._bad.append(bad)
+                zeroed, _ = self._zeroed(local)
+                self._bad += 1  # (one check for the step)
                 it = iter(zeroed)
                 for li, ks in layers:
                     for k in ks:
@@ -548,7 +567,7 @@ class DelayedGradients(Transport):
         return self.outer is not None and not self.outer.has_anchors
 
     def end_local_step(self, bad: int) -> None:
-        self._bad = []
+        self._bad = 0
         self._count_nonfinite(int(bad))
         if self.compressor is not None:  # (it closes its step as in the eager one)
             self.compressor.end_step(True)
@@ -590,13 +609,22 @@ class DelayedGradients(Transport):
         current = parts[0] if own else self._in_flight[t]
         corrections = list(zip(parts[1:], reduced[1:])) if own else list(zip(parts, reduced))
         ops = self.ops
-        for li, layer in current.items():
-            for i, k in enumerate(layer.ks):
-                update = reduced[0][li][i] if own else ops.clone(layer.local[i])
-                for part, red in corrections:
-                    update = ops.accumulate(ops.accumulate(update, red[li][i]),
-                                            part[li].local[i], sign=-1)
-                self.grads.set(li, k, update)
+        # every layer's update at once (a few multi-tensor ops per correction)
+        order = [(li, i, k) for li, layer in current.items() for i, k in enumerate(layer.ks)]
+        updates = ([reduced[0][li][i] for li, i, _ in order] if own
+                   else ops.clone_all([current[li].local[i] for li, i, _ in order]))
+        for part, red in corrections:  # (update + G_j) - g_j, for the layers step j sent
+            at = [n for n, (li, _, _) in enumerate(order) if li in part]
+            if not at:
+                continue
+            targets = ops.accumulate_all([updates[n] for n in at],
+                                         [red[order[n][0]][order[n][1]] for n in at])
+            targets = ops.accumulate_all(targets, [part[order[n][0]].local[order[n][1]]
+                                                   for n in at], sign=-1)
+            for n, x in zip(at, targets):
+                updates[n] = x
+        for (li, _, k), update in zip(order, updates):
+            self.grads.set(li, k, update)
         self._average_after(fold, waited, wait_for)
 
     def _average_after(self, fold: list[int], waited: Optional[float],
@@ -610,8 +638,8 @@ class DelayedGradients(Transport):
         self.policy.finish_step(fold, waited, wait_for, len(self._in_flight))
 
     def end_step(self, ok: bool) -> None:
-        flags, self._bad = self._bad, []
-        self._count_nonfinite(int(sum(self.ops.to_host(flags))) if flags else 0)
+        bad, self._bad = self._bad, 0
+        self._count_nonfinite(bad)
 
     def _count_nonfinite(self, bad_layers: int) -> None:
         """``bad_layers`` non-finite local gradients (a step's whole check counts once with
@@ -654,6 +682,7 @@ class DelayedGradients(Transport):
         ``lowrank=`` it runs now, as the eager step ran it (its Q is used later). Not on a
         restore or when the world changes: no new collective then."""
         self._local = []
+        self._queued = []
         n = len(self._in_flight)
         newest_held = finish_newest and self.policy.step in self._in_flight
         layers = [layer for part in self._in_flight.values() for layer in part.values()]

@@ -308,10 +308,14 @@ class LowRankCompression(Transport):
         return self._bucket_of
 
     def layer_ready(self, li: int, ks: list[int]) -> None:
-        # the layers before this one are dispatched: a bucket whose last member went
-        # nowhere (kept back by a decider) is complete now
-        self._send_complete()
         self._ready.add(li)
+
+    def group_started(self) -> None:
+        """The group's layers are started or kept back: a bucket whose members are all ready
+        is complete (a member a decider kept back went nowhere), its P round goes; and the Q
+        rounds whose P has arrived."""
+        self._send_complete()
+        self._advance()
 
     def _send_complete(self) -> None:
         for b in [b for b in self._filling if all(li in self._ready for li in self._members[b])]:
@@ -346,9 +350,7 @@ class LowRankCompression(Transport):
             ps.append(ops.matmul(m, q))
         self._filling.setdefault(self._buckets()[li], []).append(
             (li, compressed, ms, ps + [g.get(li, k) for k in plain], plain))
-        self._send_complete()  # (layer_ready, called first, marked this layer ready)
-        self._advance()
-        return None
+        return None  # its bucket's P round goes at group_started
 
     def _advance(self) -> None:
         """Start the Q round of every waiting bucket whose P has arrived, in sending order

@@ -86,11 +86,14 @@ def outgoing(ops: TensorOps, codec: str, feedback: bool, anchors: list, params: 
     """``(deltas, sent, lost)``: the pseudo-gradients ``anchor - theta`` (plus this rank's
     residual where it has one; ``None``: none), what goes on the wire (``codec``: as they are,
     in half precision, or :meth:`TensorOps.encode`'s parts) and, with error ``feedback``, what
-    the encoding lost (the next residuals; else ``[]``)."""
-    deltas = []
-    for a, p, r in zip(anchors, params, residuals):
-        delta = ops.accumulate(ops.clone(a), p, sign=-1)
-        deltas.append(delta if r is None else ops.accumulate(delta, r))
+    the encoding lost (the next residuals; else ``[]``). A few multi-tensor ops for the whole
+    fragment."""
+    deltas = ops.sub_all(anchors, params)
+    have = [i for i, r in enumerate(residuals) if r is not None]
+    if have:
+        for i, x in zip(have, ops.accumulate_all([deltas[i] for i in have],
+                                                 [residuals[i] for i in have])):
+            deltas[i] = x
     if codec == "none":
         return deltas, deltas, []
     fp16 = codec == "fp16"
@@ -100,18 +103,14 @@ def outgoing(ops: TensorOps, codec: str, feedback: bool, anchors: list, params: 
         return deltas, sent, []
     back = ([ops.cast(x, like=d) for x, d in zip(sent, deltas)] if fp16
             else ops.decode(sent, deltas, codec, INT8_CHUNK))
-    return deltas, sent, [ops.accumulate(ops.clone(d), b, sign=-1) for d, b in zip(deltas, back)]
+    return deltas, sent, ops.sub_all(deltas, back)
 
 
 def average_gathered(ops: TensorOps, size: int, codec: str, gathered: list,
                      like: list) -> list:
     """Every rank's decoded contribution, averaged in rank order (the same bits on every
     rank)."""
-    total: Optional[list] = None
-    for r in range(size):
-        mine = ops.decode([ops.part(t, r, size) for t in gathered], like, codec, INT8_CHUNK)
-        total = mine if total is None else [ops.accumulate(a, b) for a, b in zip(total, mine)]
-    return [ops.add_scaled(ops.zeros_like(t), t, 1.0 / size) for t in total]
+    return ops.decode_sum(gathered, size, codec, INT8_CHUNK, like)
 
 
 def outer_step(ops: TensorOps, config: Any, averaged: list, momenta: list, anchors: list,
@@ -119,24 +118,28 @@ def outer_step(ops: TensorOps, config: Any, averaged: list, momenta: list, ancho
     """The outer optimizer and the merge on one fragment: ``(bad, momenta, anchors,
     parameters)`` after it -- ``bad`` a device flag (:meth:`TensorOps.bad`) of ``averaged``:
     where set, the caller keeps none of it. Momenta ``None`` without outer momentum (a
-    ``None`` momentum starts at the average). Leaves its arguments as they were."""
+    ``None`` momentum starts at the average). Leaves its arguments as they were; a few
+    multi-tensor ops for the whole fragment."""
     c = config
-    new_m, new_anchor, new_param = [], [], []
-    for d, m, anchor, p in zip(averaged, momenta, anchors, params):
-        update = d
-        if c.outer_momentum:
-            m = ops.clone(d) if m is None else ops.add_scaled(ops.clone(d), m, c.outer_momentum)
-            update = ops.add_scaled(ops.clone(d), m, c.outer_momentum) if c.nesterov else m
-        anchor = ops.add_scaled(ops.clone(anchor), update, -c.outer_lr)
-        if c.mix:  # theta = anchor + mix * (theta - anchor)
-            local = ops.accumulate(ops.clone(p), anchor, sign=-1)
-            p = ops.add_scaled(ops.clone(anchor), local, c.mix)
-        else:
-            p = anchor
-        new_m.append(m)
-        new_anchor.append(anchor)
-        new_param.append(p)
-    return ops.bad(averaged), new_m, new_anchor, new_param
+    averaged = list(averaged)
+    new_m, updates = list(momenta), averaged
+    if c.outer_momentum:
+        have = [i for i, m in enumerate(momenta) if m is not None]
+        # m = d + mu * m (a momentum not there yet starts at d)
+        new_m = ops.clone_all(averaged) if len(have) < len(momenta) else [None] * len(momenta)
+        if have:
+            for i, m in zip(have, ops.add_scaled_all([averaged[i] for i in have],
+                                                     [momenta[i] for i in have],
+                                                     c.outer_momentum)):
+                new_m[i] = m
+        updates = ops.add_scaled_all(averaged, new_m, c.outer_momentum) if c.nesterov \
+            else new_m
+    new_anchors = ops.add_scaled_all(anchors, updates, -c.outer_lr)
+    if c.mix:  # theta = anchor + mix * (theta - anchor)
+        values = ops.add_scaled_all(new_anchors, ops.sub_all(params, new_anchors), c.mix)
+    else:
+        values = new_anchors
+    return ops.bad(averaged), new_m, new_anchors, values
 
 
 def _finish_at_exit(ref: "weakref.ref[OuterSync]") -> None:
@@ -230,9 +233,9 @@ class OuterSync:
         """Take the anchors (the parameters every rank starts from) before the first update."""
         if self.has_anchors:
             return
-        for f in range(len(self.fragments)):
-            for key, p in self._params(f):
-                self.anchor[key] = self.ops.clone(p)
+        params = [kp for f in range(len(self.fragments)) for kp in self._params(f)]
+        self.anchor.update(zip([key for key, _ in params],
+                               self.ops.clone_all([p for _, p in params])))
 
     def after_update(self, step: int) -> None:
         """After the inner update of step ``step``: merge the exchanges due now, then start
@@ -288,16 +291,15 @@ class OuterSync:
             [self.anchor[k] for k in keys], [p for _, p in params])
         if ops.to_host([bad])[0]:
             self.stats.count("outer_nonfinite")
-            for key, p in params:
+            for key in keys:
                 self.residual.pop(key, None)
-                ops.assign(p, self.anchor[key])
+            ops.assign_all([p for _, p in params], [self.anchor[k] for k in keys])
             self.last_merged.append(ex.fragment)
             return
-        for (key, p), m, anchor, value in zip(params, momenta, anchors, values):
-            if c.outer_momentum:
-                self.momentum[key] = m
-            self.anchor[key] = anchor
-            ops.assign(p, value)
+        if c.outer_momentum:
+            self.momentum.update(zip(keys, momenta))
+        self.anchor.update(zip(keys, anchors))
+        ops.assign_all([p for _, p in params], values)
         self.stats.count("outer_merged")
         self.last_merged.append(ex.fragment)
 
@@ -318,10 +320,11 @@ class OuterSync:
             self.stats.control(sum(self.ops.nbytes(p) for _, ps in groups for p in ps),
                                len(groups))
             self.comm.average(groups)
-        for params in keys:
-            for key, p in params:
-                self.anchor[key] = self.ops.clone(p)
-                self.residual.pop(key, None)
+        everything = [kp for params in keys for kp in params]
+        self.anchor.update(zip([key for key, _ in everything],
+                               self.ops.clone_all([p for _, p in everything])))
+        for key, _ in everything:
+            self.residual.pop(key, None)
         return n
 
     def discard(self) -> int:

@@ -15,6 +15,12 @@ pairs them by name) the *order* must be the same on every rank too, and backward
 layers ready in a different order on each rank (a layer used on one rank only, a branch):
 there the pipeline takes the layers in one fixed order, last layer first (the order backward
 usually produces them), holding a layer that is ready early until the ones before it are.
+
+Ready groups: layers are taken a *group* at a time -- consecutive ready layers until their
+gradients reach ``group_bytes`` (the rest at the end of backward) -- so that the techniques'
+tensor work is a few multi-tensor ops per group instead of a few ops per tensor (on a GPU
+every op is a kernel launch; docs/design.md, "Ready groups"). ``group_bytes=0``: every layer
+is its own group. A group's layers are sent in the order they were taken.
 """
 
 from __future__ import annotations
@@ -30,12 +36,21 @@ from hvdsync.technique import (DECIDER, TRANSFORM, TRANSPORT, Communicator, Deci
                                Pending, TensorOps, Technique, Transport, finish_dropped)
 
 
+#: the default size of a ready group (torch DDP's bucket size: large enough that a model of
+#: a few tens of MB is clipped in one or two groups, small enough that big models still send
+#: while backward runs)
+DEFAULT_GROUP_BYTES = 25 * 2**20
+
+
 class StepPipeline:
     """Runs the techniques' moments for every step of one wrapped optimizer."""
 
     def __init__(self, layer_names: list[str], techniques: list[Technique], grads: Gradients,
-                 ops: TensorOps, stats: SyncStats, comm: Optional[Communicator] = None):
+                 ops: TensorOps, stats: SyncStats, comm: Optional[Communicator] = None,
+                 group_bytes: int = DEFAULT_GROUP_BYTES):
         self.layer_names = layer_names
+        #: a ready group closes once its layers' gradients reach this many bytes
+        self.group_bytes = group_bytes
         self.ops = ops
         self.comm = comm
         #: whether the last step's gradients were finite on every rank (else it was skipped
@@ -95,11 +110,15 @@ class StepPipeline:
         self._any_started = False
         self._arrived = [False] * n  # ready from backward, maybe not taken yet (_order)
         self._taken = 0  # how many of _order are taken
+        self._group: list[int] = []  # taken, waiting for the rest of their ready group
+        self._group_size = 0  # their bytes
+        self._bytes = [0] * n  # each layer's gradient bytes this step (as plain Horovod's)
 
     @property
     def busy(self) -> bool:
-        """Whether collectives of the current step are in flight (backward started sends)."""
-        return bool(self._pending)
+        """Whether the current step has begun (backward made layers ready, or started
+        sends)."""
+        return bool(self._pending or self._group)
 
     # -- in backward ---------------------------------------------------------------------------
     def layer_ready(self, li: int) -> None:
@@ -109,35 +128,62 @@ class StepPipeline:
         if self._after_load is not None:  # before any layer of the step uses the memory
             self.check_load()
         if self._order is None:
-            self._take(li)
+            self._join(li)
             return
         self._arrived[li] = True
         order = self._order
         while self._taken < len(order) and self._arrived[order[self._taken]]:
             self._taken += 1
-            self._take(order[self._taken - 1])
+            self._join(order[self._taken - 1])
 
-    def _take(self, li: int) -> None:
-        self.grads.prepare(li)
-        self.stats.dense(self.grads.payload_bytes(li))  # what plain Horovod would send
-        parts = self._parts[li] = self._split(li)
-        governed = self._governed[li] = [k for t, ks in parts if t.decidable for k in ks]
-        owned = dict(parts)
-        everything = self._positions(li)
-        # Transports first (sparse sums duplicate rows before anything measures them), then
-        # transforms (clip), then the decider (its statistics see the clipped gradient).
+    def _join(self, li: int) -> None:
+        """Layer ``li`` joins the ready group; the group goes once it is big enough."""
+        self._group.append(li)
+        self._bytes[li] = size = self.grads.payload_bytes(li)
+        self._group_size += size
+        if self._group_size >= self.group_bytes:
+            self._take_group()
+
+    def _take_group(self) -> None:
+        if self._group:
+            group, self._group, self._group_size = self._group, [], 0
+            self.stats.count("ready_groups")
+            self._take(group)
+
+    def _take(self, group: list[int]) -> None:
+        """A ready group: each layer's transports, then the group's transforms (clip) and the
+        decider's statistics at once, then each layer sent (or kept back) in turn."""
+        grads = self.grads
+        for li in group:
+            grads.prepare(li)
+            self.stats.dense(self._bytes[li])  # what plain Horovod would send
+            parts = self._parts[li] = self._split(li)
+            self._governed[li] = [k for t, ks in parts if t.decidable for k in ks]
+            # transports first: sparse sums duplicate rows before anything measures them
+            if len(self.transports) == 1:
+                self.transports[0].layer_ready(li, parts[0][1])
+            else:
+                owned = dict(parts)
+                for t in self.transports:
+                    t.layer_ready(li, owned.get(t, []))
+        # then the transforms (clip), then the decider (its statistics see the clipped
+        # gradients): each once for the group
+        if self.transforms:
+            everything = [(li, self._positions(li)) for li in group]
+            for t in self.transforms:
+                t.group_ready(everything)
+        decider = self.decider
+        if decider is not None:
+            decider.group_ready([(li, self._governed[li]) for li in group])
+        for li in group:
+            self._ready[li] = True
+            for t, ks in self._parts[li]:  # not decidable: goes every step (sparse rows)
+                if not t.decidable and ks:
+                    self._start(li, t, ks)
+            if self._governed[li]:
+                self._dispatch(li, decider.decision(li) if decider is not None else True)
         for t in self.transports:
-            t.layer_ready(li, owned.get(t, []))
-        for t in self.transforms:
-            t.layer_ready(li, everything)
-        if self.decider is not None:
-            self.decider.layer_ready(li, governed)
-        self._ready[li] = True
-        for t, ks in parts:  # not decidable: goes every step (sparse rows)
-            if not t.decidable and ks:
-                self._start(li, t, ks)
-        if governed:
-            self._dispatch(li, self.decider.decision(li) if self.decider is not None else True)
+            t.group_started()
 
     def _split(self, li: int) -> list[tuple[Transport, list[int]]]:
         """Each parameter of the layer to the first transport that owns it."""
@@ -188,12 +234,14 @@ class StepPipeline:
         for li, p in pendings.items():
             self._pending.setdefault(li, []).append(p)
 
-    def _fill_and_ready(self, li: int) -> None:
+    def _fill(self, li: int) -> None:
+        """Give layer ``li``'s parameters without a gradient one (what a transport knows of
+        its layout, else zeros) and let it join the ready group."""
         for k in self.grads.missing(li):
             value = next((v for v in (t.fill(li, k) for t in self.transports) if v is not None),
                          None)
             self.grads.set(li, k, value if value is not None else self.grads.zeros(li, k))
-        self._take(li)
+        self._join(li)
 
     # -- synchronize() -----------------------------------------------------------------------
     def finish_backward(self) -> None:
@@ -201,6 +249,7 @@ class StepPipeline:
         send everything queued, start the decider's control exchange, wait for all of it, and
         close the step up to the wrapped optimizer's update."""
         self.check_load()  # (a step in which no layer became ready in backward)
+        self._take_group()  # the last group backward made ready
         n = len(self.layer_names)
         missing = [li for li in range(n) if not self._ready[li]]
         for t in self.transports:
@@ -212,13 +261,15 @@ class StepPipeline:
             if li in held:
                 continue
             if self._arrived[li]:  # ready, held back by an earlier layer (_order)
-                self._take(li)
+                self._join(li)
             else:
-                self._fill_and_ready(li)
+                self._fill(li)
+        self._take_group()
         for t in self.transports:
             self._add(t.start_early())
         for li in held:
-            self._fill_and_ready(li)
+            self._fill(li)
+        self._take_group()
         for t in self.transports:
             self._add(t.flush())
         if self.decider is not None:  # in flight with the data, waited on in _settle
@@ -227,11 +278,12 @@ class StepPipeline:
             ps = self._pending[li]
             self.stats.sent(self.layer_names[li], sum(p.nbytes for p in ps),
                             sum(p.collectives for p in ps))
-        for li in sorted(self._pending):
+        arrived = sorted(self._pending)
+        for li in arrived:
             for p in self._pending[li]:
                 p.wait()
-            for t in self.transforms:
-                t.after_wait(li)
+        for t in self.transforms:
+            t.after_wait(arrived)
         self._pending.clear()
         self.step_ok = self._settle()
         for t in self.techniques:

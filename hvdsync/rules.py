@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hvdsync.clipping import ClipConfig, ClipLayer, LayerClip
+from hvdsync.clipping import ClipConfig, ClipLayers, LayerClip
 from hvdsync.config import check_bool, check_reduce_op, positive_float, positive_int
 from hvdsync.delay import DelayConfig, DelayedGradients
 from hvdsync.lowrank import LowRankCompression, LowRankConfig
@@ -174,14 +174,14 @@ def enabled(configs: dict[str, Optional[Any]]) -> list[str]:
 
 
 def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOps,
-                     comm: Communicator, clip_layer: ClipLayer,
+                     comm: Communicator, clip_layers: ClipLayers,
                      sparse_exchange: Callable[[Any], Transport], layer_names: list[str],
                      stats: SyncStats, traces: bool = False) -> list[Technique]:
     """The techniques of one wrapped optimizer, in the rulebook's order, on an adapter's
     gradients, arithmetic and communicator (``sparse_exchange(config)``: the adapter's
     sparse transport; ``traces``: the adapter traces its step, Keras)."""
     make = {
-        "clip": lambda c: LayerClip(c, grads, ops, clip_layer, layer_names, stats),
+        "clip": lambda c: LayerClip(c, grads, ops, clip_layers, layer_names, stats),
         "threshold": lambda c: AccumulationThreshold(c, grads, ops, comm, len(layer_names)),
         "select": lambda c: SelectedPushes(c, grads, ops, comm, layer_names, stats),
         "sparse": sparse_exchange,

@@ -372,28 +372,34 @@ class SelectedPushes(Decider):
         self.control = ((("dot",) if self.policy.hypernet is not None else ()) + ("held",)
                         + (("dot_squared",) if self._second_order else ()))
         n = len(layer_names)
-        self._dots: list[Any] = [None] * n
+        #: per ready group: its layers and their ``<g, theta>`` (a device vector)
+        self._dots: list[tuple[list[int], Any]] = []
         self._eligible = [True] * n
         self._bytes = [0] * n  # each layer's dense gradient bytes (for a byte budget)
         self._journal: dict[str, Any] = {}  # residuals as they were before this step
-        self._local: list[float] = []  # this rank's statistics of the step (for the stats)
+        self._local: Any = None  # this rank's statistics of the step (a device vector)
         self._control: Optional[Pending] = None
         #: the last step's local scores, rank-averaged scores, residual norms and (hypernet)
         #: alpha per layer -- for logging and plots
         self.last: dict[str, list[float]] = {}
 
-    def layer_ready(self, li: int, ks: list[int]) -> None:
-        """Take the layer's statistics (no host sync: device values)."""
-        self.layer_seen(li, bool(ks), lambda: self.grads.payload_bytes(li))
-        for k in ks:
-            if self.grads.is_row_sparse(li, k):
-                raise ValueError("select= needs dense gradients: pass sparse=True (row-sparse "
-                                 "layers then take the sparse exchange every step) or "
-                                 "sparse_as_dense=True")
-        if self.policy.hypernet is not None and ks:
+    def group_ready(self, layers: list[tuple[int, list[int]]]) -> None:
+        """Take the group's statistics (no host sync: device values; a few ops for the whole
+        group)."""
+        g = self.grads
+        for li, ks in layers:
+            self.layer_seen(li, bool(ks), lambda li=li: g.payload_bytes(li))
+            for k in ks:
+                if g.is_row_sparse(li, k):
+                    raise ValueError("select= needs dense gradients: pass sparse=True (row-"
+                                     "sparse layers then take the sparse exchange every step) "
+                                     "or sparse_as_dense=True")
+        layers = [(li, ks) for li, ks in layers if ks]
+        if self.policy.hypernet is not None and layers:
             # dL/dalpha_l at alpha = 1 for the loss with the layer's weights scaled by alpha
-            self._dots[li] = self.ops.dot([(self.grads.get(li, k), self.grads.value(li, k))
-                                           for k in ks])
+            self._dots.append(([li for li, _ in layers],
+                               self.ops.dots([[(g.get(li, k), g.value(li, k)) for k in ks]
+                                              for li, ks in layers])))
 
     def layer_seen(self, li: int, present: bool, nbytes: Callable[[], int]) -> None:
         """Whether layer ``li`` has gradients this step (else it cannot be chosen next), and
@@ -424,28 +430,33 @@ class SelectedPushes(Decider):
     def share(self, local_bad: Any) -> None:
         """Start the control-plane allreduce of every rank's dot products and residual norms
         (and whether its gradients were finite): the next step's layers come from it."""
-        n = len(self.layer_names)
-        norms = []
-        for li in range(n):
-            keys = [self.grads.key(li, k) for k in range(self.grads.size(li))]
-            norms.append(self.ops.norm([self.residual[key] for key in keys
-                                        if key in self.residual]))
-        dots = ([d if d is not None else self.ops.zero() for d in self._dots]
-                if self.policy.hypernet is not None else [])
-        host = self.ops.to_host(dots + norms + [local_bad])  # one device read
-        values = host[:-1]
-        if self._second_order:  # the rank average of the squares: a curvature estimate
-            values += [d * d for d in host[:len(dots)]]
-        self._local = values
-        self._dots = [None] * n
-        self._control = self.comm.control_async(values + host[-1:], self.control_name,
-                                                self.control_dtype_of(self.ops, self.grads))
+        n, g, ops = len(self.layer_names), self.grads, self.ops
+        holding = []
+        if self.residual:
+            keys = [[g.key(li, k) for k in range(g.size(li))] for li in range(n)]
+            holding = [li for li in range(n) if any(key in self.residual for key in keys[li])]
+        norms = ops.in_layer_order(n, [(holding, ops.norms(
+            [[self.residual[key] for key in keys[li] if key in self.residual]
+             for li in holding]))] if holding else [])
+        parts = [norms]
+        if self.policy.hypernet is not None:
+            dots = ops.in_layer_order(n, self._dots)
+            parts.insert(0, dots)
+            if self._second_order:  # the rank average of the squares: a curvature estimate
+                wide = ops.cast(dots, "float64")  # (squared in float64, as Keras' trace does)
+                parts.append(ops.mul(wide, wide))
+        self._dots = []
+        dtype = self.control_dtype_of(ops, g)
+        self._local = ops.concat(parts, dtype)
+        self._control = self.comm.control_async(ops.concat([self._local, local_bad], dtype),
+                                                self.control_name, dtype)
 
     def settle(self, data_ok: bool) -> bool:
         """Take the next step's layers from the shared statistics; a non-finite step puts
         the residuals back and leaves the selector as it was."""
-        shared, local = self._control.wait(), self._local
-        self._control = None
+        shared = self._control.wait()
+        local = self.ops.read([self._local])[0] if self._local is not None else []
+        self._control, self._local = None, None
         journal, self._journal = self._journal, {}
         if not (data_ok and shared_ok(shared)):
             for key, r in journal.items():  # nothing of this step is kept
@@ -493,7 +504,7 @@ class SelectedPushes(Decider):
     def forget(self) -> None:
         self.residual.clear()
         self._journal.clear()
-        self._dots = [None] * len(self._dots)
+        self._dots = []
 
     def status(self) -> dict:
         """The last step's per-layer ``scores``, rank-averaged ``residual_norms`` and

@@ -237,6 +237,8 @@ class TensorOps(Protocol):
 
     def add(self, a: Any, b: Any) -> Any:
         """``a + b`` as a new tensor."""
+    def mul(self, a: Any, b: Any) -> Any:
+        """``a * b`` (elementwise) as a new tensor."""
     def bad(self, tensors: Sequence[Any]) -> Any:
         """A device float scalar: 1 if any value of ``tensors`` is NaN or Inf, else 0."""
     def all_finite(self, tensors: Sequence[Any]) -> bool:
@@ -247,10 +249,27 @@ class TensorOps(Protocol):
         """``acc + x`` (``sign=-1``: ``acc - x``), in place where the framework allows (the
         caller owns ``acc``)."""
     def clone(self, t: Any) -> Any: ...
+    def clone_all(self, tensors: Sequence[Any]) -> list:
+        """Copies of ``tensors`` (one multi-tensor op where the framework has one)."""
+    def accumulate_all(self, accs: Sequence[Any], xs: Sequence[Any], sign: int = 1) -> list:
+        """:meth:`accumulate` pairwise over two lists, at once."""
     def norm(self, tensors: Sequence[Any]) -> Any:
         """L2 norm of all ``tensors`` together (0 for none), a device scalar."""
     def dot(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
         """Sum of the dot products of the pairs, a device scalar."""
+    def norms(self, layers: Sequence[Sequence[Any]]) -> Any:
+        """Each layer's :meth:`norm` (its tensors together), as one float32 device vector
+        (0 for a layer with no values): a few multi-tensor ops for all of them."""
+    def dots(self, layers: Sequence[Sequence[tuple[Any, Any]]]) -> Any:
+        """Each layer's :meth:`dot` of its pairs, as one float32 device vector."""
+    def in_layer_order(self, n: int, parts: Sequence[tuple[Sequence[int], Any]]) -> Any:
+        """One float32 vector of ``n`` entries from per-group vectors (``(layers,
+        values)``: ``values[i]`` is layer ``layers[i]``'s); a layer in no part gets 0."""
+    def concat(self, parts: Sequence[Any], dtype: str = "float32") -> Any:
+        """Device vectors and scalars end to end, as one vector of ``dtype`` (a control
+        vector: :func:`control_dtype`)."""
+    def read(self, vectors: Sequence[Any]) -> list[list[float]]:
+        """Device vectors as lists of floats, in one read."""
     def zero(self) -> Any: ...
     def to_host(self, scalars: Sequence[Any]) -> list[float]:
         """Device scalars as floats, in one read."""
@@ -282,6 +301,17 @@ class TensorOps(Protocol):
     def decode(self, parts: Sequence[Any], like: Sequence[Any], codec: str,
                chunk: int) -> list:
         """Inverse of :meth:`encode`: tensors shaped (and typed) like ``like``."""
+    def decode_sum(self, gathered: Sequence[Any], size: int, codec: str, chunk: int,
+                   like: Sequence[Any]) -> list:
+        """The average of every rank's :meth:`decode`-d piece of an allgather of
+        :meth:`encode`'s parts (``size`` equal pieces each), summed in rank order (the same
+        bits on every rank), shaped like ``like``."""
+    def sub_all(self, a: Sequence[Any], b: Sequence[Any]) -> list:
+        """``a - b`` pairwise, as new tensors (one multi-tensor op where there is one)."""
+    def add_scaled_all(self, a: Sequence[Any], b: Sequence[Any], alpha: float) -> list:
+        """``a + alpha * b`` pairwise, as new tensors."""
+    def assign_all(self, targets: Sequence[Any], values: Sequence[Any]) -> None:
+        """:meth:`assign` pairwise."""
     def part(self, gathered: Any, rank: int, size: int) -> Any:
         """Rank ``rank``'s piece of a 1-d allgather result of ``size`` equal pieces."""
     def cond(self, flag: Any, yes: Callable[[], Any], no: Callable[[], Any]) -> Any:
@@ -318,8 +348,10 @@ class Communicator(Protocol):
     def flush(self, background: bool = False) -> None: ...
     def control(self, values: list[float], name: str, dtype: str = "float64"
                 ) -> list[float]: ...
-    def control_async(self, values: list[float], name: str, dtype: str = "float64"
-                      ) -> Pending: ...
+    def control_async(self, values: Any, name: str, dtype: str = "float64") -> Pending:
+        """:meth:`control`, started now: ``values`` a list of floats or a device vector
+        (:meth:`TensorOps.concat`: built on the device, no host read before it goes); the
+        pending's ``wait()`` gives the averages as floats."""
     def average(self, groups: list[tuple[str, list]]) -> tuple[int, int]: ...
     def allgather_async(self, name: str, tensors: list) -> Pending:
         """Start gathering every rank's 1-d ``tensors`` (same length on every rank); the
@@ -372,6 +404,15 @@ class Technique:
 
     def layer_ready(self, li: int, ks: list[int]) -> None:
         """Layer ``li``'s local gradient is final (its missing gradients filled)."""
+
+    def group_ready(self, layers: list[tuple[int, list[int]]]) -> None:
+        """A *ready group* of layers (``(li, ks)`` each; docs/design.md, "Ready groups"):
+        their local gradients are final and none of them is sent yet. Transforms and deciders
+        do their tensor work here, for the whole group at once (a few multi-tensor ops, not a
+        few ops per tensor); transports are asked :meth:`layer_ready` per layer instead.
+        Default: :meth:`layer_ready` for each layer."""
+        for li, ks in layers:
+            self.layer_ready(li, ks)
 
     def memory_to_trace(self, params: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """The per-parameter memory a traced step keeps in device variables: per memory name,
@@ -434,8 +475,9 @@ class Technique:
 class Transform(Technique):
     role = TRANSFORM
 
-    def after_wait(self, li: int) -> None:
-        """Layer ``li``'s reduced gradient has arrived."""
+    def after_wait(self, layers: list[int]) -> None:
+        """The reduced gradients of ``layers`` (every layer the step exchanged) have
+        arrived."""
 
 
 #: The per-layer statistics a decider's control vector can carry (:attr:`Decider.control`),
@@ -556,6 +598,10 @@ class Transport(Technique):
     def start(self, li: int, ks: list[int]) -> Optional[Pending]:
         """Start sending (``None``: queued until :meth:`start_early` / :meth:`flush`)."""
         raise NotImplementedError
+
+    def group_started(self) -> None:
+        """Every layer of a ready group has been started (:meth:`start`) or kept back by the
+        decider: rounds that gather several layers may go now."""
 
     def fill(self, li: int, k: int) -> Any:
         """A gradient for a parameter that has none on this rank, if this transport knows

@@ -173,21 +173,28 @@ class AccumulationThreshold(Decider):
     def _new_step(self) -> None:
         self._candidate: dict[str, Any] = {}  # skipped: acc + this step's gradient
         self._synced: list[str] = []  # sent this step: acc goes, the anchor is restored
-        self._grad_norm: dict[int, Any] = {}  # layer -> norm of this step's gradient
+        #: per ready group: its layers and the norms of their gradients (a device vector)
+        self._grad_norms: list[tuple[list[int], Any]] = []
         self._control: Optional[Pending] = None
 
     def decision(self, li: int) -> bool:
         return self.plan[li]
 
-    def layer_ready(self, li: int, ks: list[int]) -> None:
-        """Take the norm of the layer's gradient (a device value: no host sync in backward)."""
-        for k in ks:
-            if self.grads.is_row_sparse(li, k):
-                raise ValueError("threshold= needs dense gradients: pass sparse=True (row-"
-                                 "sparse layers then take the sparse exchange every step) "
-                                 "or sparse_as_dense=True")
-        if ks:
-            self._grad_norm[li] = self.ops.norm([self.grads.get(li, k) for k in ks])
+    def group_ready(self, layers: list[tuple[int, list[int]]]) -> None:
+        """Take the norms of the group's gradients (device values: no host sync in backward;
+        a few ops for the whole group)."""
+        g = self.grads
+        layers = [(li, ks) for li, ks in layers if ks]
+        for li, ks in layers:
+            for k in ks:
+                if g.is_row_sparse(li, k):
+                    raise ValueError("threshold= needs dense gradients: pass sparse=True (row-"
+                                     "sparse layers then take the sparse exchange every step) "
+                                     "or sparse_as_dense=True")
+        if layers:
+            self._grad_norms.append(([li for li, _ in layers],
+                                     self.ops.norms([[g.get(li, k) for k in ks]
+                                                     for li, ks in layers])))
 
     def on_send(self, li: int, ks: list[int]) -> None:
         """The layer syncs now: it sends its accumulation with this step's gradient."""
@@ -212,19 +219,23 @@ class AccumulationThreshold(Decider):
         next step -- the norm of what it holds after this step (0 if it synced) plus the norm
         of this step's gradient, the size of one more -- with ``relative``, the parameter norm
         as of the layer's last sync, and whether this rank's gradients were finite."""
-        g, ops = self.grads, self.ops
-        expected, param_norms = [], []
-        for li in range(self.num_layers):
-            keys = [g.key(li, k) for k in range(g.size(li))]
-            held = ops.norm([self._candidate[key] for key in keys if key in self._candidate])
-            expected.append(ops.add(held, self._grad_norm[li]) if li in self._grad_norm
-                            else held)
-            if self.policy.config.relative:  # identical on every rank
-                param_norms.append(ops.norm([self.anchor[key]["value"] if key in self.anchor
-                                             else g.value(li, k)
-                                             for k, key in enumerate(keys)]))
-        host = ops.to_host(expected + param_norms + [local_bad])  # one device read
-        self._control = self.comm.control_async(host, self.control_name,
+        g, ops, n = self.grads, self.ops, self.num_layers
+        # built on the device and sent without a host read: a few ops for every layer
+        expected = ops.in_layer_order(n, self._grad_norms)
+        keys = ([[g.key(li, k) for k in range(g.size(li))] for li in range(n)]
+                if self._candidate or self.policy.config.relative else [])
+        if self._candidate:
+            holding = [li for li in range(n) if any(key in self._candidate for key in keys[li])]
+            held = ops.norms([[self._candidate[key] for key in keys[li] if key in self._candidate]
+                              for li in holding])
+            expected = ops.add(expected, ops.in_layer_order(n, [(holding, held)]))
+        parts = [expected]
+        if self.policy.config.relative:  # identical on every rank
+            parts.append(ops.norms([[self.anchor[key]["value"] if key in self.anchor
+                                     else g.value(li, k) for k, key in enumerate(keys[li])]
+                                    for li in range(n)]))
+        vector = ops.concat(parts + [local_bad], self.control_dtype_of(ops, g))
+        self._control = self.comm.control_async(vector, self.control_name,
                                                 self.control_dtype_of(ops, g))
 
     def settle(self, data_ok: bool) -> bool:

@@ -207,35 +207,48 @@ def parity_and_overlap_body(steps: int) -> dict:
     deep = [torch.nn.Linear(12, 64)] + [torch.nn.Linear(64, 64) for _ in range(6)] + \
            [torch.nn.Linear(64, 4)]
     ref = torch.nn.Sequential(*[x for layer in deep for x in (layer, torch.nn.Tanh())][:-1])
-    ours = copy.deepcopy(ref)
+    clip = dict(max_norm=1e6, ratio=1e6, value=(-1e6, 1e6))
+    layer_mb = (64 * 64 + 64) * 4 / 2**20  # one 64x64 layer's gradients
+    # the default ready groups (the whole model, one group), a layer alone, two layers
+    models = {size: copy.deepcopy(ref) for size in (None, 0.0, 1.5 * layer_mb)}
+    opts = {size: hvd.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=m.named_parameters(), clip=clip,
+        **({} if size is None else dict(group_mb=size))) for size, m in models.items()}
     o_ref = horovod_hvd.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9),
                                              named_parameters=ref.named_parameters())
-    o_ours = hvd.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9),
-                                      named_parameters=ours.named_parameters(),
-                                      clip=dict(max_norm=1e6, ratio=1e6, value=(-1e6, 1e6)))
-    overlap = []
+    overlap = {size: [] for size in models}
     for x, y in teacher_batches(hvd.rank(), steps):
-        for model, opt in ((ref, o_ref), (ours, o_ours)):
+        for size, model, opt in [(None, ref, o_ref)] + [(s, models[s], opts[s]) for s in models]:
             x_in = x.clone().requires_grad_(True)
             ends = []
             x_in.register_hook(lambda g: ends.append(time.perf_counter()))  # last grad of backward
             torch.nn.functional.cross_entropy(model(x_in), y).backward()
             opt.step()
             opt.zero_grad()
-            if opt is o_ours:
+            if opt is not o_ref:
                 started_before_end = sum(t < ends[0] for _, t in opt.send_times)
-                overlap.append((started_before_end, len(opt.send_times)))
-    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
-    return dict(diff=diff, overlap=overlap, clipped=o_ours.stats.total.counters.get("clipped", 0))
+                overlap[size].append((started_before_end, len(opt.send_times)))
+    diff = max((a - b).abs().max().item() for m in models.values()
+               for a, b in zip(ref.parameters(), m.parameters()))
+    return dict(diff=diff, overlap=list(overlap.values()),
+                clipped=sum(o.stats.total.counters.get("clipped", 0) for o in opts.values()),
+                groups=[o.stats.last.counters["ready_groups"] for o in opts.values()])
 
 
 def test_no_clip_needed_equals_horovod_and_sends_overlap_backward(horovod_runs):
     for res in horovod_runs["parity"]:
         assert res["diff"] <= 1e-6 and res["clipped"] == 0
-        for before, total in res["overlap"]:
-            # 8 layers: every layer but the first (whose gradient is computed last) is clipped
-            # and its send started while backward was still running.
-            assert total == 8 and before == 7, res["overlap"]
+        whole, alone, pairs = res["overlap"]
+        for before, total in whole:  # one ready group: clipped and sent after backward
+            assert total == 8 and before == 0, whole
+        for before, total in alone:
+            # 8 layers, each its own group: every layer but the first (whose gradient is
+            # computed last) is clipped and its send started while backward was still running
+            assert total == 8 and before == 7, alone
+        for before, total in pairs:  # groups of 2-3 layers (the first layer alone: backward
+            assert total == 8 and before == 7, pairs  # ends with it)
+        assert res["groups"] == [1, 8, 4]
 
 
 def test_clip_state_saved_and_restored():

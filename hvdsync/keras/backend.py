@@ -119,6 +119,10 @@ class KerasOps:
         return a + b
 
     @staticmethod
+    def mul(a, b):
+        return a * b
+
+    @staticmethod
     def bad(tensors: Sequence) -> tf.Tensor:
         if not tensors:
             return _zero()
@@ -146,6 +150,14 @@ class KerasOps:
         return tf.identity(t)
 
     @staticmethod
+    def clone_all(tensors: Sequence) -> list:
+        return [tf.identity(t) for t in tensors]
+
+    @staticmethod
+    def accumulate_all(accs: Sequence, xs: Sequence, sign: int = 1) -> list:
+        return [a + x if sign > 0 else a - x for a, x in zip(accs, xs)]
+
+    @staticmethod
     def norm(tensors: Sequence) -> tf.Tensor:
         return norm_of(tensors)
 
@@ -154,6 +166,45 @@ class KerasOps:
         wide = _wide([x for pair in pairs for x in pair])
         return tf.cast(tf.add_n([tf.reduce_sum(tf.cast(a, wide) * tf.cast(b, wide))
                                  for a, b in pairs]), tf.float32)
+
+    @staticmethod
+    def norms(layers: Sequence[Sequence]) -> tf.Tensor:
+        if not layers:
+            return tf.zeros([0], tf.float32)
+        return tf.stack([norm_of(ts) for ts in layers])
+
+    @staticmethod
+    def dots(layers: Sequence[Sequence]) -> tf.Tensor:
+        if not layers:
+            return tf.zeros([0], tf.float32)
+        return tf.stack([KerasOps.dot(pairs) if pairs else _zero() for pairs in layers])
+
+    @staticmethod
+    def in_layer_order(n: int, parts: Sequence) -> tf.Tensor:
+        parts = [(list(lis), v) for lis, v in parts if len(lis)]
+        if len(parts) == 1 and parts[0][0] == list(range(n)):
+            return parts[0][1]
+        if not parts:
+            return tf.zeros([n], tf.float32)
+        index = tf.constant([[li] for lis, _ in parts for li in lis], tf.int32)
+        return tf.scatter_nd(index, tf.concat([v for _, v in parts], 0), [n])
+
+    @staticmethod
+    def concat(parts: Sequence, dtype: str = "float32") -> tf.Tensor:
+        return tf.concat([tf.cast(tf.reshape(p, [-1]), dtype) for p in parts], 0)
+
+    @staticmethod
+    def read(vectors: Sequence) -> list[list[float]]:
+        if not vectors:
+            return []
+        values = tf.concat([tf.cast(tf.reshape(v, [-1]), tf.float32) for v in vectors],
+                           0).numpy().tolist()
+        out, i = [], 0
+        for v in vectors:
+            n = int(np.prod(v.shape))
+            out.append(values[i:i + n])
+            i += n
+        return out
 
     @staticmethod
     def zero() -> tf.Tensor:
@@ -233,6 +284,29 @@ class KerasOps:
         return _decode(list(parts), tuple((tuple(int(d) for d in t.shape),
                                            tf.as_dtype(t.dtype).name) for t in like),
                        codec, chunk)
+
+    @staticmethod
+    def decode_sum(gathered: Sequence, size: int, codec: str, chunk: int, like: Sequence
+                   ) -> list:
+        total = None
+        for r in range(size):  # in rank order: the same bits on every rank
+            mine = KerasOps.decode([KerasOps.part(t, r, size) for t in gathered], like, codec,
+                                   chunk)
+            total = mine if total is None else [a + b for a, b in zip(total, mine)]
+        return [KerasOps.add_scaled(tf.zeros_like(t), t, 1.0 / size) for t in total]
+
+    @staticmethod
+    def sub_all(a: Sequence, b: Sequence) -> list:
+        return [x - y for x, y in zip(a, b)]
+
+    @staticmethod
+    def add_scaled_all(a: Sequence, b: Sequence, alpha: float) -> list:
+        return [KerasOps.add_scaled(x, y, alpha) for x, y in zip(a, b)]
+
+    @staticmethod
+    def assign_all(targets: Sequence, values: Sequence) -> None:
+        for t, v in zip(targets, values):
+            t.assign(v)
 
     @staticmethod
     def part(gathered, rank: int, size: int):

@@ -6,6 +6,8 @@ eagerly in the step pipeline."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import tensorflow as tf
 
 from hvdsync.clipping import ClipConfig
@@ -37,6 +39,21 @@ def clip_layer(grads: list, params: list, c: ClipConfig, limit) -> tuple[list, t
     grads = [_map_values(g, lambda v: v * tf.cast(scale, v.dtype)) for g in grads]
     clipped = tf.logical_and(tf.logical_or(scale < 1.0, tf.not_equal(norm, raw_norm)), finite)
     return grads, raw_norm, clipped
+
+
+def clip_layers(layers: list, params: list, c: ClipConfig, limits) -> tuple[list, Any]:
+    """:func:`clip_layer` for a group of layers (the step pipeline's form: Keras' eager step
+    has every layer at once): the clipped layers and the group's record
+    (:data:`hvdsync.clipping.ClipLayers`: row 0 the norms, row 1 0.0 where a layer was
+    clipped, else 1.0; ``None`` for no layer)."""
+    if not layers:
+        return layers, None
+    each = limits if isinstance(limits, (list, tuple)) else [limits] * len(layers)
+    out = [clip_layer(grads, params[i] if params else [], c, limit)
+           for i, (grads, limit) in enumerate(zip(layers, each))]
+    return ([grads for grads, _, _ in out],
+            tf.stack([tf.stack([norm for _, norm, _ in out]),
+                      tf.stack([1.0 - tf.cast(was, tf.float32) for _, _, was in out])]))
 
 
 def _map_values(g, fn):

@@ -225,21 +225,24 @@ class KerasCommunicator:
     def _ready(request: _Request) -> bool:
         return request.future is not None and request.future.done()
 
-    def control(self, values: list[float], name: str, dtype: str = "float64"
-                ) -> list[float]:
+    def control(self, values: Any, name: str, dtype: str = "float64") -> list[float]:
         """The control plane (eager): average a small vector of per-layer statistics across
-        ranks in one collective, so every rank decides from the same numbers (``dtype``:
-        :func:`hvdsync.technique.control_dtype`)."""
-        if self.size == 1:  # (in the vector's precision, as the ranks' average would be)
+        ranks in one collective, so every rank decides from the same numbers (``values``:
+        floats or a device vector; ``dtype``: :func:`hvdsync.technique.control_dtype`)."""
+        if tf.is_tensor(values):  # a device vector (KerasOps.concat)
+            x = tf.cast(values, dtype)
+            if self.size == 1:
+                return x.numpy().tolist()
+        elif self.size == 1:  # (in the vector's precision, as the ranks' average would be)
             return np.asarray(values, dtype=dtype).tolist()
-        x = tf.constant(np.asarray(values, dtype=dtype))
+        else:
+            x = tf.constant(np.asarray(values, dtype=dtype))
         self.stats.control(payload_bytes(x))
         with guard(f"the control allreduce {name!r}"):
             out = mpi_ops._allreduce(x, name=name, op=Average, process_set=self.process_set)
             return out.numpy().tolist()
 
-    def control_async(self, values: list[float], name: str, dtype: str = "float64"
-                      ) -> Pending:
+    def control_async(self, values: Any, name: str, dtype: str = "float64") -> Pending:
         """:meth:`control`, done now (Horovod's eager TensorFlow ops block): the whole eager
         step runs after backward, so there is no backward left to overlap."""
         return Pending.resolved(self.control(values, name, dtype))

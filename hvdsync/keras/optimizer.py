@@ -31,7 +31,7 @@ from hvdsync.keras.graph import (HostFlags, Traffic, eager_step, graph_runs, gra
                                  in_xla_context)
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
 from hvdsync.keras.backend import KerasGradients, KerasOps, Slots
-from hvdsync.keras.clipping import clip_layer
+from hvdsync.keras.clipping import clip_layers
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.memory import VariableMemory
 from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
@@ -89,7 +89,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         hv.grads = KerasGradients(layer_vars, Slots(self.variables, variables),
                                   update=self._update_uncounted)
         hv.techniques = build_techniques(
-            hv.configs, grads=hv.grads, ops=KerasOps(), comm=hv.comm, clip_layer=clip_layer,
+            hv.configs, grads=hv.grads, ops=KerasOps(), comm=hv.comm, clip_layers=clip_layers,
             sparse_exchange=lambda c: SparseExchange(c, hv.grads, hv.comm, hv.stats),
             layer_names=names, stats=hv.stats, traces=True)
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)

@@ -28,23 +28,119 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# -- statistics of many layers at once: a few multi-tensor ops for a whole group of layers,
+# not a few ops per tensor (on a GPU every op is a kernel launch; docs/benchmarks.md, "Fixed
+# cost per step")
+_LENGTHS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _per_layer(values: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """Sums of consecutive runs of ``values`` (``counts[i]`` values for layer ``i``; 0 gives
+    0): one op, or none when every layer has one value."""
+    if all(c == 1 for c in counts):
+        return values
+    key = (tuple(counts), values.device)
+    lengths = _LENGTHS.get(key)
+    if lengths is None:  # made once per layout (a small cache: layouts repeat every step)
+        if len(_LENGTHS) > 256:
+            _LENGTHS.clear()
+        lengths = _LENGTHS[key] = torch.tensor(counts, device=values.device)
+    return torch.segment_reduce(values, "sum", lengths=lengths)
+
+
+def _square_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's sum of squares, as one vector in the statistics' precision (float64 if
+    any tensor is, else float32): one multi-tensor op and a stack."""
+    dtypes = {t.dtype for t in tensors}
+    wide = torch.float64 if torch.float64 in dtypes else torch.float32
+    if len(dtypes) == 1 and len({t.device for t in tensors}) == 1:
+        if hasattr(torch, "_foreach_powsum"):  # (torch >= 2.13)
+            sums = torch._foreach_powsum(tensors, 2, dtype=wide if wide not in dtypes else None)
+            return torch.stack(sums)
+        norms = torch.stack(torch._foreach_norm(tensors)).to(wide)
+        return norms * norms
+    device = tensors[0].device  # mixed dtypes or devices (rare): one at a time
+    return torch.stack([torch.linalg.vector_norm(t.to(wide)).to(device) ** 2 for t in tensors])
+
+
+def layer_norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """Each layer's L2 norm (its tensors together; a sparse one's values) as a float32
+    vector, one entry per layer (0 for a layer with no values): computed in the tensors'
+    precision, rounded once at the end, as :func:`norm_of` and the Keras adapter compute a
+    norm; a handful of ops for the whole group."""
+    views, counts = [], []
+    for tensors in layers:
+        vs = [t._values() if t.is_sparse else t for t in tensors]
+        vs = [v for v in vs if v.numel()]
+        views += vs
+        counts.append(len(vs))
+    if not views:
+        return torch.zeros(len(layers))
+    return _per_layer(_square_sums(views), counts).sqrt().float()
+
+
+def _flat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``tensors`` flattened and concatenated into one vector of ``dtype`` (one op where
+    they share it: ``_chunk_cat``, which needs no per-tensor view)."""
+    if (hasattr(torch, "_chunk_cat") and len({t.dtype for t in tensors}) == 1
+            and all(t.dim() for t in tensors) and len({t.device for t in tensors}) == 1):
+        return torch._chunk_cat(tensors, 0, 1).view(-1).to(dtype)
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+def layer_dots(layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+    """Each layer's sum of dot products of its pairs as a float32 vector (one entry per
+    layer, 0 for none), in the pairs' precision (at least float32) rounded once at the end:
+    both sides flattened into one vector each, multiplied, summed per layer."""
+    a = [x for pairs in layers for x, _ in pairs]
+    b = [y for pairs in layers for _, y in pairs]
+    if not a:
+        return torch.zeros(len(layers))
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in a + b) else torch.float32
+    products = _flat(a, wide) * _flat(b, wide)
+    counts = [sum(x.numel() for x, _ in pairs) for pairs in layers]
+    if len(layers) == 1:
+        return products.sum().reshape(1).float()
+    return _per_layer(products, counts).float()
+
+
+def in_layer_order(n: int, parts: Sequence[tuple[Sequence[int], torch.Tensor]]
+                   ) -> torch.Tensor:
+    """One float32 vector of ``n`` entries from per-group vectors (``(layers, values)``:
+    ``values[i]`` belongs to layer ``layers[i]``); layers in no part get 0."""
+    parts = [(list(lis), v) for lis, v in parts if len(lis)]
+    if len(parts) == 1 and parts[0][0] == list(range(n)):
+        return parts[0][1]
+    if not parts:
+        return torch.zeros(n)
+    values = torch.cat([v for _, v in parts]) if len(parts) > 1 else parts[0][1]
+    index = torch.tensor([li for lis, _ in parts for li in lis], device=values.device)
+    return torch.zeros(n, device=values.device).index_copy_(0, index, values)
+
+
+_UNIT: dict[torch.device, torch.Tensor] = {}
+
+
 def _nonfinite(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """1.0 if any of ``tensors`` holds NaN or Inf, else 0.0 (a float tensor on their device;
-    None for no values), without a host read. Large finite values do not overflow as in a
-    2-norm."""
+    """A 1-element float32 tensor: 1.0 if any of ``tensors`` holds NaN or Inf, else 0.0 (on
+    their device, without a host read; None for no values). Large finite values do not
+    overflow as in a 2-norm."""
     views = [t._values() if t.is_sparse else t for t in tensors]
     views = [v for v in views if v.numel()]
     if not views:
         return None
-    if views[0].is_cuda:  # one fused kernel; NaN propagates through the max
-        return (~torch.isfinite(torch.stack(torch._foreach_norm(views, float("inf"))).max())
-                ).float()
+    device = views[0].device
+    if views[0].is_cuda:  # read only (GradScaler's check writes every value); NaN propagates
+        top = torch.stack(torch._foreach_norm(views, float("inf"))).max()
+        return (~torch.isfinite(top)).float().reshape(1)
     # CPU: GradScaler's fused check (it multiplies by 1: the values stay as they are); on the
     # LM's 54 tensors 0.13 ms, vs 0.33 for min/max per tensor and 1.2 for the inf-norm
-    found = torch.zeros(1, dtype=torch.float32)  # float32 whatever the default dtype
-    torch._amp_foreach_non_finite_check_and_unscale_(views, found,
-                                                      torch.ones(1, dtype=torch.float32))
-    return found[0]
+    unit = _UNIT.get(device)
+    if unit is None:
+        unit = _UNIT[device] = torch.ones(1, dtype=torch.float32, device=device)
+    found = torch.zeros(1, dtype=torch.float32, device=device)  # whatever the default dtype
+    torch._amp_foreach_non_finite_check_and_unscale_(views, found, unit)
+    return found
 
 
 class TorchOps:
@@ -53,6 +149,10 @@ class TorchOps:
     @staticmethod
     def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
+
+    @staticmethod
+    def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
 
     @staticmethod
     def bad(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -78,6 +178,19 @@ class TorchOps:
         return t.detach().clone()
 
     @staticmethod
+    def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        tensors = [t.detach() if t.requires_grad else t for t in tensors]
+        return list(torch._foreach_mul(tensors, 1.0)) if tensors else []  # (one op: copies)
+
+    @staticmethod
+    def accumulate_all(accs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor],
+                       sign: int = 1) -> list[torch.Tensor]:
+        accs = list(accs)
+        if accs:
+            (torch._foreach_add_ if sign > 0 else torch._foreach_sub_)(accs, list(xs))
+        return accs
+
+    @staticmethod
     def norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return norm_of(tensors)
 
@@ -86,6 +199,40 @@ class TorchOps:
         wide = _wide(torch.promote_types(pairs[0][0].dtype, pairs[0][1].dtype))
         return torch.stack([torch.vdot(a.flatten().to(wide), b.flatten().to(wide))
                             for a, b in pairs]).sum().float()
+
+    @staticmethod
+    def norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        return layer_norms(layers)
+
+    @staticmethod
+    def dots(layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+        return layer_dots(layers)
+
+    @staticmethod
+    def in_layer_order(n: int, parts: Sequence[tuple[Sequence[int], torch.Tensor]]
+                       ) -> torch.Tensor:
+        return in_layer_order(n, parts)
+
+    @staticmethod
+    def concat(parts: Sequence[torch.Tensor], dtype: str = "float32") -> torch.Tensor:
+        device = parts[0].device
+        flat = torch.cat([p.reshape(-1).to(device) if p.dim() != 1 else p.to(device)
+                          for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+        return flat.to(getattr(torch, dtype))
+
+    @staticmethod
+    def read(vectors: Sequence[torch.Tensor]) -> list[list[float]]:
+        if not vectors:
+            return []
+        if len(vectors) == 1:  # (no op but the read)
+            return [_flatten(vectors[0].tolist())]
+        device = vectors[0].device
+        values = torch.cat([v.reshape(-1).float().to(device) for v in vectors]).tolist()
+        out, i = [], 0
+        for v in vectors:
+            out.append(values[i:i + v.numel()])
+            i += v.numel()
+        return out
 
     @staticmethod
     def zero() -> torch.Tensor:
@@ -157,29 +304,57 @@ class TorchOps:
 
     @staticmethod
     def encode(tensors: Sequence[torch.Tensor], codec: str, chunk: int) -> list[torch.Tensor]:
-        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        flat = _flat([t.detach() if t.requires_grad else t for t in tensors], torch.float32)
         if codec == "bf16":  # as int16 bits: collectives need not know bfloat16
             return [flat.to(torch.bfloat16).view(torch.int16)]
         rows = torch.nn.functional.pad(flat, (0, -flat.numel() % chunk)).view(-1, chunk)
         scale = rows.abs().amax(dim=1) / 127.0  # NaN/Inf show in the scale
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        safe = torch.where(scale > 0, scale, 1.0)
         codes = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
         return [codes.view(-1)[:flat.numel()], scale]  # the padding is not sent
 
     @staticmethod
     def decode(parts: Sequence[torch.Tensor], like: Sequence[torch.Tensor], codec: str,
                chunk: int) -> list[torch.Tensor]:
-        if codec == "bf16":
-            flat = parts[0].view(torch.bfloat16).float()
-        else:
-            codes, scale = parts
-            rows = torch.nn.functional.pad(codes.float(), (0, -codes.numel() % chunk))
-            flat = (rows.view(-1, chunk) * scale[:, None]).view(-1)
-        out, i = [], 0
-        for t in like:
-            out.append(flat[i:i + t.numel()].reshape(t.shape).to(t.dtype).clone())
-            i += t.numel()
-        return out
+        return TorchOps.unflatten(_decoded(parts, codec, chunk), like)
+
+    @staticmethod
+    def decode_sum(gathered: Sequence[torch.Tensor], size: int, codec: str, chunk: int,
+                   like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        dtypes = {t.dtype for t in like}
+        total = None
+        for r in range(size):  # in rank order: the same bits on every rank
+            part = [t.view(size, -1)[r] for t in gathered]
+            if len(dtypes) == 1:  # summed flat, in the tensors' precision
+                mine = [_decoded(part, codec, chunk).to(next(iter(dtypes)))]
+            else:
+                mine = TorchOps.decode(part, like, codec, chunk)
+            total = mine if total is None else TorchOps.accumulate_all(total, mine)
+        average = [torch.zeros_like(t).add_(t, alpha=1.0 / size) for t in total]
+        return TorchOps.unflatten(average[0], like) if len(dtypes) == 1 else average
+
+    @staticmethod
+    def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``flat`` cut into tensors shaped (and typed) like ``like`` (views where the dtype
+        is ``flat``'s)."""
+        pieces = flat.split([t.numel() for t in like])  # (one op for every piece)
+        return [p.view(t.shape) if p.dtype == t.dtype else p.view(t.shape).to(t.dtype)
+                for p, t in zip(pieces, like)]
+
+    @staticmethod
+    def sub_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch._foreach_sub(list(a), list(b))) if a else []
+
+    @staticmethod
+    def add_scaled_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], alpha: float
+                       ) -> list[torch.Tensor]:
+        return list(torch._foreach_add(list(a), list(b), alpha=alpha)) if a else []
+
+    @staticmethod
+    def assign_all(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        if targets:
+            with torch.no_grad():
+                torch._foreach_copy_(list(targets), list(values))
 
     @staticmethod
     def part(gathered: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -212,6 +387,9 @@ class TorchGradients:
                  optimizer: torch.optim.Optimizer, scaler: Any = None, *,
                  base_step: Callable[[], Any]):
         self.layer_params = layer_params
+        #: each parameter's detached value, made once (a detach is an op of its own):
+        #: ``(li, k) -> (tensor, the parameter's data pointer when it was made)``
+        self._values: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         self._optimizer = optimizer
         #: the wrapped optimizer's own ``step()`` (no exchange, no technique, no counter)
         self._base_step = base_step
@@ -247,7 +425,12 @@ class TorchGradients:
         return torch.zeros_like(self.param(li, k))
 
     def value(self, li: int, k: int) -> torch.Tensor:
-        return self.param(li, k).detach()
+        p = self.param(li, k)
+        held = self._values.get((li, k))
+        if held is None or held[1] != p.data_ptr() or held[0].shape != p.shape \
+                or held[0].dtype != p.dtype:  # (new data: ``p.data = ...``, ``.to()``)
+            held = self._values[(li, k)] = (p.detach(), p.data_ptr())
+        return held[0]
 
     def is_row_sparse(self, li: int, k: int) -> bool:
         g = self.param(li, k).grad
@@ -334,8 +517,8 @@ class TorchGradients:
 
     def replica_tensors(self, li: int, with_state: bool) -> list[torch.Tensor]:
         out = []
-        for _, p in self.layer_params[li]:
-            out.append(p.data)
+        for k, (_, p) in enumerate(self.layer_params[li]):
+            out.append(self.value(li, k))  # (p.data: a detach each call)
             if with_state:
                 out += [v for _, v in sorted(self._optimizer.state.get(p, {}).items())
                         if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape]
@@ -360,6 +543,22 @@ class TorchGradients:
         device = self._param[key].device
         # tensors shaped like data go where the parameter is; scalars (Adam's step) stay
         return _map_tensors(x, lambda t: t.to(device).clone() if t.dim() else t.clone())
+
+
+def _decoded(parts: Sequence[torch.Tensor], codec: str, chunk: int) -> torch.Tensor:
+    """:meth:`TorchOps.encode`'s parts back as one float32 vector."""
+    if codec == "bf16":
+        return parts[0].view(torch.bfloat16).float()
+    codes, scale = parts
+    rows = torch.nn.functional.pad(codes.float(), (0, -codes.numel() % chunk))
+    return (rows.view(-1, chunk) * scale[:, None]).view(-1)[:codes.numel()]
+
+
+def _flatten(x: Any) -> list:
+    """``Tensor.tolist()`` of any shape as one flat list."""
+    if not isinstance(x, list):
+        return [x]
+    return [y for item in x for y in _flatten(item)] if x and isinstance(x[0], list) else x
 
 
 def _map_tensors(x: Any, fn) -> Any:

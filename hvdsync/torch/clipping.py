@@ -1,47 +1,93 @@
-"""The arithmetic of ``clip=`` on torch gradients, one layer at a time (the rules and their
-running statistics are :class:`hvdsync.clipping.LayerClip`'s).
+"""The arithmetic of ``clip=`` on torch gradients, a group of layers at a time (the rules
+and their running statistics are :class:`hvdsync.clipping.LayerClip`'s).
 
 Clipping runs inside backward hooks, so it must not stall the host on a GPU: every decision
-is a tensor op on the gradient's device; the norms go to the host once per step.
+is a tensor op on the gradients' device; the norms go to the host once per step. And it must
+not cost a kernel per tensor: a group's per-layer norms come from one multi-tensor norm, its
+scales from a few ops on a vector of them, and one multi-tensor multiply applies them --
+about a dozen ops for the whole group, whatever its number of layers (torch's own
+``clip_grad_norm_(foreach=True)`` costs 8 for one global norm).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import torch
 
 from hvdsync.clipping import ClipConfig
-from hvdsync.torch.backend import norm_of
+from hvdsync.torch.backend import layer_norms
+
+_ONE: dict[torch.device, torch.Tensor] = {}
+_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
 
-def clip_layer(grads: list[torch.Tensor], params: list[torch.Tensor], c: ClipConfig,
-               limit: float) -> tuple[list[torch.Tensor], Optional[torch.Tensor],
-                                      Optional[torch.Tensor]]:
-    """Clip one layer's gradients in place (a sparse gradient is coalesced first, so each row
-    counts once in the norm). Returns the gradients, the pre-clip norm and whether the layer
-    was clipped (device values; ``None`` for an empty layer)."""
-    grads = [g.coalesce() if g.is_sparse and not g.is_coalesced() else g for g in grads]
-    views = [g._values() if g.is_sparse else g for g in grads]
-    if not views or all(v.numel() == 0 for v in views):
-        return grads, None, None
-    raw_norm = norm_of(views)
-    norm = raw_norm
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONE.get(device)
+    if one is None:
+        one = _ONE[device] = torch.ones((), device=device)
+    return one
+
+
+def _per_tensor(scale: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """A layer's scale for each of its tensors (``counts``: tensors per layer), as 0-d
+    tensors for one multi-tensor multiply."""
+    if all(c == 1 for c in counts):
+        return list(scale.unbind())
+    key = (tuple(counts), scale.device)
+    index = _INDEX.get(key)
+    if index is None:
+        if len(_INDEX) > 256:
+            _INDEX.clear()
+        index = _INDEX[key] = torch.tensor([li for li, c in enumerate(counts) for _ in range(c)],
+                                           device=scale.device)
+    return list(scale[index].unbind())
+
+
+def clip_layers(layers: list[list[torch.Tensor]], params: list[list[torch.Tensor]],
+                c: ClipConfig, limits: Union[float, Sequence[float]]
+                ) -> tuple[list[list[torch.Tensor]], Optional[torch.Tensor]]:
+    """Clip a group of layers' gradients in place (a sparse gradient is coalesced first, so
+    each row counts once in the norm). ``limits``: each layer's norm limit from ``max_norm``
+    and the adaptive rules (one float for all, or one per layer; ``inf``: none); ``params``:
+    the layers' parameters, read by the ``ratio`` rule only. Returns the gradients and the
+    group's record (:data:`hvdsync.clipping.ClipLayers`): a float32 device matrix, row 0 each
+    layer's pre-clip norm, row 1 a factor below 1 exactly where the layer was clipped
+    (``None`` when the group holds no values)."""
+    layers = [[g.coalesce() if g.is_sparse and not g.is_coalesced() else g for g in layer]
+              for layer in layers]
+    views, counts = [], []
+    for layer in layers:
+        vs = [g._values() if g.is_sparse else g for g in layer]
+        vs = [v for v in vs if v.numel()]
+        views += vs
+        counts.append(len(vs))
+    if not views:
+        return layers, None
+    raw = layer_norms(layers)
+    norm = raw
     if c.value is not None:
-        for v in views:
-            v.clamp_(*c.value)
-        norm = norm_of(views)
-    bound: torch.Tensor | float = limit
-    if c.ratio is not None:
-        bound = (c.ratio * norm_of(params).clamp(min=c.eps)).clamp(max=limit)
-    finite = torch.isfinite(raw_norm)
-    if math.isfinite(limit) or c.ratio is not None:
-        # Scale only down (a zero norm gives inf, clamped to 1); leave non-finite alone.
-        # (1 / norm) * bound in float32, as the Keras adapter computes it: the same scale
-        scale = torch.where(finite, (norm.reciprocal() * bound).clamp(max=1.0), 1.0)
-        torch._foreach_mul_(views, scale)
+        torch._foreach_clamp_min_(views, c.value[0])
+        torch._foreach_clamp_max_(views, c.value[1])
+        norm = layer_norms(layers)
+    same = isinstance(limits, (int, float))
+    if c.ratio is None and (math.isinf(limits) if same else all(map(math.isinf, limits))):
+        scale = torch.ones_like(raw)  # no norm limit this step (an adaptive one warming up)
     else:
-        scale = torch.ones((), device=norm.device)
-    clipped = (scale < 1.0) | (norm != raw_norm)
-    return grads, raw_norm, clipped & finite
+        bound: Union[torch.Tensor, float] = limits if same else torch.tensor(
+            limits, dtype=torch.float32, device=raw.device)
+        if c.ratio is not None:
+            sizes = (c.ratio * layer_norms(params).clamp(min=c.eps)).to(raw.device)
+            bound = sizes.clamp(max=limits) if same else torch.minimum(sizes, bound)
+        # Scale only down: (1 / norm) * bound in float32, as the Keras adapter computes it (a
+        # zero norm gives inf, clamped to 1). A layer whose gradient is non-finite is left
+        # as it is: its norm counts as 0 here, so its scale is 1.
+        safe = norm if c.value is None else norm + raw * 0  # (raw*0: NaN where raw is)
+        scale = (torch.nan_to_num(safe, nan=0.0, posinf=0.0).reciprocal() * bound
+                 ).clamp(max=1.0)
+        torch._foreach_mul_(views, _per_tensor(scale, counts))
+    if c.value is not None:  # clamping changed the layer: clipped too
+        scale = scale.masked_fill((norm != raw) & torch.isfinite(raw), 0.0)
+    return layers, torch.stack([raw, scale])

@@ -119,13 +119,15 @@ class TorchCommunicator:
         vector's precision (:func:`hvdsync.technique.control_dtype`)."""
         return self.control_async(values, name, dtype).wait()
 
-    def control_async(self, values: list[float], name: str, dtype: str = "float64"
-                      ) -> Pending:
-        """:meth:`control` started now; the pending's ``wait()`` gives the averages (a
-        decider starts it with the step's data and waits after the data)."""
-        t = torch.tensor(values, dtype=getattr(torch, dtype))
+    def control_async(self, values: Any, name: str, dtype: str = "float64") -> Pending:
+        """:meth:`control` started now (``values``: floats, or a device vector built by
+        :meth:`TorchOps.concat`, which goes without a host read); the pending's ``wait()``
+        gives the averages (a decider starts it with the step's data and waits after the
+        data)."""
+        want = getattr(torch, dtype)
+        t = values.to(want) if torch.is_tensor(values) else torch.tensor(values, dtype=want)
         if self.size == 1:  # (in the vector's precision, as the ranks' average would be)
-            return Pending.resolved(t.tolist())
+            return Pending(t.tolist, lambda: True, what=f"the control vector {name!r}")
         self.stats.control(t.numel() * t.element_size())
         ops = self.ops
         handle = ops.allreduce_async(t, name=name, op=ops.Average, process_set=self.process_set)

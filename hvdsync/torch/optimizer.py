@@ -21,11 +21,11 @@ import torch
 from hvdsync import agreement, checkpoint, elastic, rules
 from hvdsync.api import SyncAPI
 from hvdsync.clipping import ClipConfig
-from hvdsync.config import positive_int, reject_unknown_kwargs
+from hvdsync.config import non_negative_float, positive_int, reject_unknown_kwargs
 from hvdsync.delay import DelayConfig
 from hvdsync.layers import Grouping, Layer, build_layers
 from hvdsync.lowrank import LowRankConfig
-from hvdsync.pipeline import StepPipeline
+from hvdsync.pipeline import DEFAULT_GROUP_BYTES, StepPipeline
 from hvdsync.rules import build_techniques
 from hvdsync.select import SelectConfig
 from hvdsync.sparse import SparseConfig
@@ -33,7 +33,7 @@ from hvdsync.stats import SyncStats
 from hvdsync.threshold import ThresholdConfig
 from hvdsync.torch import engine
 from hvdsync.torch.backend import TorchGradients, TorchOps
-from hvdsync.torch.clipping import clip_layer
+from hvdsync.torch.clipping import clip_layers
 from hvdsync.torch.comm import TorchCommunicator
 from hvdsync.torch.params import groups_to_names, parameter_names
 from hvdsync.torch.sparse import SparseExchange
@@ -49,7 +49,8 @@ class _DistributedOptimizer(SyncAPI):
     # -- construction -----------------------------------------------------------------------
     def _hvdsync_init(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                      layers: Grouping, configs: dict[str, Any], scaler: Any) -> None:
+                      layers: Grouping, configs: dict[str, Any], scaler: Any,
+                      group_bytes: int) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         names = parameter_names(params, named_parameters)
         by_name = {n: p for p, n in names.items()}
@@ -77,11 +78,11 @@ class _DistributedOptimizer(SyncAPI):
         self._comm = comm = TorchCommunicator(compression, op, gradient_predivide_factor,
                                               sparse_as_dense, process_set, self.stats)
         self._techniques = build_techniques(
-            configs, grads=self._grads, ops=TorchOps(), comm=comm, clip_layer=clip_layer,
+            configs, grads=self._grads, ops=TorchOps(), comm=comm, clip_layers=clip_layers,
             sparse_exchange=lambda c: SparseExchange(c, self._grads, comm, self.stats),
             layer_names=layer_names, stats=self.stats)
         self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, TorchOps(),
-                                      self.stats, comm)
+                                      self.stats, comm, group_bytes=group_bytes)
         self._param_signatures = [checkpoint.signature(p.shape, p.dtype)
                                   for lp in layer_params for _, p in lp]
         layers_seen = [(name, [checkpoint.signature(p.shape, p.dtype) for _, p in lp])
@@ -290,6 +291,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          lowrank: LowRankConfig | dict | int | None = None,
                          delay: DelayConfig | dict | bool | int | None = None,
                          scaler: Any = None,
+                         group_mb: float = DEFAULT_GROUP_BYTES / 2**20,
                          **unknown: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across the ranks (on Horovod
     or torch.distributed: :mod:`hvdsync.torch.engine`).
@@ -324,6 +326,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         scaler: the ``torch.amp.GradScaler`` of mixed-precision training: the techniques then
             see unscaled gradients, and ``synchronize()`` leaves them scaled for
             ``scaler.unscale_(opt)`` (docs/mixed_precision.md for the recipe).
+        group_mb: the size of a *ready group* in MiB (default 25, torch DDP's bucket size):
+            layers are clipped, measured and sent a group at a time -- backward's consecutive
+            layers until their gradients reach this size -- so a technique's tensor work is a
+            few multi-tensor ops per group, not per tensor (on a GPU each op is a kernel
+            launch). ``0``: every layer alone, each sent the moment it is ready
+            (docs/design.md, "Ready groups").
 
     A step whose gradients hold NaN/Inf on any rank is skipped on every rank
     (docs/failures.md): ``synchronize()`` leaves every gradient NaN, ``step()`` does nothing.
@@ -332,8 +340,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     a number (its main field). Which techniques combine: :mod:`hvdsync.rules`.
     """
     techniques = rules.given(locals())
-    reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers", "scaler") + rules.TECHNIQUES,
-                          "DistributedOptimizer")
+    reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers", "scaler", "group_mb")
+                          + rules.TECHNIQUES, "DistributedOptimizer")
+    group_bytes = int(non_negative_float("group_mb", group_mb) * 2**20)
     if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in
                                       ("get_scale", "is_enabled", "update", "unscale_")):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
@@ -361,5 +370,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
                           gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                          layers, configs, scaler)
+                          layers, configs, scaler, group_bytes)
     return wrapped
