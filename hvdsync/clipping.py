@@ -44,6 +44,7 @@ from hvdsync.stats import SyncStats
 from hvdsync.technique import Gradients, TensorOps, Transform
 
 MODES = ("local", "global")
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
 def _finite(name: str, x: Any) -> float:
@@ -148,7 +149,9 @@ class ClipPolicy:
                 beta, k = c.variance
                 mean, mean_sq = self._moments(layer, beta)
                 limit = min(limit, mean + k * math.sqrt(max(mean_sq - mean * mean, 0.0)))
-        return limit
+        # an adaptive limit of 0 (every norm seen was 0) would make a zero gradient's scale
+        # 0 / 0: the smallest float32 instead (the adapters' scale is float32)
+        return max(limit, FLOAT32_TINY)
 
     def observe(self, layer: int, grad_norm: float) -> None:
         """Fold this step's (pre-clip) norm into the running statistics; non-finite ignored."""

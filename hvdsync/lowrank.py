@@ -251,6 +251,9 @@ class LowRankCompression(Transport):
 
     def _new_step(self) -> None:
         self._ready: set[int] = set()  # layers ready this step
+        #: started in the current ready group, their P not computed yet: (li, compressed ks,
+        #: plain ks)
+        self._new_layers: list[tuple[int, list[int], list[int]]] = []
         self._filling: dict[int, list] = {}  # bucket -> (li, ks, matrices, P) not sent yet
         self._waiting: list[_Round] = []  # P in flight, Q not started yet (in sending order)
         self._started: list[_Round] = []
@@ -311,9 +314,10 @@ class LowRankCompression(Transport):
         self._ready.add(li)
 
     def group_started(self) -> None:
-        """The group's layers are started or kept back: a bucket whose members are all ready
-        is complete (a member a decider kept back went nowhere), its P round goes; and the Q
-        rounds whose P has arrived."""
+        """The group's layers are started or kept back: their P are computed (at once), a
+        bucket whose members are all ready is complete (a member a decider kept back went
+        nowhere) and its P round goes; and the Q rounds whose P has arrived."""
+        self._compute_p()
         self._send_complete()
         self._advance()
 
@@ -332,67 +336,98 @@ class LowRankCompression(Transport):
 
     # -- the step ---------------------------------------------------------------------------
     def start(self, li: int, ks: list[int]) -> Optional[Pending]:
-        """Compute the layer's P; its bucket's P round starts once every layer of the bucket
+        """Queue the layer: its matrices' P are computed with its ready group's
+        (:meth:`group_started`); its bucket's P round starts once every layer of the bucket
         is ready (its Q round once P has arrived)."""
+        self._new_layers.append((li, [k for k in ks if self.rank_for(li, k)],
+                                 [k for k in ks if not self.rank_for(li, k)]))
+        return None
+
+    def _compute_p(self) -> None:
+        """``M = grad + E`` and ``P = M Q`` for every matrix the ready group started: a few
+        multi-tensor ops for all of them (the same bits as one matrix at a time)."""
+        layers, self._new_layers = self._new_layers, []
+        if not layers:
+            return
         g, ops = self.grads, self.ops
-        compressed, ms, ps, plain = [], [], [], []
-        for k in ks:
-            if not self.rank_for(li, k):
-                plain.append(k)
-                continue
-            key = g.key(li, k)
-            m = ops.matrix(g.get(li, k))
-            if key in self.err:
-                m = ops.add(m, self.err[key])
-            q = self._initial_q(key, li, k, m)
-            compressed.append(k)
-            ms.append(m)
-            ps.append(ops.matmul(m, q))
-        self._filling.setdefault(self._buckets()[li], []).append(
-            (li, compressed, ms, ps + [g.get(li, k) for k in plain], plain))
-        return None  # its bucket's P round goes at group_started
+        where = [(li, k, g.key(li, k)) for li, compressed, _ in layers for k in compressed]
+        ms = [ops.matrix(g.get(li, k)) for li, k, _ in where]
+        owed = [i for i, (_, _, key) in enumerate(where) if key in self.err]
+        if owed:
+            for i, m in zip(owed, ops.add_all([ms[i] for i in owed],
+                                              [self.err[where[i][2]] for i in owed])):
+                ms[i] = m
+        qs = [self._initial_q(key, li, k, m) for (li, k, key), m in zip(where, ms)]
+        matrices, ps = iter(ms), iter(ops.matmul_all(ms, qs) if ms else [])
+        for li, compressed, plain in layers:
+            layer_ms = [next(matrices) for _ in compressed]
+            layer_ps = [next(ps) for _ in compressed]
+            self._filling.setdefault(self._buckets()[li], []).append(
+                (li, compressed, layer_ms, layer_ps + [g.get(li, k) for k in plain], plain))
 
     def _advance(self) -> None:
-        """Start the Q round of every waiting bucket whose P has arrived, in sending order
+        """Start the Q rounds of the waiting buckets whose P has arrived, in sending order
         (only where collectives pair by name: elsewhere they start in :meth:`flush`, in the
         same order on every rank)."""
+        arrived = []
         while self.comm.matches_by_name and self._waiting and self._waiting[0].p.ready():
-            self._start_q(self._waiting.pop(0))
+            arrived.append(self._waiting.pop(0))
+        if arrived:
+            self._start_q(arrived)
 
-    def _start_q(self, rnd: _Round) -> None:
+    def _start_q(self, rounds: list[_Round]) -> None:
+        """The Q rounds of ``rounds`` (their P arrived): every P orthonormalized and every
+        ``M^T P`` computed at once; each round's Q allreduce; the delivery of all of them at
+        the first wait (``P Q^T`` and the residuals, at once)."""
         g, ops = self.grads, self.ops
-        arrived, ps = iter(rnd.p.wait()), []
-        for li, _, layer_ms, plain in rnd.layers:
-            ps += [ops.orthonormal(next(arrived)) for _ in layer_ms]
-            for k in plain:  # averaged already: delivered now
-                g.set(li, k, next(arrived))
-        ms = [m for _, _, layer_ms, _ in rnd.layers for m in layer_ms]
-        qs = [ops.matmul(m, p, transpose_a=True) for m, p in zip(ms, ps)]
-        # (no matrix: its layers' only matrix was row-sparse this step)
-        pending = (self.comm.allreduce(f"hvdsync.lowrank.Q.{rnd.name}", qs) if qs
-                   else Pending.resolved([]))
+        ms, ps = [], []
+        for rnd in rounds:
+            arrived = iter(rnd.p.wait())
+            for li, _, layer_ms, plain in rnd.layers:
+                ps += [next(arrived) for _ in layer_ms]
+                ms += layer_ms
+                for k in plain:  # averaged already: delivered now
+                    g.set(li, k, next(arrived))
+        ps = ops.orthonormal_all(ps) if ps else []
+        qs = iter(ops.matmul_all(ms, ps, transpose_a=True) if ms else [])
+        for rnd in rounds:
+            mine = [next(qs) for _, _, layer_ms, _ in rnd.layers for _ in layer_ms]
+            # (no matrix: its layers' only matrix was row-sparse this step)
+            rnd.q = (self.comm.allreduce(f"hvdsync.lowrank.Q.{rnd.name}", mine) if mine
+                     else Pending.resolved([]))
+        delivered: list[bool] = []
 
-        def deliver(qs_avg: list) -> None:
-            at = iter(zip(ms, ps, qs_avg))
-            for li, ks, _, _ in rnd.layers:
-                for k, (m, p, q) in zip(ks, at):
-                    key = g.key(li, k)
-                    approx, self._new_err[key] = _project(ops, m, p, q)
-                    self._new_q[key] = q
-                    g.set(li, k, ops.from_matrix(approx, g.get(li, k)))
-        rnd.q, rnd.result = pending, pending.then(deliver)
-        self._started.append(rnd)
+        def deliver() -> None:
+            if delivered:
+                return
+            delivered.append(True)
+            q_avg = [q for rnd in rounds for q in rnd.q.wait()]
+            approx = ops.matmul_all(ps, q_avg, transpose_b=True) if ps else []
+            owed = iter(ops.sub_all(ms, approx))  # M - P Q^T: this rank still owes it
+            at = iter(zip(q_avg, approx))
+            for rnd in rounds:
+                for li, ks, _, _ in rnd.layers:
+                    for k in ks:
+                        key = g.key(li, k)
+                        q, x = next(at)
+                        self._new_q[key], self._new_err[key] = q, next(owed)
+                        g.set(li, k, ops.from_matrix(x, g.get(li, k)))
+        for rnd in rounds:
+            rnd.result = Pending(deliver, lambda: all(r.q.ready() for r in rounds),
+                                 what=f"the low-rank Q round {rnd.name!r}")
+        self._started += rounds
 
     def flush(self) -> dict[int, Pending]:
         """Every P is computed: send the buckets still filling, then start the Q rounds still
         to start (each waits for its P). A bucket's rounds are counted on its first layer;
         its other layers wait for the same rounds."""
+        self._compute_p()  # (every group ended with group_started: nothing left, normally)
         for b in sorted(self._filling):
             self._send(b)
         if self._waiting:
             self.comm.flush()  # queued P rounds go now (Keras)
-            while self._waiting:
-                self._start_q(self._waiting.pop(0))
+            rounds, self._waiting = self._waiting, []
+            self._start_q(rounds)
             self.comm.flush()  # and the Q rounds
         out: dict[int, Pending] = {}
         for rnd in self._started:  # both rounds count (Keras knows them after flush)

@@ -71,6 +71,7 @@ class StepPipeline:
         if len(deciders) > 1 or not self.transports:
             raise ValueError("a pipeline takes at most one decider and at least one transport")
         self.by_name = {t.name: t for t in techniques}
+        self._layer_bytes: dict[int, int] = {}  # each layer's parameters' bytes (static)
         local = [t for t in self.transports if t.updates_locally]
         beside = [t for t in self.transports if local and t is not local[0]
                   and t.name not in local[0].carries]
@@ -139,20 +140,27 @@ class StepPipeline:
     def _join(self, li: int) -> None:
         """Layer ``li`` joins the ready group; the group goes once it is big enough."""
         self._group.append(li)
-        self._bytes[li] = size = self.grads.payload_bytes(li)
+        self._bytes[li] = self.grads.payload_bytes(li)
+        # by the parameters' bytes, not this step's payload (a sparse gradient's varies): where
+        # collectives pair by order, every rank cuts the same groups from the same order
+        size = self._layer_bytes.get(li)
+        if size is None:
+            size = self._layer_bytes[li] = self.grads.layer_bytes(li)
         self._group_size += size
         if self._group_size >= self.group_bytes:
             self._take_group()
 
-    def _take_group(self) -> None:
+    def _take_group(self, share: bool = False) -> None:
         if self._group:
             group, self._group, self._group_size = self._group, [], 0
             self.stats.count("ready_groups")
-            self._take(group)
+            with self.grads.working():
+                self._take(group, share)
 
-    def _take(self, group: list[int]) -> None:
+    def _take(self, group: list[int], share: bool = False) -> None:
         """A ready group: each layer's transports, then the group's transforms (clip) and the
-        decider's statistics at once, then each layer sent (or kept back) in turn."""
+        decider's statistics at once, then each layer sent (or kept back) in turn; ``share``:
+        the step's last group, the decider's control round starts before its data."""
         grads = self.grads
         for li in group:
             grads.prepare(li)
@@ -175,13 +183,26 @@ class StepPipeline:
         decider = self.decider
         if decider is not None:
             decider.group_ready([(li, self._governed[li]) for li in group])
+        sends = []
         for li in group:
             self._ready[li] = True
             for t, ks in self._parts[li]:  # not decidable: goes every step (sparse rows)
                 if not t.decidable and ks:
                     self._start(li, t, ks)
-            if self._governed[li]:
-                self._dispatch(li, decider.decision(li) if decider is not None else True)
+            if not self._governed[li]:
+                continue
+            if decider is None or decider.decision(li):
+                sends.append(li)
+            else:
+                self._keep(li)
+        if decider is not None and sends:  # what they kept back joins them, at once
+            decider.on_send_group([(li, self._governed[li]) for li in sends])
+        if share:
+            decider.share(self.ops.bad(self._kept))
+        for li in sends:
+            for t, part in self._parts[li]:
+                if t.decidable and part:
+                    self._start(li, t, part)
         for t in self.transports:
             t.group_started()
 
@@ -203,19 +224,13 @@ class StepPipeline:
             r = self._ranges[n] = list(range(n))
         return r
 
-    def _dispatch(self, li: int, send: bool) -> None:
+    def _keep(self, li: int) -> None:
+        """The decider keeps layer ``li`` back this step."""
         ks = self._governed[li]
-        if not send:
-            # checked for NaN/Inf by the decider's control plane (no data goes to tell)
-            self._kept.extend(self.grads.get(li, k) for k in ks)
-            self.decider.on_skip(li, ks)
-            self.stats.skipped(self.layer_names[li])
-            return
-        if self.decider is not None:
-            self.decider.on_send(li, ks)
-        for t, part in self._parts[li]:
-            if t.decidable and part:
-                self._start(li, t, part)
+        # checked for NaN/Inf by the decider's control plane (no data goes to tell)
+        self._kept.extend(self.grads.get(li, k) for k in ks)
+        self.decider.on_skip(li, ks)
+        self.stats.skipped(self.layer_names[li])
 
     def _start(self, li: int, t: Transport, ks: list[int]) -> None:
         if not t.checks_own:
@@ -248,9 +263,22 @@ class StepPipeline:
         """Make every layer ready (parameters without a gradient get zeros, as in Horovod),
         send everything queued, start the decider's control exchange, wait for all of it, and
         close the step up to the wrapped optimizer's update."""
+        with self.grads.working():
+            self._finish_backward()
+        self.grads.joined()
+
+    def _finish_backward(self) -> None:
         self.check_load()  # (a step in which no layer became ready in backward)
-        self._take_group()  # the last group backward made ready
         n = len(self.layer_names)
+        waiting = set(self._group)
+        # The last group backward made ready. If it is the step's last one, the decider's
+        # control round starts before its data, so that Horovod takes both in one cycle (and
+        # fuses them) instead of the control round waiting a cycle after the data: measured,
+        # threshold=0 on a 2.4 ms step 1.24x -> 1.0x plain Horovod. Only where collectives
+        # pair by name: whether a layer is missing is this rank's own.
+        shared = (self.decider is not None and self._order is None
+                  and all(self._ready[li] or li in waiting for li in range(n)))
+        self._take_group(share=shared)
         missing = [li for li in range(n) if not self._ready[li]]
         for t in self.transports:
             t.backward_done()
@@ -272,8 +300,8 @@ class StepPipeline:
         self._take_group()
         for t in self.transports:
             self._add(t.flush())
-        if self.decider is not None:  # in flight with the data, waited on in _settle
-            self.decider.share(self.ops.bad(self._kept))
+        if self.decider is not None and not shared:  # in flight with the data, waited on in
+            self.decider.share(self.ops.bad(self._kept))  # _settle
         for li in sorted(self._pending):
             ps = self._pending[li]
             self.stats.sent(self.layer_names[li], sum(p.nbytes for p in ps),

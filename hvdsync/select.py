@@ -57,7 +57,7 @@ import numpy as np
 from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
 from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps,
-                               control_part, refill, shared_ok)
+                               accumulated, control_part, refill, shared_ok)
 
 SELECTORS = ("hypernet", "norm", "random", "round_robin")
 OBJECTIVES = ("first_order", "second_order")
@@ -377,6 +377,7 @@ class SelectedPushes(Decider):
         self._eligible = [True] * n
         self._bytes = [0] * n  # each layer's dense gradient bytes (for a byte budget)
         self._journal: dict[str, Any] = {}  # residuals as they were before this step
+        self._withheld: list[tuple[str, Any]] = []  # withheld this step: (key, gradient)
         self._local: Any = None  # this rank's statistics of the step (a device vector)
         self._control: Optional[Pending] = None
         #: the last step's local scores, rank-averaged scores, residual norms and (hypernet)
@@ -412,25 +413,44 @@ class SelectedPushes(Decider):
         return self.policy.selected[li]  # chosen at the end of the last step
 
     def on_send(self, li: int, ks: list[int]) -> None:
-        for k in ks:
-            key = self.grads.key(li, k)
-            r = self.residual.pop(key, None)
-            self._journal.setdefault(key, r)  # to put back if the step turns out non-finite
-            if r is not None:
-                self.grads.set(li, k, self.ops.accumulate(self.grads.get(li, k), r))
+        self.on_send_group([(li, ks)])
+
+    def on_send_group(self, layers: list[tuple[int, list[int]]]) -> None:
+        """The group's pushed layers send ``g + residual`` (one multi-tensor add for all)."""
+        g = self.grads
+        owed = []
+        for li, ks in layers:
+            for k in ks:
+                key = g.key(li, k)
+                r = self.residual.pop(key, None)
+                self._journal.setdefault(key, r)  # to put back if the step is non-finite
+                if r is not None:
+                    owed.append((li, k, r))
+        if owed:  # (in place where the framework allows)
+            for (li, k, _), x in zip(owed, self.ops.accumulate_all(
+                    [g.get(li, k) for li, k, _ in owed], [r for _, _, r in owed])):
+                g.set(li, k, x)
 
     def on_skip(self, li: int, ks: list[int]) -> None:
+        """The layer is withheld; its gradient joins its residual (for every withheld layer
+        at once, in :meth:`share`)."""
+        g = self.grads
         for k in ks:
-            key, g = self.grads.key(li, k), self.grads.get(li, k)
-            r = self.residual.get(key)
-            self._journal.setdefault(key, r)
-            self.residual[key] = self.ops.clone(g) if r is None else self.ops.add(r, g)
-            self.grads.withhold(li, k)
+            key = g.key(li, k)
+            self._journal.setdefault(key, self.residual.get(key))
+            self._withheld.append((key, g.get(li, k)))
+            g.withhold(li, k)
+
+    def _withhold_all(self) -> None:
+        """The withheld gradients join their residuals (one add and one copy for all)."""
+        kept, self._withheld = self._withheld, []
+        self.residual.update(accumulated(self.ops, self.residual, kept))
 
     def share(self, local_bad: Any) -> None:
         """Start the control-plane allreduce of every rank's dot products and residual norms
         (and whether its gradients were finite): the next step's layers come from it."""
         n, g, ops = len(self.layer_names), self.grads, self.ops
+        self._withhold_all()
         holding = []
         if self.residual:
             keys = [[g.key(li, k) for k in range(g.size(li))] for li in range(n)]
@@ -504,6 +524,7 @@ class SelectedPushes(Decider):
     def forget(self) -> None:
         self.residual.clear()
         self._journal.clear()
+        self._withheld = []
         self._dots = []
 
     def status(self) -> dict:

@@ -110,14 +110,15 @@ class Pending:
         return self.wait()
 
     def ready_within(self, seconds: float) -> bool:
-        """Whether it becomes ready within ``seconds``, polling with short sleeps (up to
-        1 ms) instead of spinning."""
-        deadline, sleep = time.monotonic() + seconds, 5e-5
+        """Whether it becomes ready within ``seconds``, polling with short sleeps instead of
+        spinning: 20 us, growing to 200 us (a step of a few ms must not lose one to a sleep
+        that outlasts the exchange; longer ones poll 5000 times a second at most)."""
+        deadline, sleep = time.monotonic() + seconds, 2e-5
         while not self.ready():
             if time.monotonic() > deadline:
                 return False
             time.sleep(sleep)
-            sleep = min(2 * sleep, 1e-3)
+            sleep = min(1.5 * sleep, 2e-4)
         return True
 
     def ready(self) -> bool:
@@ -185,6 +186,20 @@ def shared_ok(shared: Sequence[float]) -> bool:
     return shared[-1] == 0 and all(math.isfinite(x) for x in shared[:-1])
 
 
+def accumulated(ops: "TensorOps", held: Any, kept: Sequence[tuple[str, Any]]) -> dict:
+    """A decider's kept gradients (``(key, gradient)``) added to what ``held`` holds for their
+    keys (a copy where it holds nothing): one multi-tensor add and one copy for all."""
+    adds = [(key, grad) for key, grad in kept if key in held]
+    firsts = [(key, grad) for key, grad in kept if key not in held]
+    out = {}
+    if adds:
+        out.update(zip([key for key, _ in adds], ops.add_all([held[key] for key, _ in adds],
+                                                             [grad for _, grad in adds])))
+    if firsts:
+        out.update(zip([key for key, _ in firsts], ops.clone_all([grad for _, grad in firsts])))
+    return out
+
+
 def refill(mapping: Any, items: dict) -> None:
     """Replace a technique's per-parameter memory in place (it may be a dict, or the Keras
     compiled path's variable-backed view of the same keys)."""
@@ -205,6 +220,15 @@ class Gradients(Protocol):
     def value(self, li: int, k: int) -> Any: ...
     def is_row_sparse(self, li: int, k: int) -> bool: ...
     def payload_bytes(self, li: int) -> int: ...
+    def working(self) -> Any:
+        """A context for the step's work after backward made layers ready (a ready group's,
+        ``synchronize()``'s): where the adapter runs it (torch on CUDA: optionally a side
+        stream); :meth:`joined` once the step's work is queued."""
+    def joined(self) -> None:
+        """The step's work is queued; what the caller runs next waits for it."""
+    def layer_bytes(self, li: int) -> int:
+        """Layer ``li``'s parameters' bytes (what a dense gradient of it weighs: the same on
+        every rank and every step, unlike :meth:`payload_bytes` of a sparse one)."""
     def snapshot(self, key: str) -> Any:
         """The parameter ``key`` and the optimizer's state for it, as they are now."""
     def restore(self, key: str, snap: Any) -> None:
@@ -283,6 +307,11 @@ class TensorOps(Protocol):
         """``m`` (from :meth:`matrix`) in the shape of ``like``."""
     def matmul(self, a: Any, b: Any, transpose_a: bool = False,
                transpose_b: bool = False) -> Any: ...
+    def matmul_all(self, a: Sequence[Any], b: Sequence[Any], transpose_a: bool = False,
+                   transpose_b: bool = False) -> list:
+        """:meth:`matmul` pairwise, at once (one multi-tensor op where there is one)."""
+    def orthonormal_all(self, ps: Sequence[Any]) -> list:
+        """:meth:`orthonormal` of each (matrices of a shape in one batched call)."""
     def orthonormal(self, p: Any) -> Any:
         """An orthonormal basis of ``p``'s columns (QR's Q, same shape); deterministic."""
     def from_host(self, values: Any, like: Any) -> Any:
@@ -306,6 +335,8 @@ class TensorOps(Protocol):
         """The average of every rank's :meth:`decode`-d piece of an allgather of
         :meth:`encode`'s parts (``size`` equal pieces each), summed in rank order (the same
         bits on every rank), shaped like ``like``."""
+    def add_all(self, a: Sequence[Any], b: Sequence[Any]) -> list:
+        """``a + b`` pairwise, as new tensors (one multi-tensor op where there is one)."""
     def sub_all(self, a: Sequence[Any], b: Sequence[Any]) -> list:
         """``a - b`` pairwise, as new tensors (one multi-tensor op where there is one)."""
     def add_scaled_all(self, a: Sequence[Any], b: Sequence[Any], alpha: float) -> list:
@@ -557,8 +588,15 @@ class Decider(Technique):
         """Layer ``li`` goes this step: put what it kept back into its gradient (nothing is
         forgotten yet: the step may turn out non-finite)."""
 
+    def on_send_group(self, layers: list[tuple[int, list[int]]]) -> None:
+        """The ready group's layers that go this step (``(li, ks)`` each): :meth:`on_send`
+        for all of them, at once (a few multi-tensor ops). Default: one at a time."""
+        for li, ks in layers:
+            self.on_send(li, ks)
+
     def on_skip(self, li: int, ks: list[int]) -> None:
-        """Layer ``li`` does not go this step: keep its gradient (provisionally)."""
+        """Layer ``li`` does not go this step: keep its gradient (provisionally; the
+        arithmetic may wait for :meth:`share`, its gradient is not sent)."""
 
     def share(self, local_bad: Any) -> None:
         """Every layer of the step has been sent or kept back: start the control-plane

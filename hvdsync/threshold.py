@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 from hvdsync.config import coerce_config
 from hvdsync.technique import (LOCAL_STEP, Communicator, Decider, Gradients, Pending,
-                               TensorOps, control_part, refill, shared_ok)
+                               TensorOps, accumulated, control_part, refill, shared_ok)
 
 SCOPES = ("layer", "global")
 
@@ -173,6 +173,7 @@ class AccumulationThreshold(Decider):
     def _new_step(self) -> None:
         self._candidate: dict[str, Any] = {}  # skipped: acc + this step's gradient
         self._synced: list[str] = []  # sent this step: acc goes, the anchor is restored
+        self._kept: list[tuple[str, Any]] = []  # kept back this step: (key, gradient)
         #: per ready group: its layers and the norms of their gradients (a device vector)
         self._grad_norms: list[tuple[list[int], Any]] = []
         self._control: Optional[Pending] = None
@@ -198,21 +199,36 @@ class AccumulationThreshold(Decider):
 
     def on_send(self, li: int, ks: list[int]) -> None:
         """The layer syncs now: it sends its accumulation with this step's gradient."""
+        self.on_send_group([(li, ks)])
+
+    def on_send_group(self, layers: list[tuple[int, list[int]]]) -> None:
+        """The group's layers that sync now send their accumulations with this step's
+        gradients (one multi-tensor add for all of them)."""
         g = self.grads
-        for k in ks:
-            key = g.key(li, k)
-            if key in self.acc:
-                g.set(li, k, self.ops.add(self.acc[key], g.get(li, k)))
-            self._synced.append(key)
+        owed = []
+        for li, ks in layers:
+            for k in ks:
+                key = g.key(li, k)
+                if key in self.acc:
+                    owed.append((li, k, key))
+                self._synced.append(key)
+        if owed:
+            for (li, k, _), x in zip(owed, self.ops.add_all(
+                    [self.acc[key] for _, _, key in owed], [g.get(li, k) for li, k, _ in owed])):
+                g.set(li, k, x)
 
     def on_skip(self, li: int, ks: list[int]) -> None:
-        """The layer stays local this step: its gradient joins the accumulation (committed
-        in :meth:`settle` if the step is finite everywhere)."""
+        """The layer stays local this step: its gradient joins the accumulation (computed
+        for every kept layer at once in :meth:`share`, committed in :meth:`settle` if the
+        step is finite everywhere)."""
         g = self.grads
-        for k in ks:
-            key, grad = g.key(li, k), g.get(li, k)
-            self._candidate[key] = (self.ops.add(self.acc[key], grad) if key in self.acc
-                                    else self.ops.clone(grad))
+        self._kept += [(g.key(li, k), g.get(li, k)) for k in ks]
+
+    def _accumulate_kept(self) -> None:
+        """The kept layers' candidates: accumulation + this step's gradient (one add and one
+        copy for all of them)."""
+        kept, self._kept = self._kept, []
+        self._candidate.update(accumulated(self.ops, self.acc, kept))
 
     def share(self, local_bad: Any) -> None:
         """Start the control-plane allreduce of every layer's *expected* accumulation at the
@@ -220,6 +236,7 @@ class AccumulationThreshold(Decider):
         of this step's gradient, the size of one more -- with ``relative``, the parameter norm
         as of the layer's last sync, and whether this rank's gradients were finite."""
         g, ops, n = self.grads, self.ops, self.num_layers
+        self._accumulate_kept()
         # built on the device and sent without a host read: a few ops for every layer
         expected = ops.in_layer_order(n, self._grad_norms)
         keys = ([[g.key(li, k) for k in range(g.size(li))] for li in range(n)]

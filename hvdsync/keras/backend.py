@@ -10,6 +10,7 @@ global and advances every step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -30,9 +31,11 @@ def norm_of(tensors: Sequence) -> tf.Tensor:
         return _zero()
     wide = _wide(values)
     # l2_loss: half the sum of squares in one pass (square-then-sum writes a temporary the
-    # size of the tensor); halving and doubling are exact
-    norms = tf.stack([tf.sqrt(2 * tf.nn.l2_loss(tf.cast(v, wide))) for v in values])
-    return tf.cast(tf.sqrt(tf.reduce_sum(tf.square(norms))), tf.float32)
+    # size of the tensor); halving and doubling are exact. Each tensor's sum of squares,
+    # their sum, its root: as the torch adapter computes it (one multi-tensor op there)
+    squares = [tf.nn.l2_loss(v if v.dtype == wide else tf.cast(v, wide)) for v in values]
+    total = squares[0] if len(squares) == 1 else tf.add_n(squares)
+    return tf.cast(tf.sqrt(2 * total), tf.float32)
 
 
 def _wide(tensors: Sequence) -> tf.DType:
@@ -249,6 +252,15 @@ class KerasOps:
         return tf.linalg.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
     @staticmethod
+    def matmul_all(a: Sequence, b: Sequence, transpose_a: bool = False,
+                   transpose_b: bool = False) -> list:
+        return [KerasOps.matmul(x, y, transpose_a, transpose_b) for x, y in zip(a, b)]
+
+    @staticmethod
+    def orthonormal_all(ps: Sequence) -> list:
+        return [KerasOps.orthonormal(p) for p in ps]
+
+    @staticmethod
     def orthonormal(p):
         if p.dtype in (tf.float16, tf.bfloat16):  # no half-precision QR
             return tf.cast(tf.linalg.qr(tf.cast(p, tf.float32)).q, p.dtype)
@@ -294,6 +306,10 @@ class KerasOps:
                                    chunk)
             total = mine if total is None else [a + b for a, b in zip(total, mine)]
         return [KerasOps.add_scaled(tf.zeros_like(t), t, 1.0 / size) for t in total]
+
+    @staticmethod
+    def add_all(a: Sequence, b: Sequence) -> list:
+        return [x + y for x, y in zip(a, b)]
 
     @staticmethod
     def sub_all(a: Sequence, b: Sequence) -> list:
@@ -433,6 +449,16 @@ class KerasGradients:
 
     def payload_bytes(self, li: int) -> int:
         return sum(payload_bytes(self.grads[p]) for p in self._positions[li])
+
+    @staticmethod
+    def working():
+        return contextlib.nullcontext()
+
+    def joined(self) -> None:
+        pass
+
+    def layer_bytes(self, li: int) -> int:
+        return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in self.layer_vars[li])
 
     def snapshot(self, key: str) -> dict:
         v = self._by_key[key]

@@ -36,7 +36,12 @@ def clip_layer(grads: list, params: list, c: ClipConfig, limit) -> tuple[list, t
     # Scale only down (a zero norm gives inf -> 1); leave non-finite alone.
     # (1 / norm) * limit in float32, as the torch adapter computes it: the same scale
     scale = tf.where(finite, tf.minimum(tf.math.reciprocal(norm) * limit, 1.0), 1.0)
-    grads = [_map_values(g, lambda v: v * tf.cast(scale, v.dtype)) for g in grads]
+    cast = {}  # the scale in each gradient dtype, cast once (a node less per variable)
+    for g in grads:
+        d = (g.values if isinstance(g, tf.IndexedSlices) else g).dtype
+        if d not in cast:
+            cast[d] = scale if d == tf.float32 else tf.cast(scale, d)
+    grads = [_map_values(g, lambda v: v * cast[v.dtype]) for g in grads]
     clipped = tf.logical_and(tf.logical_or(scale < 1.0, tf.not_equal(norm, raw_norm)), finite)
     return grads, raw_norm, clipped
 

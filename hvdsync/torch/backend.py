@@ -5,7 +5,9 @@ so a ``load_state_dict`` of the optimizer is always seen), and tensor arithmetic
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -88,20 +90,36 @@ def _flat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
 
 
+#: whether the torch adapter's statistics take their GPU form on a CPU too: multi-tensor
+#: ops over model-sized temporaries, a few launches for a whole group. On a CPU an op costs a
+#: few microseconds and a model-sized temporary more than that (no caching allocator), so
+#: the default there is an op per tensor without temporaries; benchmarks/bench_fixed_cost.py
+#: and tests/test_fixed_cost.py set it to count what a GPU step dispatches.
+GPU_FORM_ON_CPU = False
+
+
 def layer_dots(layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
     """Each layer's sum of dot products of its pairs as a float32 vector (one entry per
-    layer, 0 for none), in the pairs' precision (at least float32) rounded once at the end:
-    both sides flattened into one vector each, multiplied, summed per layer."""
+    layer, 0 for none), in the pairs' precision (at least float32) rounded once at the end.
+    On a GPU (:data:`GPU_FORM_ON_CPU`): every product at once, flattened, then one sum per
+    layer (multi-tensor ops have no signed sum, and a segmented sum is slow) -- an op per
+    layer and five for the group; on a CPU a dot per tensor, reading both without a copy."""
     a = [x for pairs in layers for x, _ in pairs]
     b = [y for pairs in layers for _, y in pairs]
     if not a:
         return torch.zeros(len(layers))
     wide = torch.float64 if any(t.dtype == torch.float64 for t in a + b) else torch.float32
-    products = _flat(a, wide) * _flat(b, wide)
-    counts = [sum(x.numel() for x, _ in pairs) for pairs in layers]
-    if len(layers) == 1:
-        return products.sum().reshape(1).float()
-    return _per_layer(products, counts).float()
+    a = [t if t.dtype == wide else t.to(wide) for t in a]
+    b = [t if t.dtype == wide else t.to(wide) for t in b]
+    if len({t.device for t in a + b}) > 1 or not (a[0].is_cuda or GPU_FORM_ON_CPU):
+        per_pair = torch.stack([torch.vdot(x.reshape(-1), y.reshape(-1).to(x.device))
+                                for x, y in zip(a, b)])
+        return _per_layer(per_pair, [len(pairs) for pairs in layers]).float()
+    products = list(torch._foreach_mul(a, b))
+    flat = _flat(products, wide)
+    sizes = [sum(x.numel() for x, _ in pairs) for pairs in layers]
+    sums = [piece.sum() for piece in flat.split(sizes)] if len(layers) > 1 else [flat.sum()]
+    return torch.stack(sums).float()
 
 
 def in_layer_order(n: int, parts: Sequence[tuple[Sequence[int], torch.Tensor]]
@@ -258,16 +276,62 @@ class TorchOps:
 
     @staticmethod
     def matrix(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(t.shape[0], -1)
+        return t if t.dim() == 2 else t.reshape(t.shape[0], -1)  # (a view is an op too)
 
     @staticmethod
     def from_matrix(m: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return m.reshape(like.shape)
+        return m if m.shape == like.shape else m.reshape(like.shape)
 
     @staticmethod
     def matmul(a: torch.Tensor, b: torch.Tensor, transpose_a: bool = False,
                transpose_b: bool = False) -> torch.Tensor:
         return (a.T if transpose_a else a) @ (b.T if transpose_b else b)
+
+    @staticmethod
+    def matmul_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor],
+                   transpose_a: bool = False, transpose_b: bool = False) -> list[torch.Tensor]:
+        a, b = list(a), list(b)
+        if len({(x.dtype, x.device) for x in a + b}) > 1:
+            return [TorchOps.matmul(x, y, transpose_a, transpose_b) for x, y in zip(a, b)]
+        if not (transpose_a or transpose_b):
+            return list(torch._foreach_mm(a, b))  # (one op; the same bits as one mm each)
+        # a transpose is a view (an op) per matrix: matrices of a shape go as one batched
+        # product instead (the same bits as one mm each)
+        out: list = [None] * len(a)
+        alike: dict[tuple, list[int]] = {}
+        for i, (x, y) in enumerate(zip(a, b)):
+            alike.setdefault((tuple(x.shape), tuple(y.shape)), []).append(i)
+        for idx in alike.values():
+            if len(idx) == 1:
+                i = idx[0]
+                out[i] = TorchOps.matmul(a[i], b[i], transpose_a, transpose_b)
+                continue
+            x, y = torch.stack([a[i] for i in idx]), torch.stack([b[i] for i in idx])
+            for i, z in zip(idx, torch.bmm(x.mT if transpose_a else x,
+                                           y.mT if transpose_b else y).unbind()):
+                out[i] = z
+        return out
+
+    @staticmethod
+    def orthonormal_all(ps: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`orthonormal` of each, matrices of a shape together (one batched QR: the
+        same bits as one at a time)."""
+        out: list = [None] * len(ps)
+        alike: dict[tuple, list[int]] = {}
+        for i, p in enumerate(ps):
+            alike.setdefault((tuple(p.shape), p.dtype, p.device), []).append(i)
+        for (_, dtype, _), idx in alike.items():
+            if len(idx) == 1:
+                out[idx[0]] = TorchOps.orthonormal(ps[idx[0]])
+                continue
+            stacked = torch.stack([ps[i] for i in idx])
+            if dtype in (torch.float16, torch.bfloat16):  # no half-precision QR
+                q = torch.linalg.qr(stacked.float()).Q.to(dtype)
+            else:
+                q = torch.linalg.qr(stacked).Q
+            for i, x in zip(idx, q.unbind()):
+                out[i] = x
+        return out
 
     @staticmethod
     def orthonormal(p: torch.Tensor) -> torch.Tensor:
@@ -309,7 +373,9 @@ class TorchOps:
             return [flat.to(torch.bfloat16).view(torch.int16)]
         rows = torch.nn.functional.pad(flat, (0, -flat.numel() % chunk)).view(-1, chunk)
         scale = rows.abs().amax(dim=1) / 127.0  # NaN/Inf show in the scale
-        safe = torch.where(scale > 0, scale, 1.0)
+        # an all-zero chunk divides by the smallest float instead of 0 (its codes are 0
+        # either way: the Keras adapter divides by 1 there)
+        safe = scale.clamp(min=torch.finfo(torch.float32).tiny)
         codes = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
         return [codes.view(-1)[:flat.numel()], scale]  # the padding is not sent
 
@@ -322,16 +388,20 @@ class TorchOps:
     def decode_sum(gathered: Sequence[torch.Tensor], size: int, codec: str, chunk: int,
                    like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         dtypes = {t.dtype for t in like}
-        total = None
-        for r in range(size):  # in rank order: the same bits on every rank
-            part = [t.view(size, -1)[r] for t in gathered]
-            if len(dtypes) == 1:  # summed flat, in the tensors' precision
-                mine = [_decoded(part, codec, chunk).to(next(iter(dtypes)))]
-            else:
-                mine = TorchOps.decode(part, like, codec, chunk)
-            total = mine if total is None else TorchOps.accumulate_all(total, mine)
-        average = [torch.zeros_like(t).add_(t, alpha=1.0 / size) for t in total]
-        return TorchOps.unflatten(average[0], like) if len(dtypes) == 1 else average
+        if len(dtypes) > 1:  # (rare) one rank at a time, tensor by tensor
+            total = None
+            for r in range(size):  # in rank order: the same bits on every rank
+                mine = TorchOps.decode([TorchOps.part(t, r, size) for t in gathered], like,
+                                       codec, chunk)
+                total = mine if total is None else TorchOps.accumulate_all(total, mine)
+            return [torch.zeros_like(t).add_(t, alpha=1.0 / size) for t in total]
+        # every rank's piece decoded at once (a row each), in the tensors' precision, then
+        # summed in rank order: the same bits on every rank
+        rows = _decoded_rows(gathered, size, codec, chunk).to(next(iter(dtypes)))
+        total = rows[0].clone()
+        for r in range(1, size):
+            total.add_(rows[r])
+        return TorchOps.unflatten(torch.zeros_like(total).add_(total, alpha=1.0 / size), like)
 
     @staticmethod
     def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -340,6 +410,10 @@ class TorchOps:
         pieces = flat.split([t.numel() for t in like])  # (one op for every piece)
         return [p.view(t.shape) if p.dtype == t.dtype else p.view(t.shape).to(t.dtype)
                 for p, t in zip(pieces, like)]
+
+    @staticmethod
+    def add_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch._foreach_add(list(a), list(b))) if a else []
 
     @staticmethod
     def sub_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -403,9 +477,41 @@ class TorchGradients:
                 self._key[(li, k)] = key
                 self._param[key] = p
         self._withheld: list[torch.Tensor] = []
+        #: the side stream: ``True`` until made at first use, ``None``: off
+        self._side: Any = True if os.environ.get("HVDSYNC_SIDE_STREAM") == "1" else None
+        self._main: Any = None  # the stream the step's caller runs on, while it is in use
 
     def param(self, li: int, k: int) -> torch.Tensor:
         return self.layer_params[li][k][1]
+
+    # -- where a step's work runs (CUDA: a side stream, HVDSYNC_SIDE_STREAM=1) ------------
+    @contextmanager
+    def working(self):
+        """A ready group's work -- clip, the statistics, the sends -- and ``synchronize()``'s:
+        on CUDA with ``HVDSYNC_SIDE_STREAM=1``, on a side stream that first waits for what
+        backward has queued so far, so backward's next kernels do not queue behind them (the
+        collectives are started there too: Horovod and NCCL wait for the stream they are
+        started on). Elsewhere as it is."""
+        if self._side is None or not torch.cuda.is_available():
+            yield
+            return
+        if self._side is True:  # made at first use, on the gradients' device
+            self._side = torch.cuda.Stream()
+        main = torch.cuda.current_stream()
+        if main == self._side:  # (inside already: synchronize() takes the last group)
+            yield
+            return
+        self._main = main
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            yield
+
+    def joined(self) -> None:
+        """The step's work is queued: what runs next on the main stream (the optimizer's
+        update) waits for it."""
+        if self._main is not None:
+            self._main.wait_stream(self._side)
+            self._main = None
 
     def size(self, li: int) -> int:
         return len(self.layer_params[li])
@@ -416,6 +522,8 @@ class TorchGradients:
     def set(self, li: int, k: int, value: torch.Tensor) -> None:
         p = self.param(li, k)
         if value is not p.grad:
+            if self._main is not None and value.is_cuda:  # made on the side stream, used on
+                value.record_stream(self._main)           # the main one: freed after it
             p.grad = value
 
     def missing(self, li: int) -> list[int]:
@@ -438,6 +546,9 @@ class TorchGradients:
 
     def payload_bytes(self, li: int) -> int:
         return sum(payload_bytes(p.grad) for _, p in self.layer_params[li])
+
+    def layer_bytes(self, li: int) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.layer_params[li])
 
     def snapshot(self, key: str) -> dict:
         p = self._param[key]
@@ -552,6 +663,18 @@ def _decoded(parts: Sequence[torch.Tensor], codec: str, chunk: int) -> torch.Ten
     codes, scale = parts
     rows = torch.nn.functional.pad(codes.float(), (0, -codes.numel() % chunk))
     return (rows.view(-1, chunk) * scale[:, None]).view(-1)[:codes.numel()]
+
+
+def _decoded_rows(gathered: Sequence[torch.Tensor], size: int, codec: str, chunk: int
+                  ) -> torch.Tensor:
+    """An allgather of ``size`` ranks' :meth:`TorchOps.encode` parts decoded at once: a
+    ``size x n`` float32 matrix, rank ``r``'s values in row ``r``."""
+    if codec == "bf16":
+        return gathered[0].view(torch.bfloat16).float().view(size, -1)
+    codes, scale = gathered
+    n = codes.numel() // size
+    rows = torch.nn.functional.pad(codes.float().view(size, n), (0, -n % chunk))
+    return (rows.view(size, -1, chunk) * scale.view(size, -1, 1)).view(size, -1)[:, :n]
 
 
 def _flatten(x: Any) -> list:
