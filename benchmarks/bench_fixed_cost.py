@@ -11,7 +11,7 @@ batch 32, momentum SGD), so that what the wrapper adds is not hidden by the mode
 * **Ops dispatched per step** (``--part ops``): every aten op of a step, counted with a
   ``TorchDispatchMode`` on rank 0 of a real 2-rank job (Horovod over Gloo), with the torch
   adapter's statistics in the form a GPU runs them (``select=``'s dot products take an op per
-  tensor on a CPU instead, where that is faster: hvdsync/torch/backend.py, ``GPU_FORM_ON_CPU``),
+  tensor on a CPU instead, where that is faster: hvdsync/torch/foreach.py, ``GPU_FORM_ON_CPU``),
   averaged over
   ``--window`` steps (a multiple of the outer synchronization's schedule: ``delay="streaming"``
   syncs a fragment every 2 steps). On a GPU each op that is not a view is a kernel launch
@@ -173,10 +173,10 @@ def ops_body(methods: list[str], depths: list[int], window: int, warmup: int,
     import torch.distributed as dist
 
     import hvdsync.torch as hvd
-    from hvdsync.torch import backend
+    from hvdsync.torch import foreach
     horovod.init()
     hvd.init()
-    gpu_form, backend.GPU_FORM_ON_CPU = backend.GPU_FORM_ON_CPU, True  # what a GPU dispatches
+    gpu_form, foreach.GPU_FORM_ON_CPU = foreach.GPU_FORM_ON_CPU, True  # what a GPU dispatches
     if "ddp" in [METHODS[m][0] for m in methods]:  # (the bench's own job: its process group)
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {hvd.rank() % os.cpu_count()})
@@ -220,7 +220,7 @@ def ops_body(methods: list[str], depths: list[int], window: int, warmup: int,
                     opt.flush()
     finally:
         hvd_optimizer.allreduce_async_ = original
-        backend.GPU_FORM_ON_CPU = gpu_form
+        foreach.GPU_FORM_ON_CPU = gpu_form
     return out
 
 
@@ -285,6 +285,77 @@ def profile_body(methods: list[str], depth: int, steps: int) -> dict:
     return out
 
 
+def ops_tables(args: argparse.Namespace, data: dict) -> list[str]:
+    """Ops per step by depth, and where they go (``--part ops``)."""
+    methods = ["bare optimizer (no exchange)"] + [
+        m for m in args.methods if m != "bare optimizer (no exchange)"]
+    counted = data["ops"] = run_ranks(ops_body, np=2, args=(methods, args.depths, args.window,
+                                                            args.warmup), timeout=3600)[0]
+    floor = counted["bare optimizer (no exchange)"]
+    lo, hi = min(args.depths), max(args.depths)
+    rows = []
+    for name in methods:
+        c = counted[name]
+        added = {d: c[d]["ops"] - floor[d]["ops"] for d in args.depths}
+        growth = (added[hi] - added[lo]) / (hi - lo) if hi > lo else 0.0
+        kernels = c[12]["ops"] - c[12]["views"] - (floor[12]["ops"] - floor[12]["views"]) \
+            if 12 in c else None
+        coll = c[12 if 12 in c else lo]["collectives"]
+        rows.append([name] + [f"{added[d]:+.0f}" for d in args.depths]
+                    + [f"{growth:+.2f}", "-" if kernels is None else f"{kernels:+.0f}",
+                       "-" if coll is None else f"{coll:.1f}"])
+    floors = ", ".join(f"{d} layers {floor[d]['ops']:.0f}" for d in args.depths)
+    tables = [f"Ops dispatched per step added to the bare optimizer's (its own: {floors}); "
+              f"2 ranks (Horovod, Gloo), rank 0, mean of {args.window} steps\n\n"
+              + markdown_table(["method"] + [f"{d} layers" for d in args.depths]
+                               + [f"per added layer ({lo}->{hi})",
+                                  "12 layers, kernels (no views)",
+                                  "collectives/step (12 layers)"], rows)]
+    if 12 in args.depths:
+        rows = []
+        for name in methods:
+            base = floor[12]["by_caller"]
+            extra = {k: v - base.get(k, 0.0) for k, v in counted[name][12]["by_caller"].items()}
+            top = [f"{k} {v:+.0f}" for k, v in sorted(extra.items(), key=lambda kv: -kv[1])
+                   if abs(v) >= 0.5][:5]
+            rows.append([name, "; ".join(top) or "-"])
+        tables.append("Where the added ops go (12 layers; by the function that dispatched "
+                      "them)\n\n" + markdown_table(["method", "added ops by caller"], rows))
+    return tables
+
+
+def time_tables(args: argparse.Namespace, data: dict) -> list[str]:
+    """Host time per step on 1 and 2 ranks, and where the microseconds go (``--part time``)."""
+    timed = ["horovod"] + [m for m in args.timed if m != "horovod"]
+    rows = []
+    data["time"] = {}
+    for np_ in (1, 2):
+        per_rank = run_ranks(time_body, np=np_, args=(timed, args.depth, args.rounds,
+                                                      args.steps), timeout=3600)
+        summary = data["time"][np_] = summarize(per_rank[0], base="horovod")
+        for name in timed:
+            s = summary[name]
+            rows.append([np_, name, f"{s['step_ms']:.2f}", f"{s['ratio']:.3f}",
+                         f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]",
+                         f"{s['median_ratio']:.3f}",
+                         f"[{s['median_ci95'][0]:.3f}, {s['median_ci95'][1]:.3f}]"])
+    tables = [f"Host time per step, {args.depth}-layer MLP, loopback, 1 core per rank, "
+              f"{args.rounds} interleaved rounds x {args.steps} steps\n\n"
+              + markdown_table(["ranks", "method", "ms/step (median)", "vs horovod (same round)",
+                                "95 % CI", "median ratio", "95 % CI (median)"], rows)]
+    prof = data["profile"] = run_ranks(profile_body, np=1,
+                                       args=(timed, args.depth, args.steps), timeout=3600)[0]
+    rows = [[name, f"{p['total_us']:.0f}", f"{p['hvdsync_us']:.0f}",
+             "; ".join(f"{k} {v:.0f}" for k, v in list(p["top"].items())[:4]) or "-"]
+            for name, p in prof.items()]
+    tables.append(f"Where the microseconds go (1 process, cProfile over {args.steps} steps; "
+                  "cProfile's own cost inflates Python, so read the shares, not the totals)"
+                  "\n\n" + markdown_table(["method", "us/step (profiled)",
+                                            "in hvdsync's functions",
+                                            "hvdsync's top functions (us/step)"], rows))
+    return tables
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["ops", "time", "all"], default="all")
@@ -303,73 +374,9 @@ def main(argv=None) -> None:
     data: dict = {"width": WIDTH, "batch": BATCH}
     tables = []
     if args.part in ("ops", "all"):
-        methods = ["bare optimizer (no exchange)"] + [
-            m for m in args.methods if m != "bare optimizer (no exchange)"]
-        counted = run_ranks(ops_body, np=2, args=(methods, args.depths, args.window,
-                                                  args.warmup), timeout=3600)[0]
-        data["ops"] = counted
-        floor = counted["bare optimizer (no exchange)"]
-        lo, hi = min(args.depths), max(args.depths)
-        rows = []
-        for name in methods:
-            c = counted[name]
-            added = {d: c[d]["ops"] - floor[d]["ops"] for d in args.depths}
-            growth = (added[hi] - added[lo]) / (hi - lo) if hi > lo else 0.0
-            kernels = c[12]["ops"] - c[12]["views"] - (floor[12]["ops"] - floor[12]["views"]) \
-                if 12 in c else None
-            coll = c[12 if 12 in c else lo]["collectives"]
-            rows.append([name] + [f"{added[d]:+.0f}" for d in args.depths]
-                        + [f"{growth:+.2f}",
-                           "-" if kernels is None else f"{kernels:+.0f}",
-                           "-" if coll is None else f"{coll:.1f}"])
-        floors = ", ".join(f"{d} layers {floor[d]['ops']:.0f}" for d in args.depths)
-        tables.append(
-            f"Ops dispatched per step added to the bare optimizer's (its own: {floors}); "
-            f"2 ranks (Horovod, Gloo), rank 0, mean of {args.window} steps\n\n"
-            + markdown_table(["method"] + [f"{d} layers" for d in args.depths]
-                             + [f"per added layer ({lo}->{hi})", "12 layers, kernels (no views)",
-                                "collectives/step (12 layers)"], rows))
-        if 12 in args.depths:
-            rows = []
-            for name in methods:
-                base = floor[12]["by_caller"]
-                mine = counted[name][12]["by_caller"]
-                extra = {k: v - base.get(k, 0.0) for k, v in mine.items()}
-                top = [f"{k} {v:+.0f}" for k, v in sorted(extra.items(), key=lambda kv: -kv[1])
-                       if abs(v) >= 0.5][:5]
-                rows.append([name, "; ".join(top) or "-"])
-            tables.append("Where the added ops go (12 layers; by the function that dispatched "
-                          "them)\n\n" + markdown_table(["method", "added ops by caller"], rows))
+        tables += ops_tables(args, data)
     if args.part in ("time", "all"):
-        timed = ["horovod"] + [m for m in args.timed if m != "horovod"]
-        rows = []
-        data["time"] = {}
-        for np_ in (1, 2):
-            per_rank = run_ranks(time_body, np=np_, args=(timed, args.depth, args.rounds,
-                                                          args.steps), timeout=3600)
-            summary = data["time"][np_] = summarize(per_rank[0], base="horovod")
-            for name in timed:
-                s = summary[name]
-                rows.append([np_, name, f"{s['step_ms']:.2f}", f"{s['ratio']:.3f}",
-                             f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]",
-                             f"{s['median_ratio']:.3f}",
-                             f"[{s['median_ci95'][0]:.3f}, {s['median_ci95'][1]:.3f}]"])
-        tables.append(
-            f"Host time per step, {args.depth}-layer MLP, loopback, 1 core per rank, "
-            f"{args.rounds} interleaved rounds x {args.steps} steps\n\n"
-            + markdown_table(["ranks", "method", "ms/step (median)", "vs horovod (same round)",
-                              "95 % CI", "median ratio", "95 % CI (median)"], rows))
-        prof = data["profile"] = run_ranks(profile_body, np=1,
-                                           args=(timed, args.depth, args.steps),
-                                           timeout=3600)[0]
-        rows = [[name, f"{p['total_us']:.0f}", f"{p['hvdsync_us']:.0f}",
-                 "; ".join(f"{k} {v:.0f}" for k, v in list(p["top"].items())[:4]) or "-"]
-                for name, p in prof.items()]
-        tables.append(
-            f"Where the microseconds go (1 process, cProfile over {args.steps} steps; "
-            "cProfile's own cost inflates Python, so read the shares, not the totals)\n\n"
-            + markdown_table(["method", "us/step (profiled)", "in hvdsync's functions",
-                              "hvdsync's top functions (us/step)"], rows))
+        tables += time_tables(args, data)
     report(args.name, "Fixed cost per step", "\n\n".join(tables), data,
            "benchmarks.bench_fixed_cost", argv)
 

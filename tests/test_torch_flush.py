@@ -60,9 +60,11 @@ def _options(names: tuple[str, ...]) -> dict:
     return {k: v for n in names for k, v in TECHNIQUES[n].items()}
 
 
-def flush_body(names: tuple[str, ...], setup: str, momentum: float) -> dict:
+def flush_body(names: tuple[str, ...], setup: str, momentum: float,
+               group_mb: float | None = None) -> dict:
     """Train, flush, train a little more, flush again; every rank's parameters both times,
-    the largest spread before the first flush, and this rank's summed local gradients."""
+    the largest spread before the first flush, and this rank's summed local gradients.
+    ``group_mb``: the ready groups' size (None: the default, here one group)."""
     import hvdsync.torch as hvd
     hvd.init()
     torch.set_num_threads(1)
@@ -79,8 +81,9 @@ def flush_body(names: tuple[str, ...], setup: str, momentum: float) -> dict:
     groups = ([{"params": rest}, {"params": head, "lr": 0.05}] if hard
               else [{"params": params}])
     base = torch.optim.SGD(groups, lr=0.1, momentum=momentum)
+    sizes = {} if group_mb is None else dict(group_mb=group_mb)
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                   backward_passes_per_step=passes, **_options(names))
+                                   backward_passes_per_step=passes, **_options(names), **sizes)
     if hard:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -130,17 +133,25 @@ ALGEBRA = {f"threshold/{setup}/sgd": (("threshold",), setup, 0.0)
            for setup in ("plain", "passes")}
 
 
+# ready groups of every layer alone (each sent from its hook) and of the last two layers
+# (sent in backward) then the first (in synchronize()): the same arithmetic as one group
+GROUP_SIZES = {"alone": 0.0, "two": 1300 / 2**20}  # the MLP's out + fc2: 1360 bytes
+GROUPED = {f"{'+'.join(names)}/groups_{size}": (names, "plain", 0.9, mb)
+           for names in SINGLES + [("outer",)] for size, mb in GROUP_SIZES.items()}
+
 _RUNS: dict[tuple[int, str], dict] = {}
 
 
 def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     """Horovod's runs, in the session's shared torch job (tests/conftest.py)."""
-    return job_group("flush", flush_body, {**CASES, **ALGEBRA}) if np_ in (2, 3) else {}
+    grouped = GROUPED if np_ == 2 else {}
+    return (job_group("flush", flush_body, {**CASES, **ALGEBRA, **grouped}) if np_ in (2, 3)
+            else {})
 
 
 def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     """torch.distributed's runs, in the session's shared torchrun job."""
-    return job_group("flush", flush_body, {**CASES, **ALGEBRA}) if np_ == 2 else {}
+    return job_group("flush", flush_body, {**CASES, **ALGEBRA, **GROUPED}) if np_ == 2 else {}
 
 
 def _flush_runs(request, np_: int, launcher: str) -> dict:
@@ -221,3 +232,27 @@ def test_threshold_flush_loses_nothing_and_folds_once(flush_runs, setup):
     np.testing.assert_allclose(ranks[0]["second"][0], expected, rtol=0, atol=2e-5)
     # and at the first flush the replicas were already identical (checked per case above)
     assert not np.array_equal(ranks[0]["first"][0], ranks[0]["second"][0])
+
+
+GROUPED_JOBS = [(2, "horovodrun"), (2, "torchrun")]
+
+
+@pytest.mark.parametrize("np_, launcher", GROUPED_JOBS, ids=[f"{lau}" for _, lau in GROUPED_JOBS])
+@pytest.mark.parametrize("case", list(GROUPED))
+def test_ready_groups_change_no_bit(request, np_, launcher, case):
+    """However backward's layers are grouped (each alone, two together, all in one), a
+    technique computes the same: the same parameters bit for bit (delay='s stale-gradient
+    scheme, which folds what has arrived, leaves identical replicas); and where collectives
+    pair by order (torch.distributed) groups cut at different layers still start them alike."""
+    runs = _flush_runs(request, np_, launcher)
+    ranks = runs[case]
+    for r in ranks:
+        for key in ("first", "second"):
+            for row in r[key][1:]:
+                np.testing.assert_array_equal(row, r[key][0], err_msg=f"{case} {key}")
+    names = case.split("/")[0]
+    if "delay" in names.split("+"):
+        return
+    one_group = runs[f"{names}/plain"]
+    for key in ("first", "second"):
+        np.testing.assert_array_equal(ranks[0][key], one_group[0][key], err_msg=f"{case} {key}")

@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 
 from hvdsync.clipping import ClipConfig
-from hvdsync.torch.backend import layer_norms
+from hvdsync.torch.foreach import layer_norms
 
 _ONE: dict[torch.device, torch.Tensor] = {}
 _INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}

@@ -1,0 +1,222 @@
+"""Arithmetic over many tensors at once, for the torch adapter (:mod:`hvdsync.torch.backend`):
+each layer's norm or dot product for a whole ready group, the step's finiteness check, the
+outer exchange's flat int8 decoding -- a few multi-tensor ops for all the tensors instead of
+a few ops per tensor. On a GPU every op is a kernel launch (docs/design.md, "Ready groups";
+the cost: docs/benchmarks.md, "Fixed cost per step")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+
+def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all ``tensors`` together, as a float32 0-d tensor on their device:
+    computed in the tensors' precision (at least float32) and rounded once at the end, as
+    the Keras adapter computes it, so both give the same float32 (docs/design.md)."""
+    if not tensors:
+        return torch.zeros(())
+    norms = torch.stack(torch._foreach_norm(list(tensors)))
+    return torch.linalg.vector_norm(norms.to(wide_dtype(norms.dtype))).float()
+
+
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision hvdsync's statistics are computed in: the tensors', at least float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# -- statistics of many layers at once: a few multi-tensor ops for a whole group of layers,
+# not a few ops per tensor (on a GPU every op is a kernel launch; docs/benchmarks.md, "Fixed
+# cost per step")
+_LENGTHS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _per_layer(values: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """Sums of consecutive runs of ``values`` (``counts[i]`` values for layer ``i``; 0 gives
+    0): one op, or none when every layer has one value."""
+    if all(c == 1 for c in counts):
+        return values
+    key = (tuple(counts), values.device)
+    lengths = _LENGTHS.get(key)
+    if lengths is None:  # made once per layout (a small cache: layouts repeat every step)
+        if len(_LENGTHS) > 256:
+            _LENGTHS.clear()
+        lengths = _LENGTHS[key] = torch.tensor(counts, device=values.device)
+    return torch.segment_reduce(values, "sum", lengths=lengths)
+
+
+def _square_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's sum of squares, as one vector in the statistics' precision (float64 if
+    any tensor is, else float32): one multi-tensor op and a stack."""
+    dtypes = {t.dtype for t in tensors}
+    wide = torch.float64 if torch.float64 in dtypes else torch.float32
+    if len(dtypes) == 1 and len({t.device for t in tensors}) == 1:
+        if hasattr(torch, "_foreach_powsum"):  # (torch >= 2.13)
+            sums = torch._foreach_powsum(tensors, 2, dtype=wide if wide not in dtypes else None)
+            return torch.stack(sums)
+        norms = torch.stack(torch._foreach_norm(tensors)).to(wide)
+        return norms * norms
+    device = tensors[0].device  # mixed dtypes or devices (rare): one at a time
+    return torch.stack([torch.linalg.vector_norm(t.to(wide)).to(device) ** 2 for t in tensors])
+
+
+def layer_norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """Each layer's L2 norm (its tensors together; a sparse one's values) as a float32
+    vector, one entry per layer (0 for a layer with no values): computed in the tensors'
+    precision, rounded once at the end, as :func:`norm_of` and the Keras adapter compute a
+    norm; a handful of ops for the whole group."""
+    views, counts = [], []
+    for tensors in layers:
+        vs = [t._values() if t.is_sparse else t for t in tensors]
+        vs = [v for v in vs if v.numel()]
+        views += vs
+        counts.append(len(vs))
+    if not views:
+        return torch.zeros(len(layers))
+    return _per_layer(_square_sums(views), counts).sqrt().float()
+
+
+def flatten_all(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``tensors`` flattened and concatenated into one vector of ``dtype`` (one op where
+    they share it: ``_chunk_cat``, which needs no per-tensor view)."""
+    if (hasattr(torch, "_chunk_cat") and len({t.dtype for t in tensors}) == 1
+            and all(t.dim() for t in tensors) and len({t.device for t in tensors}) == 1):
+        return torch._chunk_cat(tensors, 0, 1).view(-1).to(dtype)
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+#: whether the torch adapter's statistics take their GPU form on a CPU too: multi-tensor
+#: ops over model-sized temporaries, a few launches for a whole group. On a CPU an op costs a
+#: few microseconds and a model-sized temporary more than that (no caching allocator), so
+#: the default there is an op per tensor without temporaries; benchmarks/bench_fixed_cost.py
+#: and tests/test_fixed_cost.py set it to count what a GPU step dispatches.
+GPU_FORM_ON_CPU = False
+
+
+def layer_dots(layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+    """Each layer's sum of dot products of its pairs as a float32 vector (one entry per
+    layer, 0 for none), in the pairs' precision (at least float32) rounded once at the end.
+    On a GPU (:data:`GPU_FORM_ON_CPU`): every product at once, flattened, then one sum per
+    layer (multi-tensor ops have no signed sum, and a segmented sum is slow) -- an op per
+    layer and five for the group; on a CPU a dot per tensor, reading both without a copy."""
+    a = [x for pairs in layers for x, _ in pairs]
+    b = [y for pairs in layers for _, y in pairs]
+    if not a:
+        return torch.zeros(len(layers))
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in a + b) else torch.float32
+    a = [t if t.dtype == wide else t.to(wide) for t in a]
+    b = [t if t.dtype == wide else t.to(wide) for t in b]
+    if len({t.device for t in a + b}) > 1 or not (a[0].is_cuda or GPU_FORM_ON_CPU):
+        per_pair = torch.stack([torch.vdot(x.reshape(-1), y.reshape(-1).to(x.device))
+                                for x, y in zip(a, b)])
+        return _per_layer(per_pair, [len(pairs) for pairs in layers]).float()
+    products = list(torch._foreach_mul(a, b))
+    flat = flatten_all(products, wide)
+    sizes = [sum(x.numel() for x, _ in pairs) for pairs in layers]
+    sums = [piece.sum() for piece in flat.split(sizes)] if len(layers) > 1 else [flat.sum()]
+    return torch.stack(sums).float()
+
+
+def in_layer_order(n: int, parts: Sequence[tuple[Sequence[int], torch.Tensor]]
+                   ) -> torch.Tensor:
+    """One float32 vector of ``n`` entries from per-group vectors (``(layers, values)``:
+    ``values[i]`` belongs to layer ``layers[i]``); layers in no part get 0."""
+    parts = [(list(lis), v) for lis, v in parts if len(lis)]
+    if len(parts) == 1 and parts[0][0] == list(range(n)):
+        return parts[0][1]
+    if not parts:
+        return torch.zeros(n)
+    values = torch.cat([v for _, v in parts]) if len(parts) > 1 else parts[0][1]
+    index = torch.tensor([li for lis, _ in parts for li in lis], device=values.device)
+    return torch.zeros(n, device=values.device).index_copy_(0, index, values)
+
+
+_UNIT: dict[torch.device, torch.Tensor] = {}
+
+
+def nonfinite_flag(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A 1-element float32 tensor: 1.0 if any of ``tensors`` holds NaN or Inf, else 0.0 (on
+    their device, without a host read; None for no values). Large finite values do not
+    overflow as in a 2-norm."""
+    views = [t._values() if t.is_sparse else t for t in tensors]
+    views = [v for v in views if v.numel()]
+    if not views:
+        return None
+    device = views[0].device
+    if views[0].is_cuda:  # read only (GradScaler's check writes every value); NaN propagates
+        top = torch.stack(torch._foreach_norm(views, float("inf"))).max()
+        return (~torch.isfinite(top)).float().reshape(1)
+    # CPU: GradScaler's fused check (it multiplies by 1: the values stay as they are); on the
+    # LM's 54 tensors 0.13 ms, vs 0.33 for min/max per tensor and 1.2 for the inf-norm
+    unit = _UNIT.get(device)
+    if unit is None:
+        unit = _UNIT[device] = torch.ones(1, dtype=torch.float32, device=device)
+    found = torch.zeros(1, dtype=torch.float32, device=device)  # whatever the default dtype
+    torch._amp_foreach_non_finite_check_and_unscale_(views, found, unit)
+    return found
+
+
+def decoded(parts: Sequence[torch.Tensor], codec: str, chunk: int) -> torch.Tensor:
+    """:meth:`TorchOps.encode`'s parts back as one float32 vector."""
+    if codec == "bf16":
+        return parts[0].view(torch.bfloat16).float()
+    codes, scale = parts
+    rows = torch.nn.functional.pad(codes.float(), (0, -codes.numel() % chunk))
+    return (rows.view(-1, chunk) * scale[:, None]).view(-1)[:codes.numel()]
+
+
+def decoded_rows(gathered: Sequence[torch.Tensor], size: int, codec: str, chunk: int
+                  ) -> torch.Tensor:
+    """An allgather of ``size`` ranks' :meth:`TorchOps.encode` parts decoded at once: a
+    ``size x n`` float32 matrix, rank ``r``'s values in row ``r``."""
+    if codec == "bf16":
+        return gathered[0].view(torch.bfloat16).float().view(size, -1)
+    codes, scale = gathered
+    n = codes.numel() // size
+    rows = torch.nn.functional.pad(codes.float().view(size, n), (0, -n % chunk))
+    return (rows.view(size, -1, chunk) * scale.view(size, -1, 1)).view(size, -1)[:, :n]
+
+
+def encode(tensors: Sequence[torch.Tensor], codec: str, chunk: int) -> list[torch.Tensor]:
+    """``tensors`` as one flat float32 vector, encoded: ``"bf16"`` its bits as int16;
+    ``"int8"`` codes and a float32 scale per ``chunk`` values (:meth:`TensorOps.encode`)."""
+    flat = flatten_all([t.detach() if t.requires_grad else t for t in tensors], torch.float32)
+    if codec == "bf16":  # as int16 bits: collectives need not know bfloat16
+        return [flat.to(torch.bfloat16).view(torch.int16)]
+    rows = torch.nn.functional.pad(flat, (0, -flat.numel() % chunk)).view(-1, chunk)
+    scale = rows.abs().amax(dim=1) / 127.0  # NaN/Inf show in the scale
+    # an all-zero chunk divides by the smallest float instead of 0 (its codes are 0
+    # either way: the Keras adapter divides by 1 there)
+    safe = scale.clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return [codes.view(-1)[:flat.numel()], scale]  # the padding is not sent
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into tensors shaped (and typed) like ``like`` (views where the dtype is
+    ``flat``'s)."""
+    pieces = flat.split([t.numel() for t in like])  # (one op for every piece)
+    return [p.view(t.shape) if p.dtype == t.dtype else p.view(t.shape).to(t.dtype)
+            for p, t in zip(pieces, like)]
+
+
+def decode_average(gathered: Sequence[torch.Tensor], size: int, codec: str, chunk: int,
+                   like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The average of every rank's decoded piece of an allgather of :func:`encode`'s parts,
+    summed in rank order (the same bits on every rank), shaped like ``like``."""
+    dtypes = {t.dtype for t in like}
+    if len(dtypes) > 1:  # (rare) one rank at a time, tensor by tensor
+        total = None
+        for r in range(size):
+            mine = unflatten(decoded([t.view(size, -1)[r] for t in gathered], codec, chunk),
+                             like)
+            total = mine if total is None else [a.add_(b) for a, b in zip(total, mine)]
+        return [torch.zeros_like(t).add_(t, alpha=1.0 / size) for t in total]
+    # every rank's piece decoded at once (a row each), in the tensors' precision
+    rows = decoded_rows(gathered, size, codec, chunk).to(next(iter(dtypes)))
+    total = rows[0].clone()
+    for r in range(1, size):
+        total.add_(rows[r])
+    return unflatten(torch.zeros_like(total).add_(total, alpha=1.0 / size), like)
