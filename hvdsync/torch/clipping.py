@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 
 from hvdsync.clipping import ClipConfig
-from hvdsync.torch.foreach import layer_norms
+from hvdsync.torch.foreach import layer_norms, value_views, views_norms
 
 _ONE: dict[torch.device, torch.Tensor] = {}
 _INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
@@ -58,20 +58,14 @@ def clip_layers(layers: list[list[torch.Tensor]], params: list[list[torch.Tensor
     (``None`` when the group holds no values)."""
     layers = [[g.coalesce() if g.is_sparse and not g.is_coalesced() else g for g in layer]
               for layer in layers]
-    views, counts = [], []
-    for layer in layers:
-        vs = [g._values() if g.is_sparse else g for g in layer]
-        vs = [v for v in vs if v.numel()]
-        views += vs
-        counts.append(len(vs))
+    views, counts = value_views(layers)
     if not views:
         return layers, None
-    raw = layer_norms(layers)
-    norm = raw
+    raw = norm = views_norms(views, counts)
     if c.value is not None:
         torch._foreach_clamp_min_(views, c.value[0])
         torch._foreach_clamp_max_(views, c.value[1])
-        norm = layer_norms(layers)
+        norm = views_norms(views, counts)
     same = isinstance(limits, (int, float))
     if c.ratio is None and (math.isinf(limits) if same else all(map(math.isinf, limits))):
         scale = torch.ones_like(raw)  # no norm limit this step (an adaptive one warming up)

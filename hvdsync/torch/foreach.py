@@ -62,20 +62,32 @@ def _square_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(t.to(wide)).to(device) ** 2 for t in tensors])
 
 
-def layer_norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-    """Each layer's L2 norm (its tensors together; a sparse one's values) as a float32
-    vector, one entry per layer (0 for a layer with no values): computed in the tensors'
-    precision, rounded once at the end, as :func:`norm_of` and the Keras adapter compute a
-    norm; a handful of ops for the whole group."""
+def value_views(layers: Sequence[Sequence[torch.Tensor]]
+                ) -> tuple[list[torch.Tensor], list[int]]:
+    """The layers' tensors that hold values (a sparse one's values), in one list, and how many
+    each layer has."""
     views, counts = [], []
     for tensors in layers:
         vs = [t._values() if t.is_sparse else t for t in tensors]
         vs = [v for v in vs if v.numel()]
         views += vs
         counts.append(len(vs))
+    return views, counts
+
+
+def views_norms(views: list[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
+    """:func:`layer_norms` of :func:`value_views`' answer."""
     if not views:
-        return torch.zeros(len(layers))
+        return torch.zeros(len(counts))
     return _per_layer(_square_sums(views), counts).sqrt().float()
+
+
+def layer_norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """Each layer's L2 norm (its tensors together; a sparse one's values) as a float32
+    vector, one entry per layer (0 for a layer with no values): computed in the tensors'
+    precision, rounded once at the end, as :func:`norm_of` and the Keras adapter compute a
+    norm; a handful of ops for the whole group."""
+    return views_norms(*value_views(layers))
 
 
 def flatten_all(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
