@@ -46,7 +46,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.bench_overhead import summarize
+from benchmarks.bench_overhead import RATIO_COLUMNS, ratio_cells, summarize
 from benchmarks.common import markdown_table, report
 from hvdsync.testing import run_ranks
 
@@ -334,15 +334,12 @@ def time_tables(args: argparse.Namespace, data: dict) -> list[str]:
                                                       args.steps), timeout=3600)
         summary = data["time"][np_] = summarize(per_rank[0], base="horovod")
         for name in timed:
-            s = summary[name]
-            rows.append([np_, name, f"{s['step_ms']:.2f}", f"{s['ratio']:.3f}",
-                         f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]",
-                         f"{s['median_ratio']:.3f}",
-                         f"[{s['median_ci95'][0]:.3f}, {s['median_ci95'][1]:.3f}]"])
+            rows.append([np_, name, f"{summary[name]['step_ms']:.2f}",
+                         *ratio_cells(summary[name])])
     tables = [f"Host time per step, {args.depth}-layer MLP, loopback, 1 core per rank, "
-              f"{args.rounds} interleaved rounds x {args.steps} steps\n\n"
-              + markdown_table(["ranks", "method", "ms/step (median)", "vs horovod (same round)",
-                                "95 % CI", "median ratio", "95 % CI (median)"], rows)]
+              f"{args.rounds} interleaved rounds x {args.steps} steps (ratios to horovod in "
+              "the same round)\n\n"
+              + markdown_table(["ranks", "method", "ms/step (median)", *RATIO_COLUMNS], rows)]
     prof = data["profile"] = run_ranks(profile_body, np=1,
                                        args=(timed, args.depth, args.steps), timeout=3600)[0]
     rows = [[name, f"{p['total_us']:.0f}", f"{p['hvdsync_us']:.0f}",

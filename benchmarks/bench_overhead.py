@@ -164,6 +164,18 @@ def summarize(per_round: dict[str, list[float]], base: str = "horovod") -> dict[
     return out
 
 
+#: the columns :func:`ratio_cells` fills
+RATIO_COLUMNS = ["time/step vs horovod", "95 % CI", "median ratio", "95 % CI (median)"]
+
+
+def ratio_cells(s: dict) -> list[str]:
+    """A method's :func:`summarize` figures as table cells: the mean ratio and its interval,
+    the median ratio and its."""
+    return [f"{s['ratio']:.3f}", f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]",
+            f"{s['median_ratio']:.3f}",
+            f"[{s['median_ci95'][0]:.3f}, {s['median_ci95'][1]:.3f}]"]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=["teacher_cnn", "digits_mlp"],
@@ -199,13 +211,9 @@ def main(argv=None) -> None:
                 per_rank = run_ranks_on(net, overhead_body, args.np, args=call, timeout=3600)
         summary = data[wl] = summarize(per_rank[0])  # every rank holds the same maxima
         for name in methods:
-            s = summary[name]
-            rows.append([wl, name, f"{s['step_ms']:.1f}", f"{s['ratio']:.3f}",
-                         f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]",
-                         f"{s['median_ratio']:.3f}",
-                         f"[{s['median_ci95'][0]:.3f}, {s['median_ci95'][1]:.3f}]"])
-    table = markdown_table(["workload", "method", "ms/step (median)", "time/step vs horovod",
-                            "95 % CI", "median ratio", "95 % CI (median)"], rows)
+            rows.append([wl, name, f"{summary[name]['step_ms']:.1f}",
+                         *ratio_cells(summary[name])])
+    table = markdown_table(["workload", "method", "ms/step (median)", *RATIO_COLUMNS], rows)
     link = "loopback" if args.net == "loopback" else f"{args.net} Mbit/s emulated links"
     suffix = ("" if args.net == "loopback" else f"_{args.net}mbit") + (
         "_torch" if args.backend == "torch" else "")

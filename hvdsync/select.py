@@ -412,9 +412,6 @@ class SelectedPushes(Decider):
     def decision(self, li: int) -> bool:
         return self.policy.selected[li]  # chosen at the end of the last step
 
-    def on_send(self, li: int, ks: list[int]) -> None:
-        self.on_send_group([(li, ks)])
-
     def on_send_group(self, layers: list[tuple[int, list[int]]]) -> None:
         """The group's pushed layers send ``g + residual`` (one multi-tensor add for all)."""
         g = self.grads

@@ -15,7 +15,7 @@ A *technique* is one of hvdsync's options (``clip=``, ``threshold=``, ``select=`
 
     layer_ready(li, ks)        per layer, as soon as its local gradient is final
       decision(li)             deciders: does this layer go this step? (planned last step)
-      on_send(li, ks) / on_skip(li, ks)
+      on_skip(li, ks) / on_send_group(layers)
       start(li, ks)            transports: start sending (or queue)
     backward_done()            transports: every layer that backward makes ready is
     holds(li)                  transports: a missing layer that can be filled only later
@@ -584,15 +584,10 @@ class Decider(Technique):
         shared values, so the same on every rank and known before backward."""
         return True
 
-    def on_send(self, li: int, ks: list[int]) -> None:
-        """Layer ``li`` goes this step: put what it kept back into its gradient (nothing is
-        forgotten yet: the step may turn out non-finite)."""
-
     def on_send_group(self, layers: list[tuple[int, list[int]]]) -> None:
-        """The ready group's layers that go this step (``(li, ks)`` each): :meth:`on_send`
-        for all of them, at once (a few multi-tensor ops). Default: one at a time."""
-        for li, ks in layers:
-            self.on_send(li, ks)
+        """The ready group's layers that go this step (``(li, ks)`` each): put what each kept
+        back into its gradient, for all of them at once (a few multi-tensor ops; nothing is
+        forgotten yet: the step may turn out non-finite)."""
 
     def on_skip(self, li: int, ks: list[int]) -> None:
         """Layer ``li`` does not go this step: keep its gradient (provisionally; the

@@ -197,10 +197,6 @@ class AccumulationThreshold(Decider):
                                      self.ops.norms([[g.get(li, k) for k in ks]
                                                      for li, ks in layers])))
 
-    def on_send(self, li: int, ks: list[int]) -> None:
-        """The layer syncs now: it sends its accumulation with this step's gradient."""
-        self.on_send_group([(li, ks)])
-
     def on_send_group(self, layers: list[tuple[int, list[int]]]) -> None:
         """The group's layers that sync now send their accumulations with this step's
         gradients (one multi-tensor add for all of them)."""

@@ -7,14 +7,17 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Optional
 
 import torch
 
 from hvdsync.torch.comm import payload_bytes
 from hvdsync.torch.foreach import (decode_average, decoded, encode, in_layer_order, layer_dots,
-                                   layer_norms, nonfinite_flag, norm_of, unflatten, wide_dtype)
+                                   layer_norms, nonfinite_flag, norm_of, unflatten)
+
+
+_AS_IT_IS = nullcontext()  # reusable: it does nothing
 
 
 class TorchOps:
@@ -70,9 +73,7 @@ class TorchOps:
 
     @staticmethod
     def dot(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        wide = wide_dtype(torch.promote_types(pairs[0][0].dtype, pairs[0][1].dtype))
-        return torch.stack([torch.vdot(a.flatten().to(wide), b.flatten().to(wide))
-                            for a, b in pairs]).sum().float()
+        return layer_dots([list(pairs)]).reshape(())  # (one layer of a group's form)
 
     @staticmethod
     def norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
@@ -310,16 +311,18 @@ class TorchGradients:
         return self.layer_params[li][k][1]
 
     # -- where a step's work runs (CUDA: a side stream, HVDSYNC_SIDE_STREAM=1) ------------
-    @contextmanager
-    def working(self):
+    def working(self) -> Any:
         """A ready group's work -- clip, the statistics, the sends -- and ``synchronize()``'s:
         on CUDA with ``HVDSYNC_SIDE_STREAM=1``, on a side stream that first waits for what
         backward has queued so far, so backward's next kernels do not queue behind them (the
         collectives are started there too: Horovod and NCCL wait for the stream they are
         started on). Elsewhere as it is."""
         if self._side is None or not torch.cuda.is_available():
-            yield
-            return
+            return _AS_IT_IS  # (the common case: no generator on the hot path)
+        return self._on_side_stream()
+
+    @contextmanager
+    def _on_side_stream(self):
         if self._side is True:  # made at first use, on the gradients' device
             self._side = torch.cuda.Stream()
         main = torch.cuda.current_stream()

@@ -14,17 +14,15 @@ import torch
 
 def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norm of all ``tensors`` together, as a float32 0-d tensor on their device:
-    computed in the tensors' precision (at least float32) and rounded once at the end, as
-    the Keras adapter computes it, so both give the same float32 (docs/design.md)."""
-    if not tensors:
-        return torch.zeros(())
-    norms = torch.stack(torch._foreach_norm(list(tensors)))
-    return torch.linalg.vector_norm(norms.to(wide_dtype(norms.dtype))).float()
+    :func:`layer_norms` of one layer (the same sum of squares as a ready group's, and as the
+    Keras adapter computes it, so both give the same float32: docs/design.md)."""
+    return views_norms(*value_views([list(tensors)])).reshape(())
 
 
-def wide_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The precision hvdsync's statistics are computed in: the tensors', at least float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def wide_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The precision hvdsync's statistics are computed in: float64 if any of ``tensors`` is,
+    else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 # -- statistics of many layers at once: a few multi-tensor ops for a whole group of layers,
@@ -51,7 +49,7 @@ def _square_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Each tensor's sum of squares, as one vector in the statistics' precision (float64 if
     any tensor is, else float32): one multi-tensor op and a stack."""
     dtypes = {t.dtype for t in tensors}
-    wide = torch.float64 if torch.float64 in dtypes else torch.float32
+    wide = wide_dtype(tensors)
     if len(dtypes) == 1 and len({t.device for t in tensors}) == 1:
         if hasattr(torch, "_foreach_powsum"):  # (torch >= 2.13)
             sums = torch._foreach_powsum(tensors, 2, dtype=wide if wide not in dtypes else None)
@@ -117,7 +115,7 @@ def layer_dots(layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) ->
     b = [y for pairs in layers for _, y in pairs]
     if not a:
         return torch.zeros(len(layers))
-    wide = torch.float64 if any(t.dtype == torch.float64 for t in a + b) else torch.float32
+    wide = wide_dtype(a + b)
     a = [t if t.dtype == wide else t.to(wide) for t in a]
     b = [t if t.dtype == wide else t.to(wide) for t in b]
     if len({t.device for t in a + b}) > 1 or not (a[0].is_cuda or GPU_FORM_ON_CPU):
