@@ -43,6 +43,9 @@ METHODS: dict[str, Any] = {
     "select (every layer)": dict(select=dict(k=1.0)),
     "delay staleness=0": dict(delay=dict(staleness=0)),
     "hvdsync fp16": dict(compression="fp16"),
+    # the cost of the entry tags (hvdsync.entries): the same, with the tag round left out
+    "hvdsync, no entry tags": dict(_entry_tags=False),
+    "threshold=0, no entry tags": dict(threshold=0.0, _entry_tags=False),
     "ddp": "ddp",  # torch's DDP on the same process group (--backend torch only)
     "ddp fp16": "ddp fp16",
 }
@@ -101,10 +104,13 @@ def overhead_body(workload: str, methods: list[str], rounds: int, steps: int,
                 net.register_comm_hook(None, default_hooks.fp16_compress_hook)
         else:
             options = dict(spec)
+            tags = options.pop("_entry_tags", True)
             if options.get("compression") == "fp16":
                 options["compression"] = hvd.Compression.fp16
             opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                            **options)
+            if not tags:  # no tag round before a step's first collective
+                opt._comm.entries.before = lambda what="": 0
         runs[name] = (net, opt)
 
     def train(name: str, batch_list) -> None:

@@ -21,10 +21,11 @@ else they are dropped on every rank (with a warning), never given to another ran
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -124,30 +125,58 @@ def take_shared(techniques: Sequence[Technique], params: Sequence[str], rank: in
     memory cannot be given to another rank, so every rank drops its own, now -- before a step
     could use it -- warned where it held any. Both adapters' broadcasts of the optimizer state
     call this; the caller says what its next step checks (``StepPipeline.after_load``)."""
-    held = held_per_rank(techniques)
+    held = _held(techniques)  # before the shared state replaces anything
     shared = broadcast(state_of(techniques, params, rank, world_size))
     if rank != root_rank:
         load_into(techniques, shared, params, rank, world_size, quiet=True)
-    for t in techniques:
-        if t.per_rank:
-            t.drop_per_rank()
-    if held:
+    lost = drop_per_rank(techniques, held)
+    if lost:
         warnings.warn(f"hvdsync: every rank takes rank {root_rank}'s shared technique state; "
                       "per-rank memory is never given to another rank, so every rank drops "
-                      f"its own -- this rank's held: {'; '.join(held)} (docs/checkpoints.md)",
+                      f"its own -- this rank dropped {'; '.join(lost)} (docs/checkpoints.md)",
                       RuntimeWarning, stacklevel=4)
 
 
-def held_per_rank(techniques: Sequence[Technique]) -> list[str]:
-    """The techniques whose per-rank memory holds anything now (a non-zero value: what
-    dropping it would lose), as ``"name: key/key"``."""
-    out = []
+def drop_per_rank(techniques: Sequence[Technique],
+                  before: Optional[dict[str, int]] = None) -> list[str]:
+    """Drop every technique's per-rank memory; what that lost, as ``"name: key (size)"``:
+    what held a non-zero value before (``before``: as found earlier, else now) and holds
+    none after -- nothing before the first step, or right after a ``flush()``; a technique
+    may keep per-rank state it can rebuild."""
+    before = _held(techniques) if before is None else before
+    for t in techniques:
+        if t.per_rank:
+            t.drop_per_rank()
+    after = _held(techniques)
+    return [f"{key} ({_size(n)})" for key, n in before.items() if key not in after]
+
+
+def _held(techniques: Sequence[Technique]) -> dict[str, int]:
+    """``{"name: key": bytes}`` of the per-rank memory that holds a non-zero value now."""
+    out = {}
     for t in techniques:
         state = t.state_dict() if t.per_rank else {}
-        keys = [k for k in t.per_rank if _holds(state.get(k))]
-        if keys:
-            out.append(f"{t.name}: {'/'.join(keys)}")
+        for k in t.per_rank:
+            if _holds(state.get(k)):
+                out[f"{t.name}: {k}"] = _nbytes(state.get(k))
     return out
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, Mapping):
+        return sum(_nbytes(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    if hasattr(x, "element_size"):  # torch
+        return x.numel() * x.element_size()
+    return int(getattr(x, "nbytes", 0) or np.asarray(x).nbytes)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MB", 2**20), ("KB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _holds(x: Any) -> bool:
@@ -213,6 +242,21 @@ def pack_state(state: dict) -> dict[str, np.ndarray]:
     out = {STATE_KEY + "json": np.frombuffer(skeleton, dtype=np.uint8)}
     out.update({f"{STATE_KEY}{i}": a for i, a in enumerate(arrays)})
     return out
+
+
+def state_bytes(state: dict) -> bytes:
+    """``state`` (JSON values and arrays) as bytes that load without unpickling anything: an
+    ``.npz`` of :func:`pack_state`'s arrays (how a rank's own memory travels to the saving
+    rank)."""
+    buf = io.BytesIO()
+    np.savez(buf, **pack_state(state))
+    return buf.getvalue()
+
+
+def state_from_bytes(data: bytes) -> dict:
+    """Inverse of :func:`state_bytes` (``allow_pickle=False``: data only, never code)."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+        return unpack_state({k: arrays[k] for k in arrays.files})
 
 
 def unpack_state(store: Mapping[str, Any]) -> dict:

@@ -96,6 +96,8 @@ class StepPipeline:
         self._order: Optional[list[int]] = (
             None if comm is None or comm.matches_by_name
             else list(reversed(range(len(layer_names)))))
+        if comm is not None:
+            comm.entries.name_after(layer_names)
         self._new_step()
 
     def _new_step(self) -> None:
@@ -114,6 +116,14 @@ class StepPipeline:
         self._group: list[int] = []  # taken, waiting for the rest of their ready group
         self._group_size = 0  # their bytes
         self._bytes = [0] * n  # each layer's gradient bytes this step (as plain Horovod's)
+        self._begun = False  # the step's entry is declared (hvdsync.entries)
+
+    def _begin(self) -> None:
+        """The step's first moment on this rank: its collectives, and the ones after its
+        update, are a training step's (compared between ranks: hvdsync.entries)."""
+        self._begun = True
+        if self.comm is not None:
+            self.comm.entries.begin("step", self.stats.total.step + 1)
 
     @property
     def busy(self) -> bool:
@@ -126,6 +136,8 @@ class StepPipeline:
         """Layer ``li``'s local gradient is final: transform it and send it (or decide) --
         now, or where collectives pair by order, once the layers before it in ``_order`` are
         taken."""
+        if not self._begun:
+            self._begin()
         if self._after_load is not None:  # before any layer of the step uses the memory
             self.check_load()
         if self._order is None:
@@ -268,7 +280,9 @@ class StepPipeline:
         self.grads.joined()
 
     def _finish_backward(self) -> None:
-        self.check_load()  # (a step in which no layer became ready in backward)
+        if not self._begun:  # (a step in which no layer became ready in backward)
+            self._begin()
+        self.check_load()
         n = len(self.layer_names)
         waiting = set(self._group)
         # The last group backward made ready. If it is the step's last one, the decider's
@@ -407,19 +421,25 @@ class StepPipeline:
                 "load the same checkpoint on every rank, or broadcast it with "
                 "hvd.broadcast_optimizer_state (docs/checkpoints.md)")
         if not all(e["restored"] for e in everyone):
-            held = checkpoint.held_per_rank(self.techniques)
-            if held:
+            lost = checkpoint.drop_per_rank(self.techniques)
+            if lost:
                 warnings.warn("hvdsync: not every rank has its own memory back (a checkpoint "
                               "restored on some ranks only, of another rank count, or a "
                               "Horovod Elastic reset), so every rank drops its own; this "
-                              f"rank's held: {'; '.join(held)} (docs/checkpoints.md)",
+                              f"rank dropped {'; '.join(lost)} (docs/checkpoints.md)",
                               RuntimeWarning, stacklevel=3)
-            for t in self.techniques:
-                if t.per_rank:
-                    t.drop_per_rank()
 
     # -- outside the step ------------------------------------------------------------------------
     def flush_replicas(self) -> int:
+        if self.comm is not None:
+            entries = self.comm.entries
+            entries.begin("flush", self.stats.total.step)
+            if any(type(t).flush_replicas is not Technique.flush_replicas
+                   for t in self.techniques):
+                # told (and checked) now, before the flush waits for anything: with the
+                # first collective, a rank that first waits for a round another rank starts
+                # only after its own tag would wait for ever
+                entries.before("flush()'s collectives")
         return sum(t.flush_replicas() for t in self.techniques)
 
     def status(self, name: str) -> dict[str, Any]:

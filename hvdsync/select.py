@@ -64,6 +64,14 @@ OBJECTIVES = ("first_order", "second_order")
 INPUTS = ("embedding", "statistics")
 
 
+def _floats(value: Any) -> np.ndarray:
+    """A saved value as float64 numpy: from numpy, a list, or a framework tensor (torch's
+    ``state_dict()`` holds tensors, which load without unpickling anything)."""
+    if hasattr(value, "numpy") and not isinstance(value, np.ndarray):
+        value = value.numpy()
+    return np.array(value, dtype=float)
+
+
 @dataclass(frozen=True)
 class SelectConfig:
     """Which layers to push each step; see the module docstring.
@@ -223,11 +231,11 @@ class Hypernet:
                 if getattr(self, key)[k].shape != np.shape(v):
                     raise ValueError(f"hypernet state {key}.{k} has shape {np.shape(v)}, "
                                      f"expected {getattr(self, key)[k].shape}")
-        self.params = {k: np.array(v, dtype=float) for k, v in state["params"].items()}
-        self.m = {k: np.array(v, dtype=float) for k, v in state["m"].items()}
-        self.v = {k: np.array(v, dtype=float) for k, v in state["v"].items()}
+        self.params = {k: _floats(v) for k, v in state["params"].items()}
+        self.m = {k: _floats(v) for k, v in state["m"].items()}
+        self.v = {k: _floats(v) for k, v in state["v"].items()}
         self.t = int(state["t"])
-        self.features = np.array(state.get("features", self.features), dtype=float)
+        self.features = _floats(state.get("features", self.features))
 
 
 class SelectPolicy:
@@ -331,8 +339,8 @@ class SelectPolicy:
                              f"optimizer has {self.num_layers}")
         if self.hypernet is not None:
             self.hypernet.load_state_dict(state["hypernet"])
-            self.prev_alpha = np.array(state["prev_alpha"], dtype=float)
-        self.ema = np.array(state["ema"], dtype=float)
+            self.prev_alpha = _floats(state["prev_alpha"])
+        self.ema = _floats(state["ema"])
         self.waited = list(state["waited"])
         self.step = int(state["step"])
         self.selected = list(state["selected"])

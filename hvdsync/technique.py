@@ -79,6 +79,9 @@ class Pending:
         self.nbytes = nbytes
         self.collectives = collectives
         self._guarded = True
+        #: run before the first wait: the communicator's check of the entry tags started
+        #: before this collective (hvdsync.entries), which raises if the ranks entered apart
+        self.before: Optional[Callable[[], None]] = None
 
     @classmethod
     def resolved(cls, result: Any = None) -> "Pending":
@@ -89,6 +92,7 @@ class Pending:
 
     def wait(self) -> Any:
         if not self._done:
+            self._checked()
             if self._guarded:
                 with guard(self.what):
                     self._result = self._wait()
@@ -98,6 +102,12 @@ class Pending:
             self._wait = self._ready = None
         return self._result
 
+    def _checked(self) -> None:
+        """Run :attr:`before` once, ahead of the first wait."""
+        if self.before is not None:
+            before, self.before = self.before, None
+            before()
+
     def wait_idle(self) -> Any:
         """:meth:`wait`, without keeping a core busy meanwhile: polls :meth:`ready` with
         short sleeps first. Horovod's torch ``synchronize()`` spins (a 4 s wait used 5.8 s
@@ -105,6 +115,7 @@ class Pending:
         from the other ranks of a shared host. For waits on background exchanges that can
         be polled; a pending that cannot be polled is simply waited for."""
         if not self._done and self._ready is not None:
+            self._checked()
             with guard(self.what):
                 self.ready_within(math.inf)
         return self.wait()
@@ -374,6 +385,9 @@ class Communicator(Protocol):
     #: must start them in the same order, so a technique must not start one because a poll
     #: on this rank said an earlier one had arrived
     matches_by_name: bool
+    #: what this rank is doing (a step, ``flush()``, a save), told to the other ranks before
+    #: each entry's first collective and compared (:class:`hvdsync.entries.Entries`)
+    entries: Any
 
     def allreduce(self, name: str, tensors: list) -> Pending: ...
     def flush(self, background: bool = False) -> None: ...

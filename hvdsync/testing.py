@@ -76,29 +76,35 @@ def _check_horovod_gloo() -> None:
 LAUNCHERS = ("horovodrun", "torchrun")
 
 
-def launch_command(launcher: str, np: int, tmp: str) -> list[str]:
+def launch_command(launcher: str, np: int, tmp: str, restarts: int = 0) -> list[str]:
     """The command line that starts ``np`` ranks on this host, each running the call written
-    into ``tmp``."""
+    into ``tmp``; ``restarts``: torchrun's ``--max-restarts`` (every worker is started again
+    after one fails, ``TORCHELASTIC_RESTART_COUNT`` counting the restarts)."""
+    if restarts and launcher != "torchrun":
+        raise ValueError("restarts are torchrun's (--max-restarts); Horovod's are elastic: "
+                         "run_elastic")
     if launcher == "horovodrun":  # horovodrun's own code, less its per-launch Gloo check
         _check_horovod_gloo()
         return [sys.executable, "-m", "hvdsync.testing", "--horovodrun", "-np", str(np),
                 "-H", f"localhost:{np}", "--gloo", *rank_command(tmp)]
     if launcher == "torchrun":  # --tee 3: every line prefixed with its rank, as horovodrun's
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={np}", "--tee=3", "--no-python", *rank_command(tmp)]
+                f"--nproc-per-node={np}", f"--max-restarts={restarts}", "--tee=3",
+                "--no-python", *rank_command(tmp)]
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
 def run_ranks(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | None = None,
               timeout: float = 180, env: dict[str, str] | None = None,
-              launcher: str = "horovodrun") -> list[Any]:
+              launcher: str = "horovodrun", restarts: int = 0) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks (Gloo, this host) started by ``launcher``
-    (``"horovodrun"`` or ``"torchrun"``); return per-rank results, or raise
-    :class:`RanksFailed` with every rank's output."""
+    (``"horovodrun"`` or ``"torchrun"``, with ``restarts``: :func:`launch_command`); return
+    per-rank results (a restarted rank's last), or raise :class:`RanksFailed` with every
+    rank's output."""
     with tempfile.TemporaryDirectory(prefix="hvdsync-ranks-") as tmp:
         name = write_call(tmp, fn, args, kwargs)
         start = time.monotonic()
-        output, returncode, hung = _launch(launch_command(launcher, np, tmp), tmp,
+        output, returncode, hung = _launch(launch_command(launcher, np, tmp, restarts), tmp,
                                            rank_env(env), timeout)
         return collect_results(tmp, np, name, hung, returncode, timeout,
                                time.monotonic() - start, output)

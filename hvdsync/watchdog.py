@@ -10,6 +10,13 @@ prints what was waited for, and why that usually happens, and ends the process w
 code 70. The launcher (``horovodrun``) then stops the other ranks: the job ends, with a
 message, instead of hanging.
 
+Before that, once a wait has lasted ``HVDSYNC_STALL_WARNING_SECONDS`` (default 60; ``0``
+off), the rank prints a stall report: what it waits for, since when, and what it was doing
+(the entry point and step, :mod:`hvdsync.entries`). Every waiting rank prints its own, so the
+rank missing from the reports is the one to look at (neither Horovod nor torch.distributed
+tells a waiting rank which peers have joined a collective). Horovod's stall inspector is the
+model; it did not report with Gloo in our tests (docs/failures.md).
+
 The cost on the hot path is an environment lookup and two dictionary writes per wait; the
 thread wakes every few seconds.
 """
@@ -24,21 +31,43 @@ from typing import Optional
 
 ENV = "HVDSYNC_TIMEOUT_SECONDS"
 DEFAULT_TIMEOUT_S = 900.0
+STALL_ENV = "HVDSYNC_STALL_WARNING_SECONDS"
+DEFAULT_STALL_S = 60.0
 EXIT_CODE = 70
 
 _waits: dict[int, tuple[str, float]] = {}  # thread id -> (what, started)
+_reported: set[tuple[str, float]] = set()  # waits whose stall report is printed
 _lock = threading.Lock()
 _thread: list[threading.Thread] = []
+_entry = ["hvdsync's setup", 0]  # what this rank is doing (entries.begin), for the report
 
 
 def timeout_s() -> float:
     """The bound in seconds (``0``: none), from ``HVDSYNC_TIMEOUT_SECONDS``."""
-    raw = os.environ.get(ENV, "")
+    return _seconds(ENV, DEFAULT_TIMEOUT_S)
+
+
+def stall_s() -> float:
+    """When a wait is reported as stalled (``0``: never), from
+    ``HVDSYNC_STALL_WARNING_SECONDS``."""
+    return _seconds(STALL_ENV, DEFAULT_STALL_S)
+
+
+def _seconds(env: str, default: float) -> float:
+    raw = os.environ.get(env, "")
     try:
-        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+        value = float(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{ENV} must be a number of seconds, got {raw!r}") from None
+        raise ValueError(f"{env} must be a number of seconds, got {raw!r}") from None
+    if value != value:
+        raise ValueError(f"{env} must be a number of seconds, got {raw!r}")
     return max(value, 0.0)
+
+
+def entered(what: str, step: int) -> None:
+    """This rank began an entry point (a training step, ``flush()``...): named in the stall
+    report."""
+    _entry[0], _entry[1] = what, step
 
 
 class guard:
@@ -53,7 +82,7 @@ class guard:
         self.key: Optional[int] = None
 
     def __enter__(self) -> None:
-        if timeout_s() <= 0:
+        if timeout_s() <= 0 and stall_s() <= 0:
             return
         if not _thread:
             _start()
@@ -78,16 +107,39 @@ def _start() -> None:
             t.start()
 
 
+def period_s() -> float:
+    """How often the watching thread looks: at most 5 s, a tenth of the shorter bound."""
+    bounds = [b for b in (timeout_s(), stall_s()) if b > 0]
+    return min(5.0, max(min(bounds) / 10, 0.2)) if bounds else 5.0
+
+
 def _watch() -> None:
     while True:
-        limit = timeout_s()
-        time.sleep(min(5.0, max(limit / 10, 0.2)) if limit > 0 else 5.0)
-        if limit <= 0:
-            continue
+        time.sleep(period_s())
+        limit, stall = timeout_s(), stall_s()
         now = time.monotonic()
-        for what, started in list(_waits.values()):
-            if now - started > limit:
+        waits = list(_waits.values())
+        for what, started in waits:
+            if 0 < limit < now - started:
                 _give_up(what, now - started)
+            if 0 < stall < now - started and (what, started) not in _reported:
+                _reported.add((what, started))
+                _report(what, now - started, limit)
+        _reported.intersection_update(waits)
+
+
+def _report(what: str, waited: float, limit: float) -> None:
+    since = time.strftime("%H:%M:%S", time.localtime(time.time() - waited))
+    doing, step = _entry
+    end = (f"it ends this process after {limit:g} s ({ENV})" if limit > 0
+           else f"it waits forever ({ENV}=0)")
+    sys.stderr.write(
+        f"\nhvdsync: stall: rank {launcher_rank()} has waited {waited:.0f} s (since {since}) "
+        f"for {what}, in {doing} (step {step}). Every rank that waits prints this; a rank "
+        "that does not has stopped, is still computing, or made another call (a flush(), a "
+        "save, an evaluation on some ranks only). hvdsync reports once per wait; "
+        f"{end}. See docs/failures.md.\n")
+    sys.stderr.flush()
 
 
 def launcher_rank() -> str:

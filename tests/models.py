@@ -185,14 +185,16 @@ def logic_runs(request: Any, body: Callable[..., Any], cases: dict[str, tuple],
 
 
 def run_job(fn: Callable[..., Any], np: int, args: tuple = (), timeout: float = 300,
-            env: dict[str, str] | None = None, launcher: str = "horovodrun") -> list:
+            env: dict[str, str] | None = None, launcher: str = "horovodrun",
+            restarts: int = 0) -> list:
     """``fn(*args)`` on ``np`` ranks: real ones started by ``launcher`` (``horovodrun`` or
     ``torchrun``), or ``"simulated"`` ones (threads of this process,
     :func:`hvdsync.testing.run_threads`, which share its environment: no ``env``)."""
     if launcher == "simulated":
         assert not env, "simulated ranks share this process's environment"
         return run_threads(fn, np, args=args)
-    return run_ranks(fn, np=np, args=args, timeout=timeout, env=env, launcher=launcher)
+    return run_ranks(fn, np=np, args=args, timeout=timeout, env=env, launcher=launcher,
+                     restarts=restarts)
 
 
 def run_cases(body: Callable[..., Any], np: int, cases: dict[str, tuple],

@@ -62,7 +62,9 @@ def test_no_technique_grows_by_more_than_2_ops_per_layer(counts, name):
 
 def test_the_plain_path_costs_nothing_per_layer_and_less_than_horovod(counts):
     for depth in DEPTHS:
-        assert added(counts, "hvdsync (nothing on)", depth) <= 3  # the step's finite check
+        # the step's finite check (3), the entry tag's detach in Horovod's allreduce (a view
+        # of a host tensor: no kernel on a GPU; hvdsync.entries)
+        assert added(counts, "hvdsync (nothing on)", depth) <= 4
         assert added(counts, "hvdsync (nothing on)", depth) < added(counts, "horovod", depth)
 
 

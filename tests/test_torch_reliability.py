@@ -135,7 +135,7 @@ def outer_exchange_on_one_rank() -> None:
     time.sleep(120)  # rank 1 stays alive: only hvdsync's bound can end this
 
 
-@pytest.mark.parametrize("body,what", [(flush_on_one_rank, "parameter averaging"),
+@pytest.mark.parametrize("body,what", [(flush_on_one_rank, "entry tags (before flush()"),
                                        (outer_exchange_on_one_rank, "hvdsync.outer.f0")],
                          ids=["flush", "outer_exchange"])
 @pytest.mark.parametrize("launcher", ["horovodrun", "torchrun"])

@@ -208,7 +208,10 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
     def _join_world(self) -> None:
         """Horovod runs again, perhaps with other ranks. The communicator reads the rank count
         at every use; what a traced train function holds of it is traced again
-        (``KerasState.sync`` drops the model's train functions)."""
+        (``KerasState.sync`` drops the model's train functions). The entry tags start over,
+        as a rank that joins now starts them."""
+        if self.built and getattr(self._hv, "comm", None) is not None:
+            self._hv.comm.entries.reset()
 
     # -- hvdsync's public API -----------------------------------------------------------------
     def _sync_pipeline(self) -> Optional[StepPipeline]:

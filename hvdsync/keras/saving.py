@@ -49,8 +49,6 @@ def save_model(model, filepath: str, root_rank: int = 0, **kwargs: Any) -> None:
     ``model.save`` on one rank holds that rank's, which ``load_model`` drops on every rank).
     A collective: call it on every rank; every rank returns once the file is written. With
     ``delay=``, call ``optimizer.flush()`` first (replicas identical)."""
-    import pickle
-
     from hvdsync import checkpoint
     from hvdsync.keras.comm import gather_bytes
     from hvdsync.keras.optimizer import _DistributedOptimizer
@@ -58,10 +56,14 @@ def save_model(model, filepath: str, root_rank: int = 0, **kwargs: Any) -> None:
     opt = getattr(model, "optimizer", None)
     hv = opt._hv if isinstance(opt, _DistributedOptimizer) else None
     process_set = hv.process_set if hv is not None else _global_process_set()
+    if hv is not None and opt.built and process_set.size() > 1:  # refused where ranks differ
+        hv.comm.entries.begin("save", hv.stats.total.step)
+        hv.comm.entered()
     if hv is not None and opt.built and opt._configured:
         own = checkpoint.per_rank_part(opt._configured, opt.technique_state())
-        hv.every_rank = [pickle.loads(b) for b in gather_bytes(
-            pickle.dumps(own), "hvdsync.checkpoint.save", process_set)]
+        # as arrays and JSON, never pickles: nothing another rank sends runs code here
+        hv.every_rank = [checkpoint.state_from_bytes(b) for b in gather_bytes(
+            checkpoint.state_bytes(own), "hvdsync.checkpoint.save", process_set)]
     try:
         if process_set.rank() == root_rank:
             model.save(filepath, **kwargs)

@@ -84,7 +84,8 @@ from hvdsync.stats import SyncStats  # noqa: E402
 from hvdsync.threshold import ThresholdConfig  # noqa: E402
 from hvdsync.torch.optimizer import DistributedOptimizer  # noqa: E402,F811
 from hvdsync.torch.optimizer import _DistributedOptimizer  # noqa: E402
-from hvdsync.torch.saving import (broadcast_technique_state, load_checkpoint,  # noqa: E402
+from hvdsync.torch.saving import (UntrustedCheckpoint, broadcast_technique_state,  # noqa: E402
+                                  load_checkpoint,
                                   save_checkpoint)
 from hvdsync.torch import elastic  # noqa: E402 - Horovod's, knowing hvdsync's optimizer
 

@@ -136,10 +136,25 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     limit = watchdog.timeout_s()
     timeout = timedelta(seconds=1.5 * limit + 10) if limit > 0 else timedelta(days=365)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
+
+
+def _attempt_store(timeout: timedelta) -> dict[str, Any]:
+    """After ``torchrun --max-restarts`` started the workers again: a store whose keys are
+    this attempt's. torchrun's agent keeps one store across attempts, so a restarted worker
+    could read a previous attempt's address of a peer before the peer wrote its new one and
+    fail to connect (seen here with Gloo: "Connection refused" at init; docs/elastic.md).
+    Nothing to change on a first attempt."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dict(store=dist.PrefixStore(f"hvdsync/attempt{attempt}", store),
+                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def shutdown() -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-
+from functools import partial
 from typing import Any
 
 import torch
 
+from hvdsync.entries import Entries
 from hvdsync.stats import SyncStats
 from hvdsync.technique import Pending
 from hvdsync.torch import engine
@@ -55,10 +56,19 @@ class TorchCommunicator:
             self.prescale, self.postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
         else:
             self.prescale = self.postscale = 1.0
+        #: what this rank is doing, sent before each entry's first collective (hvdsync.entries)
+        self.entries = Entries(process_set, self._tag_round)
+        self._tag_buffers: dict[str, torch.Tensor] = {}
 
     def refresh(self) -> None:
         """Horovod was initialized again (an Elastic reset): read the ranks anew."""
         self.size = self.process_set.size()
+        self.entries.reset()
+
+    def entered_now(self, what: str = "a collective") -> None:
+        """A blocking collective (``what``) follows: the entry's tag first, checked at once
+        (nothing on one rank)."""
+        self.entries.settle(self.entries.before(what), what)
 
     def allreduce(self, name: str, tensors: Sequence[torch.Tensor]) -> Pending:
         """Start reducing ``tensors`` in place; collective names derive from ``name`` (the same
@@ -66,6 +76,8 @@ class TorchCommunicator:
         tensors = list(tensors)
         if self.size == 1 and not self.force_collectives:
             return Pending.resolved(tensors)
+        # first: collectives pair by order on torch.distributed
+        tag = self.entries.before(f"the allreduce {name!r}")
         waits, polls, nbytes, collectives = [], [], 0, 0
         dense: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
@@ -95,8 +107,10 @@ class TorchCommunicator:
             for w in waits:
                 w()
             return tensors
-        return Pending(wait, lambda: all(p() for p in polls), nbytes, collectives,
+        done = Pending(wait, lambda: all(p() for p in polls), nbytes, collectives,
                        what=f"the allreduce {name!r}")
+        done.before = partial(self.entries.settle, tag, done.what)
+        return done
 
     def _dense_finisher(self, handle, grads, ctxs):
         def finish() -> None:
@@ -128,6 +142,31 @@ class TorchCommunicator:
         t = values.to(want) if torch.is_tensor(values) else torch.tensor(values, dtype=want)
         if self.size == 1:  # (in the vector's precision, as the ranks' average would be)
             return Pending(t.tolist, lambda: True, what=f"the control vector {name!r}")
+        tag = self.entries.before(f"the control allreduce {name!r}")
+        pending = self._control_round(t, name)
+        pending.before = partial(self.entries.settle, tag, pending.what)
+        return pending
+
+    def _tag_round(self, values: list[float], name: str, what: str) -> Pending:
+        """An entry tag's round, in place in a host buffer kept per name (reused once its
+        round was checked): written and read through numpy, it dispatches no torch op, and
+        on a GPU launches no kernel. float32, as gradients mostly are, so that Horovod can
+        fuse it with the step's first data (a step count is exact to 2^24)."""
+        self.stats.count("entry_tags", 1)
+        buf = self._tag_buffers.get(name)
+        if buf is None or buf.numel() != len(values):  # all at once: none in later steps
+            self._tag_buffers = {n: torch.zeros(len(values), dtype=torch.float32)
+                                 for n in self.entries.names()}
+            buf = self._tag_buffers[name]
+        view = buf.numpy()
+        view[:] = values
+        ops = self.ops
+        handle = ops.allreduce_async_(buf, name=name, op=ops.Average,
+                                      process_set=self.process_set)
+        return Pending(lambda: (ops.synchronize(handle), view.tolist())[1],
+                       lambda: ops.poll(handle), what=what)
+
+    def _control_round(self, t: torch.Tensor, name: str) -> Pending:
         self.stats.control(t.numel() * t.element_size())
         ops = self.ops
         handle = ops.allreduce_async(t, name=name, op=ops.Average, process_set=self.process_set)
@@ -139,6 +178,7 @@ class TorchCommunicator:
         at once)."""
         if self.size == 1:
             return
+        self.entered_now("the parameter averaging (delay=, flush())")
         ops = self.ops
         handles = [ops.grouped_allreduce_async_(tensors, name=name, op=ops.Average,
                                                 process_set=self.process_set)
@@ -152,18 +192,24 @@ class TorchCommunicator:
         concatenated in rank order."""
         if self.size == 1:
             return Pending.resolved(list(tensors))
+        tag = self.entries.before(f"the allgather {name!r}")
+        if not self.matches_by_name:  # torch.distributed gathers the sizes first, blocking
+            self.entries.settle(tag, f"the allgather {name!r}")
         ops = self.ops
         handles = [ops.allgather_async(t, name=f"{name}.{i}", process_set=self.process_set)
                    for i, t in enumerate(tensors)]
-        return Pending(lambda: [ops.synchronize(h) for h in handles],
-                       lambda: all(ops.poll(h) for h in handles),
-                       sum(payload_bytes(t) for t in tensors), len(tensors),
-                       what=f"the allgather {name!r}")
+        pending = Pending(lambda: [ops.synchronize(h) for h in handles],
+                          lambda: all(ops.poll(h) for h in handles),
+                          sum(payload_bytes(t) for t in tensors), len(tensors),
+                          what=f"the allgather {name!r}")
+        pending.before = partial(self.entries.settle, tag, pending.what)
+        return pending
 
     def gather_bytes(self, data: bytes, name: str) -> list[bytes]:
         """Every rank's ``data``, in rank order (two allgathers)."""
         if self.size == 1:
             return [data]
+        self.entered_now(f"the allgather {name!r}")
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
             torch.zeros(0, dtype=torch.uint8)
         with guard(f"the allgather {name!r}"):

@@ -36,6 +36,7 @@ from hvdsync.torch.backend import TorchGradients, TorchOps
 from hvdsync.torch.clipping import clip_layers
 from hvdsync.torch.comm import TorchCommunicator
 from hvdsync.torch.params import groups_to_names, parameter_names
+from hvdsync.torch.saving import tensors_only
 from hvdsync.torch.sparse import SparseExchange
 
 _HOROVOD_ARGS = ("named_parameters", "compression", "backward_passes_per_step", "op",
@@ -186,9 +187,10 @@ class _DistributedOptimizer(SyncAPI):
         (docs/checkpoints.md)."""
         state = super().state_dict()
         if self._configured:
-            state["hvdsync"] = checkpoint.state_of(self._configured, self._param_signatures,
-                                                   self.process_set.rank(),
-                                                   self.process_set.size())
+            # tensors and plain data: loads with torch.load's default weights_only=True
+            state["hvdsync"] = tensors_only(checkpoint.state_of(
+                self._configured, self._param_signatures, self.process_set.rank(),
+                self.process_set.size()))
         return state
 
     def load_state_dict(self, state_dict) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from hvdsync import checkpoint
@@ -21,14 +23,59 @@ from hvdsync.torch import engine
 from hvdsync.watchdog import guard
 
 
+class UntrustedCheckpoint(pickle.UnpicklingError):
+    """A checkpoint holds more than tensors and plain data: loading it could run code."""
+
+
+# numeric numpy arrays: the select= hypernet's state in files written before state_dict()
+# held tensors only. Restoring one runs no code (an object array's items are unpickled under
+# the same restrictions), which is why torch's own documentation allowlists these.
+_NUMPY_CORE = getattr(np, "_core", None) or np.core  # numpy 2 renamed it
+_NUMPY_ARRAYS = [np.ndarray, np.dtype, _NUMPY_CORE.multiarray._reconstruct,
+                 _NUMPY_CORE.multiarray.scalar,
+                 *(type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDG")]
+
+
+def safe_load(source: Any, trusted: bool = False, what: str = "this checkpoint") -> Any:
+    """``torch.load(source)`` with ``weights_only=True``: tensors, plain Python data and
+    numeric numpy arrays only, so that a file cannot run code. Anything else raises
+    :class:`UntrustedCheckpoint` naming ``trusted=True``, which loads it as pickle does
+    (only for a file whose source you trust)."""
+    if trusted:
+        return torch.load(source, map_location="cpu", weights_only=False)
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAYS):
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's message: advice first, then the line that names what was refused
+        reason = next((line.strip() for line in str(e).splitlines()
+                       if "GLOBAL" in line), "objects of other types")
+        reason = reason.split(" was not an allowed global")[0].split(" whose module")[0]
+        reason = reason.removeprefix("WeightsUnpickler error: ")
+        raise UntrustedCheckpoint(
+            f"hvdsync: {what} holds objects that are not tensors or plain data ({reason}); "
+            "loading it could run code from the file, so it was not loaded. If you trust the "
+            "file's source, pass trusted=True (docs/checkpoints.md).") from None
+
+
+def tensors_only(state: Any) -> Any:
+    """``state`` with numpy arrays as tensors and numpy scalars as Python numbers: what
+    ``torch.load(..., weights_only=True)`` (torch's default) reads without an allowlist."""
+    if isinstance(state, dict):
+        return {k: tensors_only(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(tensors_only(v) for v in state)
+    if isinstance(state, np.ndarray):
+        return torch.from_numpy(state.copy())
+    if isinstance(state, np.generic):
+        return state.item()
+    return state
+
+
 def _to_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
-
-
-def _from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
 def broadcast_technique_state(optimizer, root_rank: int) -> None:
@@ -54,11 +101,15 @@ def save_checkpoint(path: str, model: torch.nn.Module,
     (atomically), with every rank's own hvdsync memory; every rank returns once it is
     written. With ``delay=``, call ``optimizer.flush()`` first (replicas identical)."""
     from hvdsync.torch.optimizer import _DistributedOptimizer
+    if isinstance(optimizer, _DistributedOptimizer):  # refused at once where ranks differ
+        optimizer._comm.entries.begin("save", optimizer.stats.total.step)
+        optimizer._comm.entered_now()
     state = optimizer.state_dict() if optimizer is not None else None
     if isinstance(optimizer, _DistributedOptimizer) and "hvdsync" in state:
         own = checkpoint.per_rank_part(optimizer._configured, state["hvdsync"])
-        parts = [_from_bytes(b) for b in optimizer._comm.gather_bytes(
-            _to_bytes(own), "hvdsync.checkpoint.save")]
+        parts = [safe_load(io.BytesIO(b), what=f"rank {r}'s hvdsync state")
+                 for r, b in enumerate(optimizer._comm.gather_bytes(
+                     _to_bytes(own), "hvdsync.checkpoint.save"))]
         state["hvdsync"] = checkpoint.with_every_rank(optimizer._configured, state["hvdsync"],
                                                       parts)
     if engine.ops().rank() == root_rank:
@@ -70,11 +121,17 @@ def save_checkpoint(path: str, model: torch.nn.Module,
 
 
 def load_checkpoint(path: str, model: torch.nn.Module,
-                    optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+                    optimizer: Optional[torch.optim.Optimizer] = None,
+                    trusted: bool = False) -> Any:
     """Restore a :func:`save_checkpoint` file into ``model`` (and ``optimizer``: each rank gets
     its own hvdsync memory back; saved by another number of ranks, that memory is dropped on
-    every rank with a warning). Call on every rank; returns the ``extra`` that was saved."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    every rank with a warning). Call on every rank; returns the ``extra`` that was saved.
+
+    The file is read with ``weights_only=True``: tensors and plain data only, never code. A
+    file holding other objects (an ``extra`` of your own classes, or a crafted file) raises
+    :class:`UntrustedCheckpoint`; ``trusted=True`` reads it with pickle's full power, for
+    files whose source you trust."""
+    ckpt = safe_load(path, trusted, what=repr(path))
     model.load_state_dict(ckpt["model"])
     if optimizer is not None:
         if ckpt["optimizer"] is None:
