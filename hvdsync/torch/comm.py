@@ -65,6 +65,11 @@ class TorchCommunicator:
         self.size = self.process_set.size()
         self.entries.reset()
 
+    def _after(self, tag: int, pending: Pending) -> Pending:
+        """``pending``, whose first wait first checks the entry tags up to ``tag``."""
+        pending.before = partial(self.entries.settle, tag, pending.what)
+        return pending
+
     def entered_now(self, what: str = "a collective") -> None:
         """A blocking collective (``what``) follows: the entry's tag first, checked at once
         (nothing on one rank)."""
@@ -107,10 +112,8 @@ class TorchCommunicator:
             for w in waits:
                 w()
             return tensors
-        done = Pending(wait, lambda: all(p() for p in polls), nbytes, collectives,
-                       what=f"the allreduce {name!r}")
-        done.before = partial(self.entries.settle, tag, done.what)
-        return done
+        return self._after(tag, Pending(wait, lambda: all(p() for p in polls), nbytes,
+                                        collectives, what=f"the allreduce {name!r}"))
 
     def _dense_finisher(self, handle, grads, ctxs):
         def finish() -> None:
@@ -143,9 +146,7 @@ class TorchCommunicator:
         if self.size == 1:  # (in the vector's precision, as the ranks' average would be)
             return Pending(t.tolist, lambda: True, what=f"the control vector {name!r}")
         tag = self.entries.before(f"the control allreduce {name!r}")
-        pending = self._control_round(t, name)
-        pending.before = partial(self.entries.settle, tag, pending.what)
-        return pending
+        return self._after(tag, self._control_round(t, name))
 
     def _tag_round(self, values: list[float], name: str, what: str) -> Pending:
         """An entry tag's round, in place in a host buffer kept per name (reused once its
@@ -198,12 +199,10 @@ class TorchCommunicator:
         ops = self.ops
         handles = [ops.allgather_async(t, name=f"{name}.{i}", process_set=self.process_set)
                    for i, t in enumerate(tensors)]
-        pending = Pending(lambda: [ops.synchronize(h) for h in handles],
-                          lambda: all(ops.poll(h) for h in handles),
-                          sum(payload_bytes(t) for t in tensors), len(tensors),
-                          what=f"the allgather {name!r}")
-        pending.before = partial(self.entries.settle, tag, pending.what)
-        return pending
+        return self._after(tag, Pending(lambda: [ops.synchronize(h) for h in handles],
+                                        lambda: all(ops.poll(h) for h in handles),
+                                        sum(payload_bytes(t) for t in tensors), len(tensors),
+                                        what=f"the allgather {name!r}"))
 
     def gather_bytes(self, data: bytes, name: str) -> list[bytes]:
         """Every rank's ``data``, in rank order (two allgathers)."""
