@@ -19,8 +19,8 @@ time.
   that entered apart, the one in ``flush()`` or the save starts nothing more, so no tensors
   are paired wrongly.
 
-Cost: one allreduce of ``2 x ranks`` float64 values per step that communicates, and per
-flush or save (docs/failures.md gives the measured ratio).
+Cost: one allreduce of ``2 x ranks`` values per step that communicates, and per flush or
+save (docs/failures.md gives the measured ratio).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ IN_FLIGHT = 16
 class Entries:
     """The entry tags of one communicator, over ``process_set`` (its ``rank()`` and
     ``size()``). ``start(values, name, what)`` starts a control round (the average of a
-    float64 vector over the ranks; ``what``: for the watchdog) and returns its pending."""
+    vector over the ranks; ``what``: for the watchdog) and returns its pending."""
 
     def __init__(self, process_set: Any, start: Callable[[list[float], str, str], Any]):
         self.process_set = process_set
@@ -55,6 +55,7 @@ class Entries:
         self.kind, self.step = CODE["start"], 0
         self._tagged = False  # this entry's tag is in flight (or was checked)
         self._seq = 0
+        self._out: deque[tuple[int, Any]] = deque()  # (seq, pending) not yet checked
         self.name_after([])
 
     def name_after(self, layer_names: list[str]) -> None:
@@ -62,7 +63,6 @@ class Entries:
         name): by its layers, which every rank has alike (hvdsync.agreement)."""
         name = f"hvdsync.entry.{zlib.crc32('|'.join(layer_names).encode()):08x}"
         self._names = [f"{name}.{i}" for i in range(IN_FLIGHT + 1)]
-        self._out: deque[tuple[int, Any]] = deque()  # (seq, pending) not yet checked
 
     def names(self) -> list[str]:
         """Every name a tag of this optimizer can have (one per slot in flight)."""
@@ -100,6 +100,11 @@ class Entries:
                 # (in flush or a save) starts nothing more, so no tensors are paired wrongly
                 self.settle()
         return self._seq
+
+    def now(self, what: str = "a collective") -> None:
+        """A collective that blocks (``what``) follows: the entry's tag first, checked at
+        once (nothing on one rank)."""
+        self.settle(self.before(what), what)
 
     def settle(self, upto: Optional[int] = None, what: Optional[str] = None) -> None:
         """Check every tag up to number ``upto`` (all: ``None``), before a wait for ``what``

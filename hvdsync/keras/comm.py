@@ -118,11 +118,6 @@ class KerasCommunicator:
                                      process_set=self.process_set).numpy().tolist()
         return Pending.resolved(out)
 
-    def entered(self, what: str = "a collective") -> None:
-        """A collective (``what``) follows: the entry's tag first (on this thread, in
-        order)."""
-        self.entries.settle(self.entries.before(what), what)
-
     @property
     def size(self) -> int:
         return self.process_set.size()
@@ -194,7 +189,7 @@ class KerasCommunicator:
         if not requests:
             return
         if self.size > 1:
-            self.entered("the step's grouped allreduce")
+            self.entries.now("the step's grouped allreduce")
             requests[0].pending.collectives = self.collectives(
                 [t for r in requests for t in r.tensors])
         key = zlib.crc32("|".join(r.name for r in requests).encode())
@@ -254,7 +249,7 @@ class KerasCommunicator:
             return np.asarray(values, dtype=dtype).tolist()
         else:
             x = tf.constant(np.asarray(values, dtype=dtype))
-        self.entered(f"the control allreduce {name!r}")
+        self.entries.now(f"the control allreduce {name!r}")
         self.stats.control(payload_bytes(x))
         with guard(f"the control allreduce {name!r}"):
             out = mpi_ops._allreduce(x, name=name, op=Average, process_set=self.process_set)
@@ -269,7 +264,7 @@ class KerasCommunicator:
         """Average each named group of variables across ranks (eager) and assign the result."""
         if self.size == 1:
             return
-        self.entered("the parameter averaging (delay=, flush())")
+        self.entries.now("the parameter averaging (delay=, flush())")
         for name, xs in groups:
             with guard("the parameter averaging (delay=, flush())"):
                 avg = mpi_ops._grouped_allreduce([tf.convert_to_tensor(x.value) for x in xs],
@@ -280,7 +275,7 @@ class KerasCommunicator:
 
     def gather_json(self, obj, name: str) -> list:
         if self.size > 1:
-            self.entered(f"the allgather {name!r}")
+            self.entries.now(f"the allgather {name!r}")
         return gather_json(obj, name, self.process_set)
 
     def allgather_async(self, name: str, tensors: list) -> Pending:
@@ -290,7 +285,7 @@ class KerasCommunicator:
         tensors = list(tensors)
         if self.size == 1:
             return Pending.resolved(tensors)
-        self.entered(f"the allgather {name!r}")
+        self.entries.now(f"the allgather {name!r}")
 
         def run() -> list:  # one allgather per tensor: a grouped one takes a single dtype
             with guard(f"the allgather {name!r}"):
@@ -306,7 +301,7 @@ class KerasCommunicator:
         """Eager grouped allgather (the sparse exchange's rows and counts)."""
         if self.size == 1:
             return list(tensors)
-        self.entered(f"the allgather {name!r}")
+        self.entries.now(f"the allgather {name!r}")
         with guard(f"the allgather {name!r}"):
             return mpi_ops.grouped_allgather(tensors, name=name, process_set=self.process_set)
 
@@ -314,7 +309,7 @@ class KerasCommunicator:
         """Eager grouped allreduce with op Sum."""
         if self.size == 1:
             return list(tensors)
-        self.entered(f"the allreduce {name!r}")
+        self.entries.now(f"the allreduce {name!r}")
         with guard(f"the allreduce {name!r}"):
             return mpi_ops._grouped_allreduce(tensors, name=name, op=Sum,
                                               process_set=self.process_set)

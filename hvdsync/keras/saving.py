@@ -58,7 +58,7 @@ def save_model(model, filepath: str, root_rank: int = 0, **kwargs: Any) -> None:
     process_set = hv.process_set if hv is not None else _global_process_set()
     if hv is not None and opt.built and process_set.size() > 1:  # refused where ranks differ
         hv.comm.entries.begin("save", hv.stats.total.step)
-        hv.comm.entered()
+        hv.comm.entries.now("save_model's gather")
     if hv is not None and opt.built and opt._configured:
         own = checkpoint.per_rank_part(opt._configured, opt.technique_state())
         # as arrays and JSON, never pickles: nothing another rank sends runs code here

@@ -70,11 +70,6 @@ class TorchCommunicator:
         pending.before = partial(self.entries.settle, tag, pending.what)
         return pending
 
-    def entered_now(self, what: str = "a collective") -> None:
-        """A blocking collective (``what``) follows: the entry's tag first, checked at once
-        (nothing on one rank)."""
-        self.entries.settle(self.entries.before(what), what)
-
     def allreduce(self, name: str, tensors: Sequence[torch.Tensor]) -> Pending:
         """Start reducing ``tensors`` in place; collective names derive from ``name`` (the same
         on every rank)."""
@@ -150,8 +145,8 @@ class TorchCommunicator:
 
     def _tag_round(self, values: list[float], name: str, what: str) -> Pending:
         """An entry tag's round, in place in a host buffer kept per name (reused once its
-        round was checked): written and read through numpy, it dispatches no torch op, and
-        on a GPU launches no kernel. float32, as gradients mostly are, so that Horovod can
+        round was checked): written and read through numpy, so the only op dispatched is
+        the engine's own detach of it, a view that launches no kernel on a GPU. float32, as gradients mostly are, so that Horovod can
         fuse it with the step's first data (a step count is exact to 2^24)."""
         self.stats.count("entry_tags", 1)
         buf = self._tag_buffers.get(name)
@@ -179,7 +174,7 @@ class TorchCommunicator:
         at once)."""
         if self.size == 1:
             return
-        self.entered_now("the parameter averaging (delay=, flush())")
+        self.entries.now("the parameter averaging (delay=, flush())")
         ops = self.ops
         handles = [ops.grouped_allreduce_async_(tensors, name=name, op=ops.Average,
                                                 process_set=self.process_set)
@@ -208,7 +203,7 @@ class TorchCommunicator:
         """Every rank's ``data``, in rank order (two allgathers)."""
         if self.size == 1:
             return [data]
-        self.entered_now(f"the allgather {name!r}")
+        self.entries.now(f"the allgather {name!r}")
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
             torch.zeros(0, dtype=torch.uint8)
         with guard(f"the allgather {name!r}"):

@@ -103,7 +103,7 @@ def save_checkpoint(path: str, model: torch.nn.Module,
     from hvdsync.torch.optimizer import _DistributedOptimizer
     if isinstance(optimizer, _DistributedOptimizer):  # refused at once where ranks differ
         optimizer._comm.entries.begin("save", optimizer.stats.total.step)
-        optimizer._comm.entered_now()
+        optimizer._comm.entries.now("save_checkpoint's gather")
     state = optimizer.state_dict() if optimizer is not None else None
     if isinstance(optimizer, _DistributedOptimizer) and "hvdsync" in state:
         own = checkpoint.per_rank_part(optimizer._configured, state["hvdsync"])
