@@ -1,15 +1,14 @@
 """``import hvdsync.torch as hvd``: a drop-in for ``import horovod.torch as hvd``, on Horovod or,
 without it, on ``torch.distributed`` (``torchrun``).
 
-``init``, ``size``, ``rank``, ``local_rank``, ``allreduce``, ``allgather``, ``broadcast``,
-``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``,
-``synchronize``, ``poll``, ``Compression``, ``Average``, ``Sum`` ... behave as Horovod's on
-whichever backend :mod:`hvdsync.torch.engine` chose (``hvd.init(backend=...)``,
-``HVDSYNC_BACKEND``, or the launcher); ``hvd.backend_name()`` says which. Horovod's other names
-(``alltoall``, ``SyncBatchNorm`` ...) are re-exported when Horovod is installed and work on
-its backend; ``elastic`` is Horovod's Elastic knowing hvdsync's optimizer
-(:mod:`hvdsync.torch.elastic`, docs/elastic.md). ``DistributedOptimizer`` is hvdsync's (same arguments, same results
-with no technique enabled, plus hvdsync's options and ``stats``). docs/backends.md.
+Every name of Horovod's ``horovod.torch`` (0.28.1) is here and behaves as Horovod's on whichever
+engine :mod:`hvdsync.torch.engine` chose (``hvd.init(backend=...)``, ``HVDSYNC_BACKEND``, or
+the launcher); ``hvd.backend_name()`` says which. On Horovod they are Horovod's own; on the
+torch engine :mod:`hvdsync.torch.c10d`'s (only ``join`` is refused there, with the reason).
+hvdsync's own: ``DistributedOptimizer`` (same arguments, same results with no technique
+enabled, plus hvdsync's options and ``stats``), ``SyncBatchNorm`` (also on CPU tensors),
+``elastic`` (Horovod's Elastic knowing hvdsync's optimizer, docs/elastic.md). The table of
+names: docs/backends.md.
 """
 
 from typing import Any as _Any
@@ -21,20 +20,26 @@ try:
 except ImportError:  # the torch backend only (docs/install.md)
     _horovod_torch = None
 
-# names whose meaning depends on the backend: resolved at each call (module __getattr__ for
-# the process-set objects), never bound to one backend at import
-_LAZY = ("ProcessSet", "global_process_set")
-# Horovod's names hvdsync has its own module for (hvdsync.torch.elastic: Horovod's, knowing
-# hvdsync's optimizer)
-_OWN = ("elastic",)
+# names whose meaning depends on the backend: resolved at each call (module __getattr__),
+# never bound to one backend at import
+_LAZY = ("ProcessSet", "global_process_set", "HorovodInternalError")
+# Horovod's names hvdsync has its own for, on either engine: Elastic knowing hvdsync's
+# optimizer, a SyncBatchNorm that also runs on CPU tensors, the modules of the torch engine
+_OWN = ("elastic", "SyncBatchNorm", "sync_batch_norm", "functions", "compression")
 _DISPATCHED = (
     "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank",
     "cross_rank", "barrier", "join", "poll", "synchronize", "allreduce", "allreduce_",
-    "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "sparse_allreduce_async", "allgather", "allgather_async",
-    "grouped_allgather", "grouped_allgather_async", "allgather_object", "broadcast",
-    "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
-    "broadcast_parameters")
+    "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "sparse_allreduce_async",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "allgather_object", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "broadcast_parameters", "alltoall", "alltoall_async", "reducescatter",
+    "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "add_process_set", "remove_process_set", "start_timeline", "stop_timeline",
+    "check_extension", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
+    "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built")
+#: Horovod's modules of its compiled extension: no counterpart on the torch engine
+_EXTENSION = ("mpi_ops", "mpi_lib_v2")
 
 if _horovod_torch is not None:  # Horovod's whole public API, as Horovod has it ...
     globals().update({k: v for k, v in vars(_horovod_torch).items()
@@ -59,6 +64,10 @@ globals().update({_name: _dispatch(_name) for _name in _DISPATCHED})
 def __getattr__(name: str) -> _Any:
     if name in _LAZY:
         return getattr(_engine.ops(), name)
+    if name in _EXTENSION:
+        raise AttributeError(f"hvd.{name} is a module of Horovod's compiled extension, which the "
+                             "torch engine has not: call the same function on hvd itself "
+                             "(docs/backends.md)")
     raise AttributeError(f"module 'hvdsync.torch' has no attribute {name!r}")
 
 
@@ -88,6 +97,8 @@ from hvdsync.torch.saving import (UntrustedCheckpoint, broadcast_technique_state
                                   load_checkpoint,
                                   save_checkpoint)
 from hvdsync.torch import elastic  # noqa: E402 - Horovod's, knowing hvdsync's optimizer
+from hvdsync.torch import compression, functions, sync_batch_norm  # noqa: E402,F401
+from hvdsync.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402,F401
 
 elastic.install()
 

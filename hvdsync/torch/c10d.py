@@ -1,32 +1,26 @@
 """Horovod's torch API on ``torch.distributed`` (c10d): hvdsync without a Horovod build.
 
-The torch adapter and a user's script call the same names as on Horovod (``init``, ``rank``,
-``allreduce``, ``grouped_allreduce_async_``, ``allgather``, ``broadcast_parameters``,
-``synchronize``, ``poll`` ...); :mod:`hvdsync.torch.engine` routes them here when the torch
-backend is active (launched by ``torchrun``, Horovod not installed, ``HVDSYNC_BACKEND=torch``
-or ``hvd.init(backend="torch")``). docs/backends.md compares the two.
+:mod:`hvdsync.torch.engine` routes Horovod's names here when the torch engine is active
+(``torchrun``, Horovod not installed, ``HVDSYNC_BACKEND=torch``). This module holds what touches
+c10d; :mod:`hvdsync.torch.c10d_derived` builds the rest from it (reducescatter, the autograd
+forms, the info functions), :mod:`hvdsync.torch.functions` the object and state broadcasts,
+:mod:`hvdsync.torch.c10d_sets` the process sets (c10d groups). docs/backends.md names them all.
 
 How Horovod's semantics map onto c10d:
 
-* **Order, not names.** Horovod matches collectives across ranks by name; c10d by the order
-  they are started on a process group. hvdsync's pipeline starts its collectives in the same
-  order on every rank (docs/design.md, the no-hang rule), which is all c10d needs; ``name``
-  arguments are accepted and ignored.
-* **Asynchronous.** Every ``*_async`` call starts one c10d collective with ``async_op=True``
-  and returns a handle; :func:`synchronize` waits for it and finishes the result (scaling,
-  copying out of the fused buffer), :func:`poll` asks whether it completed.
-* **Fusion.** A grouped allreduce packs its tensors into one flat buffer per dtype (as
-  Horovod's fusion buffer does) and runs one allreduce on it.
-* **Averages** are sums scaled by ``postscale / size`` after the reduction (``prescale``
-  before), as Horovod applies ``Average``.
-* **Allgather of different first dimensions** (Horovod allows them, c10d does not): the
-  ranks' sizes are gathered first (a small blocking collective), then the padded data
-  asynchronously, and the padding is cut off in :func:`synchronize`.
-* **Process sets**: the global one only.
-* **Failures.** A rank that dies closes its connections: the others' next wait raises (and
-  ``torchrun`` stops the job); a wait for a rank that hangs is bounded by
-  :mod:`hvdsync.watchdog` (``HVDSYNC_TIMEOUT_SECONDS``: it names what was waited for), with
-  the process group's own timeout a little longer as a backstop.
+* **Order and names.** c10d pairs collectives by order. Before each collective a script starts,
+  the ranks compare a small descriptor of it (:mod:`hvdsync.torch.c10d_checks`); ranks that
+  differ, or a name still in flight, all raise ``HorovodInternalError``, as Horovod's
+  coordinator refuses them. hvdsync's own collectives (same order by construction) skip it.
+* **Asynchronous.** ``*_async`` calls start c10d works and return a :class:`Handle`;
+  :func:`synchronize` waits and finishes the result, :func:`poll` asks whether it completed.
+* **Fusion and averages.** A grouped allreduce packs one flat buffer per dtype. Averages are
+  sums scaled by ``postscale / size`` (``prescale`` before); integers scale as Horovod's, in
+  double precision truncated towards zero.
+* **Dtypes.** int16 travels as int32 (Gloo has none); bool reduces with Min and Max only.
+* **Uneven first dimensions** (allgather, alltoall): the sizes travel first, then the data.
+* **Failures.** A rank that dies closes its connections: the others' waits raise
+  ``HorovodInternalError``; a wait for a rank that hangs is bounded by :mod:`hvdsync.watchdog`.
 """
 
 from __future__ import annotations
@@ -34,9 +28,8 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import pickle
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -44,50 +37,23 @@ import torch
 import torch.distributed as dist
 
 from hvdsync import watchdog
+from hvdsync.torch import c10d_checks as checks
+from hvdsync.torch.c10d_sets import (ProcessSet, add_process_set, forget_process_sets,  # noqa: F401
+                                     global_process_set, group_of as _group,
+                                     remove_process_set)
 from hvdsync.torch.compression import Compression  # noqa: F401  (part of the API)
 
 # Horovod's reduce-op constants, with Horovod's values (a script may compare them)
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _C10D_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
              Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
+#: dtypes Gloo lacks, and the dtype they travel as (exact, and wrapping alike in sums)
+_WIRE = {torch.int16: torch.int32}
 
 
-class ProcessSet:
-    """The global process set (every rank): the only one the torch backend has."""
-
-    process_set_id = 0
-
-    @property
-    def ranks(self) -> list[int]:
-        return list(range(size()))
-
-    def included(self) -> bool:
-        return True
-
-    def size(self) -> int:
-        return size()
-
-    def rank(self) -> int:
-        return rank()
-
-    def __repr__(self) -> str:
-        return "ProcessSet(global, torch.distributed)"
-
-
-global_process_set = ProcessSet()
-
-
-def _check_set(process_set: Any) -> None:
-    # Horovod's global set (id 0) is accepted too: scripts pass hvd.global_process_set
-    if getattr(process_set, "process_set_id", None) != 0:
-        raise ValueError("the torch backend has the global process set only (every rank); got "
-                         f"{process_set!r}. Use Horovod (HVDSYNC_BACKEND=horovod) for others.")
-
-
-def _check_op(op: Any) -> None:
-    if op not in _C10D_OPS:
-        raise ValueError(f"the torch backend reduces with Average, Sum, Min, Max or Product "
-                         f"(Adasum is Horovod's own); got op={op!r}")
+class HorovodInternalError(RuntimeError):
+    """Horovod's error for a collective that failed: ranks that called it differently, a rank
+    that left the job, a name still in flight."""
 
 
 # -- tensors lent to c10d ---------------------------------------------------------------------
@@ -125,21 +91,25 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """Join the job: the process group ``torchrun`` describes (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``), Gloo for CPU tensors and NCCL for CUDA ones; a lone
     process (no launcher) is a job of one rank, as with Horovod. An existing default process
-    group (the script called ``init_process_group`` itself) is used as it is."""
-    if comm is not None or process_sets:
-        raise ValueError("the torch backend takes no comm or process_sets (Horovod/MPI only)")
-    if dist.is_initialized():
-        return
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    # longer than hvdsync's own bound, so that its watchdog speaks first: it names what was
-    # waited for and why that happens (docs/failures.md); c10d's timeout is the backstop
-    limit = watchdog.timeout_s()
-    timeout = timedelta(seconds=1.5 * limit + 10) if limit > 0 else timedelta(days=365)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+    group (the script called ``init_process_group`` itself) is used as it is.
+    ``process_sets``: :class:`ProcessSet` objects (or rank lists) to add at once."""
+    if comm is not None:
+        raise ValueError("the torch engine takes no MPI communicator (comm=): Horovod's MPI "
+                         "build does (HVDSYNC_BACKEND=horovod)")
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        # longer than hvdsync's own bound, so that its watchdog speaks first: it names what
+        # was waited for and why that happens (docs/failures.md); c10d's is the backstop
+        limit = watchdog.timeout_s()
+        timeout = timedelta(seconds=1.5 * limit + 10) if limit > 0 else timedelta(days=365)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+    for ps in process_sets or ():
+        if getattr(ps, "process_set_id", None) is None:
+            add_process_set(ps)
 
 
 def _attempt_store(timeout: timedelta) -> dict[str, Any]:
@@ -158,6 +128,7 @@ def _attempt_store(timeout: timedelta) -> dict[str, Any]:
 
 
 def shutdown() -> None:
+    forget_process_sets()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -200,14 +171,19 @@ def cross_size() -> int:
 
 
 def barrier(process_set: Any = global_process_set) -> None:
-    _check_set(process_set)
-    dist.barrier()
+    """Wait until every rank of ``process_set`` is here."""
+    group = _group(process_set)
+    _agree("barrier", [], None, process_set)
+    with watchdog.guard("hvd.barrier()"):
+        dist.barrier(group=group)
 
 
-def join(device: int = -1) -> int:
-    raise NotImplementedError("hvd.join() (uneven inputs) is Horovod's: use Horovod as the "
-                              "backend (HVDSYNC_BACKEND=horovod), or give every rank as many "
-                              "batches")
+def _set_size(process_set: Any) -> int:
+    return dist.get_world_size(_group(process_set))
+
+
+def _set_ranks(process_set: Any) -> list[int]:
+    return list(getattr(process_set, "ranks", None) or range(size()))
 
 
 # -- handles ----------------------------------------------------------------------------------
@@ -220,6 +196,12 @@ class Handle:
         self.works, self.finish, self.done = works, finish, False
         self.result: Any = None
 
+    def then_first(self) -> "Handle":
+        """This handle, giving the first of its results (one tensor of a grouped call)."""
+        finish = self.finish
+        self.finish = lambda: finish()[0]
+        return self
+
 
 def poll(handle: Handle) -> bool:
     """Whether ``handle``'s collectives have completed (a later :func:`synchronize` will not
@@ -228,13 +210,74 @@ def poll(handle: Handle) -> bool:
 
 
 def synchronize(handle: Handle) -> Any:
-    """Wait for ``handle`` and return its result (a tensor, or a list for grouped calls)."""
+    """Wait for ``handle`` and return its result (a tensor, or a list for grouped calls). A
+    collective that failed (a rank left, a connection closed) raises
+    ``HorovodInternalError``."""
     if not handle.done:
-        for w in handle.works:
-            w.wait()
+        try:
+            if not poll(handle):  # a wait: bounded, and reported if it stalls
+                with watchdog.guard("a collective the script started (hvd.synchronize)"):
+                    for w in handle.works:
+                        w.wait()
+        except RuntimeError as e:
+            handle.works = []
+            raise HorovodInternalError(f"a collective failed: {e} (a rank of the job failed or "
+                                       "left it; its own output says why)") from e
         handle.result, handle.done = handle.finish(), True
         handle.works = []
     return handle.result
+
+
+# -- the descriptor check (c10d_checks) -------------------------------------------------------
+_in_flight: dict[str, Handle] = {}  # a script's named collectives not yet synchronized
+
+
+def _agree(kind: str, tensors: list, name: Optional[str], process_set: Any, op: Any = None,
+           root: Optional[int] = None, scales: tuple = (1.0, 1.0), uneven: bool = False) -> None:
+    """Before a script's collective: every rank of the set compares what it was asked to do;
+    where they differ, every rank raises the same ``HorovodInternalError``."""
+    if not checks.wanted(name):
+        return
+    group = _group(process_set)
+    n = dist.get_world_size(group)
+    previous = _in_flight.get(name) if name is not None else None
+    duplicate = previous is not None and not previous.done  # until synchronized: no race
+    desc = checks.readable(kind, tensors, name, op, root, scales, uneven, duplicate)
+    if n == 1:
+        if duplicate:
+            raise HorovodInternalError(checks.message([desc], [rank()]))
+        return
+    mine = torch.tensor(checks.descriptor(desc), dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(n)]
+    with watchdog.guard(f"the ranks' check of hvd.{kind} {name!r}"):
+        _wait(dist.all_gather([_lend(e) for e in everyone], _lend(mine), group=group,
+                              async_op=True))
+    if not duplicate and all(torch.equal(e, everyone[0]) for e in everyone):
+        return  # (a duplicate on one rank differs from the others': all come here alike)
+    raise HorovodInternalError(checks.message(checks.gather_json(desc, process_set),
+                                              _set_ranks(process_set)))
+
+
+def _track(name: Optional[str], handle: Handle) -> Handle:
+    if name is not None and checks.wanted(name):
+        for done in [k for k, h in _in_flight.items() if h.done]:
+            del _in_flight[done]
+        _in_flight[name] = handle
+    return handle
+
+
+def _wait(work: Any) -> None:
+    synchronize(Handle([work], lambda: None))
+
+
+# -- allreduce --------------------------------------------------------------------------------
+def _check_op(op: Any, dtype: torch.dtype) -> None:
+    if op not in _C10D_OPS:
+        raise ValueError(f"the torch backend reduces with Average, Sum, Min, Max or Product "
+                         f"(Adasum is Horovod's own); got op={op!r}")
+    if dtype == torch.bool and op not in (Min, Max):
+        raise ValueError("bool tensors reduce with op=hvd.Min (all ranks true) or hvd.Max (any "
+                         "rank true); for a count, reduce them as int32")
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
@@ -245,24 +288,31 @@ def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
     return groups
 
 
+def _scale(flat: torch.Tensor, factor: float) -> None:
+    """``flat *= factor`` as Horovod scales: integers in double precision, truncated."""
+    if factor == 1.0:
+        return
+    if flat.dtype == torch.bool:
+        raise ValueError("bool tensors take no prescale_factor or postscale_factor")
+    if flat.is_floating_point():
+        flat.mul_(factor)
+    else:
+        flat.copy_(flat.double().mul_(factor))
+
+
 def _reduce(flat: torch.Tensor, op: Any, prescale: float, postscale: float,
-            outputs: list[torch.Tensor]) -> Handle:
+            outputs: list[torch.Tensor], group: Any) -> Handle:
     """Reduce ``flat`` (this rank's values: a packed copy, or the one output itself) into
     ``outputs`` (``flat`` split by numel, copied where it is not the output) with Horovod's
     pre/post scaling."""
-    _check_op(op)
-    if prescale != 1.0:
-        flat.mul_(prescale)
-    n = size()
-    work = dist.all_reduce(_lend(flat), op=_C10D_OPS[op], async_op=True) if n > 1 else None
+    _scale(flat, prescale)
+    n = dist.get_world_size(group)
+    work = (dist.all_reduce(_lend(flat), op=_C10D_OPS[op], group=group, async_op=True)
+            if n > 1 else None)
     post = postscale / n if op == Average else postscale
 
     def finish() -> list[torch.Tensor]:
-        if post != 1.0:
-            if flat.is_floating_point():
-                flat.mul_(post)
-            else:  # integers average as Horovod's do: rounded towards zero
-                flat.copy_(torch.div(flat * postscale, n, rounding_mode="trunc"))
+        _scale(flat, post)
         at = 0
         for out in outputs:
             k = out.numel()
@@ -273,7 +323,6 @@ def _reduce(flat: torch.Tensor, op: Any, prescale: float, postscale: float,
     return Handle([work] if work is not None else [], finish)
 
 
-# -- allreduce --------------------------------------------------------------------------------
 def _op_of(average: Optional[bool], op: Any) -> Any:
     if average is not None:
         if op is not None:
@@ -291,131 +340,77 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                                     postscale_factor, process_set).then_first()
 
 
-def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
-                    name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0,
-                    process_set: Any = global_process_set) -> Handle:
-    """Start reducing a copy of ``tensor``; :func:`synchronize` returns the result."""
-    return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor,
-                            postscale_factor, process_set)
-
-
-def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: Any = global_process_set) -> torch.Tensor:
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
-
-
-def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              compression: Any = Compression.none, op: Any = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: Any = global_process_set) -> torch.Tensor:
-    """The reduced ``tensor`` (a new tensor), compressed on the wire as Horovod's is."""
-    compressed, ctx = compression.compress(tensor)
-    out = synchronize(allreduce_async(compressed, average, name, op, prescale_factor,
-                                      postscale_factor, process_set))
-    return compression.decompress(out, ctx)
-
-
-class _Grouped(Handle):
-    __slots__ = ()
-
-    def then_first(self) -> Handle:
-        finish = self.finish
-        self.finish = lambda: finish()[0]
-        return self
-
-
 def grouped_allreduce_async_(tensors: list[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Any = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: Any = global_process_set) -> _Grouped:
+                             process_set: Any = global_process_set) -> Handle:
     """Start reducing ``tensors`` in place, fused: one allreduce per dtype."""
-    _check_set(process_set)
     op = _op_of(average, op)
     tensors = list(tensors)
+    group = _group(process_set)
+    _agree("allreduce", tensors, name, process_set, op=op,
+           scales=(prescale_factor, postscale_factor))
+    by_dtype = _by_dtype(tensors)
+    for dtype in by_dtype:  # all refused before any starts
+        _check_op(op, dtype)
     handles = []
-    for idx in _by_dtype(tensors).values():
-        group = [tensors[i] for i in idx]
-        if len(group) == 1 and group[0].is_contiguous():
-            flat = group[0].detach().view(-1)  # in place: no copy in or out
+    for dtype, idx in by_dtype.items():
+        group_tensors = [tensors[i] for i in idx]
+        wire = _WIRE.get(dtype, dtype)
+        if len(idx) == 1 and wire == dtype and group_tensors[0].is_contiguous():
+            flat = group_tensors[0].detach().view(-1)  # in place: no copy in or out
         else:
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-        handles.append(_reduce(flat, op, prescale_factor, postscale_factor, group))
+            flat = torch.cat([t.detach().reshape(-1) for t in group_tensors]).to(wire)
+        handles.append(_reduce(flat, op, prescale_factor, postscale_factor, group_tensors,
+                               group))
 
     def finish() -> list[torch.Tensor]:
         for h in handles:
             synchronize(h)
         return tensors
-    return _Grouped([w for h in handles for w in h.works], finish)
-
-
-def grouped_allreduce_async(tensors: list[torch.Tensor], average: Optional[bool] = None,
-                            name: Optional[str] = None, op: Any = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: Any = global_process_set) -> _Grouped:
-    return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op,
-                                    prescale_factor, postscale_factor, process_set)
-
-
-def grouped_allreduce(tensors: list[torch.Tensor], average: Optional[bool] = None,
-                      name: Optional[str] = None, compression: Any = Compression.none,
-                      op: Any = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0,
-                      process_set: Any = global_process_set) -> list[torch.Tensor]:
-    packed = [compression.compress(t) for t in tensors]
-    out = synchronize(grouped_allreduce_async([c for c, _ in packed], average, name, op,
-                                              prescale_factor, postscale_factor, process_set))
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(out, packed)]
-
-
-def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any,
-                           process_set: Any = global_process_set) -> Callable[[], torch.Tensor]:
-    """A sparse COO gradient summed (or averaged) by gathering every rank's indices and
-    values, as Horovod does; returns a function giving the (uncoalesced) result."""
-    indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), process_set=
-                              process_set)
-    values = allgather_async(tensor._values(), process_set=process_set)
-
-    def result() -> torch.Tensor:
-        v, i = synchronize(values), synchronize(indices)
-        if op == Average:
-            v = v / size()
-        return torch.sparse_coo_tensor(i.transpose(0, 1), v, tensor.size())
-    return result
+    return _track(name, Handle([w for h in handles for w in h.works], finish))
 
 
 # -- allgather --------------------------------------------------------------------------------
+def _gather_sizes(mine: torch.Tensor, group: Any, what: str) -> list[list[int]]:
+    """Every rank's ``mine`` (int64 vector, equal lengths), blocking: per rank, a list."""
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    with watchdog.guard(what):
+        _wait(dist.all_gather([_lend(g) for g in everyone], _lend(mine), group=group,
+                              async_op=True))
+    return torch.stack(everyone).tolist()
+
+
 def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = None,
-                            process_set: Any = global_process_set) -> _Grouped:
+                            process_set: Any = global_process_set) -> Handle:
     """Start gathering every rank's ``tensors`` (concatenated along dim 0 in rank order; the
     first dimension may differ between ranks): one blocking exchange of the sizes, then one
     asynchronous allgather per dtype of the padded, packed tensors."""
-    _check_set(process_set)
+    group = _group(process_set)
     tensors = [t.detach() for t in tensors]
-    n = size()
-    if n == 1:
-        out = [t.clone() for t in tensors]
-        return _Grouped([], lambda: out)
     for t in tensors:
         if t.dim() == 0:
             raise ValueError("allgather needs tensors with at least one dimension")
+    _agree("allgather", tensors, name, process_set, uneven=True)
+    n = dist.get_world_size(group)
+    if n == 1:
+        out = [t.clone() for t in tensors]
+        return Handle([], lambda: out)
     mine = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
-    gathered_sizes = [torch.empty_like(mine) for _ in range(n)]
-    with watchdog.guard(f"the sizes of the allgather {name!r}"):
-        dist.all_gather([_lend(g) for g in gathered_sizes], _lend(mine), async_op=True).wait()
-    rows = torch.stack(gathered_sizes).tolist()  # rows[r][i]: first dim of tensor i on rank r
+    rows = _gather_sizes(mine, group, f"the sizes of the allgather {name!r}")
+    me = dist.get_rank(group)
     works, unpack = [], []
     for dtype, idx in _by_dtype(tensors).items():
         per_row = [math.prod(tensors[i].shape[1:]) for i in idx]  # values per first-dim row
         lengths = [sum(rows[r][i] * k for i, k in zip(idx, per_row)) for r in range(n)]
         longest = max(lengths)
-        send = torch.zeros(longest, dtype=dtype)
-        if lengths[rank()]:
-            send[:lengths[rank()]].copy_(torch.cat([tensors[i].reshape(-1) for i in idx]))
-        recv = [torch.empty(longest, dtype=dtype) for _ in range(n)]
-        works.append(dist.all_gather([_lend(r) for r in recv], _lend(send), async_op=True))
+        wire = _WIRE.get(dtype, dtype)
+        send = torch.zeros(longest, dtype=wire)
+        if lengths[me]:
+            send[:lengths[me]].copy_(torch.cat([tensors[i].reshape(-1) for i in idx]))
+        recv = [torch.empty(longest, dtype=wire) for _ in range(n)]
+        works.append(dist.all_gather([_lend(r) for r in recv], _lend(send), group=group,
+                                     async_op=True))
         unpack.append((idx, per_row, recv))
 
     def finish() -> list[torch.Tensor]:
@@ -429,9 +424,9 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = N
                     pieces[i].append(recv[r][at:at + m].view(rows[r][i], *tensors[i].shape[1:]))
                     at += m
             for i in idx:
-                out[i] = torch.cat(pieces[i])
+                out[i] = torch.cat(pieces[i]).to(tensors[i].dtype)
         return out
-    return _Grouped(works, finish)
+    return _track(name, Handle(works, finish))
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
@@ -439,99 +434,66 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
     return grouped_allgather_async([tensor], name, process_set).then_first()
 
 
-def allgather(tensor: torch.Tensor, name: Optional[str] = None,
-              process_set: Any = global_process_set) -> torch.Tensor:
-    with watchdog.guard(f"the allgather {name!r}"):
-        return synchronize(allgather_async(tensor, name, process_set))
-
-
-def grouped_allgather(tensors: list[torch.Tensor], name: Optional[str] = None,
-                      process_set: Any = global_process_set) -> list[torch.Tensor]:
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
-
-
-def allgather_object(obj: Any, name: Optional[str] = None,
-                     process_set: Any = global_process_set) -> list[Any]:
-    """Every rank's ``obj`` (pickled), in rank order."""
-    _check_set(process_set)
-    data = _pickled(obj)
-    sizes = allgather(torch.tensor([data.numel()], dtype=torch.int64), name).tolist()
-    everyone = allgather(data, name)
-    return [pickle.loads(everyone[sum(sizes[:r]):sum(sizes[:r + 1])].numpy().tobytes())
-            for r in range(len(sizes))]
-
-
 # -- broadcast --------------------------------------------------------------------------------
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: Any = global_process_set) -> Handle:
-    _check_set(process_set)
-    if size() == 1:
+    """Start replacing ``tensor`` by ``root_rank``'s (a global rank, as on Horovod)."""
+    group = _group(process_set)
+    if root_rank not in _set_ranks(process_set):
+        raise ValueError(f"root_rank {root_rank} is not in {process_set!r}")
+    _agree("broadcast", [tensor], name, process_set, root=root_rank)
+    if dist.get_world_size(group) == 1:
         return Handle([], lambda: tensor)
-    work = dist.broadcast(_lend(tensor), src=root_rank, async_op=True)
-    return Handle([work], lambda: tensor)
+    wire = _WIRE.get(tensor.dtype)
+    buf = tensor if wire is None and tensor.is_contiguous() else tensor.detach().to(
+        wire or tensor.dtype, memory_format=torch.contiguous_format)
+    work = dist.broadcast(_lend(buf), src=root_rank, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        if buf is not tensor:
+            tensor.copy_(buf)
+        return tensor
+    return _track(name, Handle([work], finish))
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-                    process_set: Any = global_process_set) -> Handle:
-    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-               process_set: Any = global_process_set) -> torch.Tensor:
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-              process_set: Any = global_process_set) -> torch.Tensor:
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
-                     process_set: Any = global_process_set) -> Any:
-    """``root_rank``'s ``obj`` (pickled), on every rank."""
-    _check_set(process_set)
-    if size() == 1:
-        return obj
-    mine = rank() == root_rank
-    data = _pickled(obj) if mine else None
-    length = broadcast_(torch.tensor([0 if data is None else data.numel()]), root_rank, name)
-    if mine:
-        broadcast_(data, root_rank, name)
-        return obj
-    data = broadcast_(torch.empty(int(length), dtype=torch.uint8), root_rank, name)
-    return pickle.loads(data.numpy().tobytes())
-
-
-def _pickled(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-
-def broadcast_parameters(params: Any, root_rank: int) -> None:
-    """Every rank takes ``root_rank``'s tensors, in place: ``params`` is a ``state_dict`` or
-    ``named_parameters()`` (Horovod's contract: a dict is taken in sorted order)."""
-    if isinstance(params, dict):
-        items: Iterable = sorted(params.items())
-    elif hasattr(params, "__iter__"):  # a list, or named_parameters()' generator
-        items = list(params)
+# -- alltoall ---------------------------------------------------------------------------------
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+                   process_set: Any = global_process_set) -> Handle:
+    """Start sending rows of ``tensor`` to each rank of the set (``splits[i]`` rows to the
+    i-th; default: equal parts) and receiving theirs; :func:`synchronize` gives ``(output,
+    received_splits)``, the rows in rank order and how many came from each."""
+    group = _group(process_set)
+    tensor = tensor.detach()
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    _agree("alltoall", [tensor], name, process_set, uneven=True)
+    n = dist.get_world_size(group)
+    if splits is None:
+        if tensor.shape[0] % n:
+            raise ValueError(f"alltoall without splits needs a first dimension divisible by "
+                             f"the {n} ranks; got {tensor.shape[0]}")
+        sent = [tensor.shape[0] // n] * n
     else:
-        raise ValueError(f"invalid params of type {type(params)}")
-    handles = []
-    for entry in items:
-        if not (isinstance(entry, tuple) and len(entry) == 2):
-            raise ValueError("params must be a state_dict or a list of (name, tensor) pairs")
-        _, p = entry
-        if isinstance(p, torch.Tensor):
-            handles.append(broadcast_async_(p, root_rank))
-    for h in handles:
-        synchronize(h)
+        sent = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
+        if len(sent) != n or any(s < 0 for s in sent) or sum(sent) != tensor.shape[0]:
+            raise ValueError(f"alltoall splits must be {n} counts >= 0 summing to the first "
+                             f"dimension {tensor.shape[0]}; got {sent}")
+    wire = _WIRE.get(tensor.dtype, tensor.dtype)
+    me = dist.get_rank(group)
+    received = [row[me] for row in _gather_sizes(torch.tensor(sent, dtype=torch.int64), group,
+                                                 f"the splits of the alltoall {name!r}")]
+    out = torch.empty((sum(received), *tensor.shape[1:]), dtype=wire)
+    send = tensor.to(wire).contiguous()
+    work = dist.all_to_all_single(_lend(out), _lend(send), received, sent, group=group,
+                                  async_op=True) if n > 1 else None
+    if work is None:
+        out.copy_(send)
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor]:
+        return out.to(tensor.dtype), torch.tensor(received, dtype=torch.int32)
+    return _track(name, Handle([] if work is None else [work], finish))
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
-                              model: Any = None) -> None:
-    """Every rank takes ``root_rank``'s optimizer state (moments, step counts, learning
-    rates and other per-group options)."""
-    # the base class's state: hvdsync's wrapper adds its techniques' state to state_dict(),
-    # which hvd.broadcast_optimizer_state broadcasts on its own (shared part only)
-    state = broadcast_object(torch.optim.Optimizer.state_dict(optimizer), root_rank)
-    if rank() != root_rank:
-        torch.optim.Optimizer.load_state_dict(optimizer, state)
+from hvdsync.torch.functions import (allgather_object, broadcast_object,  # noqa: E402,F401
+                                     broadcast_optimizer_state, broadcast_parameters)
+from hvdsync.torch.c10d_derived import *  # noqa: E402,F401,F403 - the API built from the above

@@ -254,7 +254,7 @@ def _compute(name: str, op: Any, root: Optional[int], inputs: dict, size: int) -
 
 class _Dist:
     """The part of ``torch.distributed`` that :mod:`hvdsync.torch.c10d` calls, on the world
-    of the calling thread."""
+    of the calling thread (the global group only: ``group`` is always ``None`` here)."""
 
     ReduceOp = _real_dist.ReduceOp
 
@@ -268,25 +268,25 @@ class _Dist:
     def is_initialized(self) -> bool:
         return True
 
-    def get_rank(self) -> int:
+    def get_rank(self, group=None) -> int:
         return self._world().rank()
 
-    def get_world_size(self) -> int:
+    def get_world_size(self, group=None) -> int:
         return self._world().size
 
-    def all_reduce(self, tensor, op=_real_dist.ReduceOp.SUM, async_op=False):
+    def all_reduce(self, tensor, op=_real_dist.ReduceOp.SUM, group=None, async_op=False):
         return self._sync(self._world().start("all_reduce", [tensor], op=op), async_op)
 
-    def all_gather(self, outputs, tensor, async_op=False):
+    def all_gather(self, outputs, tensor, group=None, async_op=False):
         if len(outputs) != self._world().size:
             raise SimulationError("all_gather needs one output per rank")
         return self._sync(self._world().start("all_gather", [tensor], outputs=list(outputs)),
                           async_op)
 
-    def broadcast(self, tensor, src, async_op=False):
+    def broadcast(self, tensor, src, group=None, async_op=False):
         return self._sync(self._world().start("broadcast", [tensor], root=src), async_op)
 
-    def barrier(self, async_op=False):
+    def barrier(self, group=None, async_op=False):
         return self._sync(self._world().start("barrier", []), async_op)
 
     @staticmethod

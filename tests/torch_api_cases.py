@@ -1,0 +1,318 @@
+"""Bodies for tests/test_torch_api.py: Horovod's torch API exercised name by name, each body run
+as it is on both engines (``horovodrun``: Horovod; ``torchrun``: hvdsync.torch.c10d) so that the
+test compares the two answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+          "float64", "bool")
+REDUCE_OPS = ("Sum", "Average", "Min", "Max", "Product")
+
+
+def _answer(call: Any) -> Any:
+    """``call()``'s result as plain data (values and dtype), or ``"raises"``."""
+    try:
+        out = call()
+    except Exception:  # noqa: BLE001 -- the comparison is of what each engine answers
+        return "raises"
+    if isinstance(out, (list, tuple)):
+        return [_plain(o) for o in out]
+    return _plain(out)
+
+
+def _plain(t: Any) -> Any:
+    import torch
+    if isinstance(t, torch.Tensor):
+        return [str(t.dtype), list(t.shape), t.double().reshape(-1).tolist()]
+    return t
+
+
+def _inputs(dtype: Any, r: int, rows: int) -> Any:
+    """Rank ``r``'s tensor of ``dtype``: ``rows`` rows of 2, values that make each reduction
+    and integer averaging (rounding) visible, small enough for int8 products."""
+    import torch
+    base = torch.tensor([[(r + 1) * (k + 1) % 5 + (k % 2), (k + 2 * r) % 3 + 1]
+                         for k in range(rows)], dtype=torch.float64)
+    if dtype.is_floating_point:
+        base = base * 0.75
+    elif dtype != torch.uint8 and dtype != torch.bool:
+        base = base - 2.0  # negative values too: averages truncate towards zero
+    return base.to(dtype)
+
+
+def dtype_matrix() -> dict:
+    """Every collective x every dtype x every reduce op Horovod names, with rank-dependent
+    inputs: per case ``collective/dtype[/op]``, the result's dtype, shape and values, or
+    ``"raises"``. Dtypes that Horovod's Gloo build refuses somewhere are also run widened
+    (``dtype~wide``): the reference the test holds the torch engine's answer to."""
+    import torch
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    r = hvd.rank()
+    out: dict = {}
+    for dn in DTYPES:
+        dt = getattr(torch, dn)
+        out.update(_cases(hvd, dn, lambda rows, dt=dt: _inputs(dt, r, rows)))
+        if dn in WIDE:
+            wide = getattr(torch, WIDE[dn])
+            out.update(_cases(hvd, f"{dn}~{WIDE[dn]}",
+                              lambda rows, dt=dt, wide=wide: _inputs(dt, r, rows).to(wide)))
+    return out
+
+
+#: dtypes Horovod's CPU build refuses in some collectives, and the dtype whose answer, cast
+#: back, is the reference for them
+WIDE = {"uint8": "int64", "int8": "int64", "int16": "int64", "bfloat16": "float32",
+        "bool": "int32"}
+
+
+def _cases(hvd: Any, dn: str, inputs: Any) -> dict:
+    import torch
+    n, r = hvd.size(), hvd.rank()
+    x = inputs(2 * n)
+    out = {}
+    for op in REDUCE_OPS:
+        o = getattr(hvd, op)
+        out[f"allreduce/{dn}/{op}"] = _answer(lambda: hvd.allreduce(x, op=o))
+        out[f"grouped_allreduce/{dn}/{op}"] = _answer(
+            lambda: hvd.grouped_allreduce([x, x[:1].clone()], op=o))
+    for op in ("Sum", "Average"):
+        o = getattr(hvd, op)
+        out[f"allreduce_scaled/{dn}/{op}"] = _answer(lambda: hvd.allreduce(
+            x, op=o, prescale_factor=3.0, postscale_factor=0.5))
+        out[f"reducescatter/{dn}/{op}"] = _answer(lambda: hvd.reducescatter(x, op=o))
+        out[f"reducescatter_scaled/{dn}/{op}"] = _answer(lambda: hvd.reducescatter(
+            x, op=o, prescale_factor=3.0, postscale_factor=0.5))
+        out[f"grouped_reducescatter/{dn}/{op}"] = _answer(
+            lambda: hvd.grouped_reducescatter([x, x[:n + 1].clone()], op=o))
+    uneven = inputs(r + 1)
+    out[f"allgather/{dn}"] = _answer(lambda: hvd.allgather(uneven))
+    out[f"grouped_allgather/{dn}"] = _answer(lambda: hvd.grouped_allgather([uneven, x]))
+    out[f"broadcast/{dn}"] = _answer(lambda: hvd.broadcast(x, root_rank=n - 1))
+    inplace = x.clone()
+    out[f"broadcast_/{dn}"] = _answer(lambda: (hvd.broadcast_(inplace, root_rank=1),
+                                               inplace)[1])
+    out[f"alltoall/{dn}"] = _answer(lambda: hvd.alltoall(x))
+    splits = torch.tensor([(r + k) % 3 for k in range(n)], dtype=torch.int32)
+    ragged = inputs(int(splits.sum()))
+    out[f"alltoall_splits/{dn}"] = _answer(lambda: hvd.alltoall(ragged, splits=splits))
+    return out
+
+
+def autograd_walk() -> dict:
+    """Gradients through Horovod's differentiable collectives: per collective, the input's
+    gradient of a rank-weighted sum of the output."""
+    import torch
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    calls = {
+        "allreduce": lambda x: hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0),
+        "allreduce_average": lambda x: hvd.allreduce(x),
+        "grouped_allreduce": lambda x: hvd.grouped_allreduce([x, x * 2])[1],
+        "allgather": lambda x: hvd.allgather(x[:r + 1]),
+        "grouped_allgather": lambda x: hvd.grouped_allgather([x, x[:1]])[0],
+        "broadcast": lambda x: hvd.broadcast(x, root_rank=n - 1),
+        "alltoall": lambda x: hvd.alltoall(x),
+        "alltoall_splits": lambda x: hvd.alltoall(x, splits=_splits(r, n, 2 * n))[0],
+        "reducescatter": lambda x: hvd.reducescatter(x, op=hvd.Sum),
+        "grouped_reducescatter": lambda x: hvd.grouped_reducescatter([x, x * 3])[1],
+    }
+    for label, call in calls.items():
+        x = (torch.arange(2 * n * 2, dtype=torch.float64).reshape(2 * n, 2) + r).requires_grad_()
+        y = call(x)
+        weights = torch.arange(y.numel(), dtype=torch.float64).reshape(y.shape) + 1 + r
+        (y * weights).sum().backward()
+        out[label] = _plain(x.grad)
+    return out
+
+
+def _splits(r: int, n: int, rows: int) -> list[int]:
+    """Rank ``r``'s uneven split of ``rows`` rows over ``n`` ranks."""
+    counts = [(r + k) % 3 for k in range(n)]
+    counts[-1] += rows - sum(counts)
+    return counts
+
+
+def mistakes() -> dict:
+    """A script's mistakes, one after another on the same job: per mistake, the error each
+    rank raised and how long it took (``None``: no error). The job goes on after each."""
+    import time
+
+    import torch
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x = torch.ones(3)
+    out: dict = {}
+
+    def attempt(label: str, call: Any) -> None:
+        start = time.monotonic()
+        try:
+            call()
+            out[label] = None
+        except hvd.HorovodInternalError as e:
+            out[label] = (str(e), time.monotonic() - start)
+
+    attempt("shape", lambda: hvd.allreduce(torch.ones(3 if r == 0 else 4), name="s"))
+    attempt("dtype", lambda: hvd.allgather(torch.ones(2, dtype=torch.float64 if r else
+                                                     torch.float32), name="d"))
+    attempt("name", lambda: hvd.allreduce(x, name=f"rank{r}"))
+    attempt("root", lambda: hvd.broadcast(x, root_rank=r % 2, name="b"))
+    attempt("op", lambda: hvd.allreduce(x, name="o", op=hvd.Max if r == 0 else hvd.Sum))
+    attempt("one_rank_only", lambda: hvd.allreduce(x, name="only") if r == 0
+            else hvd.barrier())
+    first = hvd.allreduce_async(x, name="twice")
+    attempt("duplicate", lambda: hvd.allreduce_async(x, name="twice"))
+    hvd.synchronize(first)
+    attempt("reused_after_synchronize", lambda: hvd.synchronize(
+        hvd.allreduce_async(x, name="twice")))
+    out["job_goes_on"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).item()
+    out["expected_sum"] = float(sum(range(n)))
+    return out
+
+
+def rank_leaves() -> Any:
+    """Every rank but 0 ends its process at once; rank 0's next collective must raise."""
+    import time
+
+    import torch
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    if hvd.rank() != 0:
+        return "left"
+    time.sleep(1.0)
+    start = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(2), name="after_they_left")
+    except hvd.HorovodInternalError as e:
+        return (str(e), time.monotonic() - start)
+    return None
+
+
+def sync_batch_norm() -> dict:
+    """``hvd.SyncBatchNorm`` on each rank's shard against torch's BatchNorm on the whole
+    global batch in one process: outputs, input and parameter gradients, running statistics."""
+    import torch
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    gen = torch.Generator().manual_seed(7)
+    shards = [torch.randn(3 + k, 4, 5, generator=gen, dtype=torch.float64) * (k + 1) + k
+              for k in range(n)]  # uneven batches, different means and scales per rank
+    weights = torch.randn(sum(s.shape[0] for s in shards), 4, 5, generator=gen,
+                          dtype=torch.float64)
+    sync = hvd.SyncBatchNorm(4, momentum=0.3).double()
+    whole = torch.nn.BatchNorm1d(4, momentum=0.3).double()
+    with torch.no_grad():
+        for m in (sync, whole):
+            m.weight.copy_(torch.linspace(0.5, 2.0, 4))
+            m.bias.copy_(torch.linspace(-1.0, 1.0, 4))
+    mine = shards[r].clone().requires_grad_()
+    start = sum(s.shape[0] for s in shards[:r])
+    y = sync(mine)
+    (y * weights[start:start + mine.shape[0]]).sum().backward()
+    everything = torch.cat(shards).requires_grad_()
+    ref = whole(everything)
+    (ref * weights).sum().backward()
+    grads = hvd.allreduce(torch.cat([sync.weight.grad, sync.bias.grad]), op=hvd.Sum)
+    sync.eval()
+    whole.eval()
+    return dict(
+        output=float((y - ref[start:start + mine.shape[0]]).abs().max()),
+        input_grad=float((mine.grad - everything.grad[start:start + mine.shape[0]]).abs().max()),
+        param_grads=float((grads - torch.cat([whole.weight.grad, whole.bias.grad])).abs().max()),
+        running=float(max((sync.running_mean - whole.running_mean).abs().max(),
+                          (sync.running_var - whole.running_var).abs().max())),
+        eval_output=float((sync(shards[r]) - whole(shards[r])).abs().max()),
+        batches=int(sync.num_batches_tracked))
+
+
+def run_script(path: str, outputs: str) -> dict:
+    """Run the script at ``path`` as ``__main__`` (a user's script launched by the launcher);
+    what it saved, read back on this rank."""
+    import os
+    import runpy
+
+    import torch
+    os.environ["SCRIPT_OUTPUTS"] = outputs
+    runpy.run_path(path, run_name="__main__")
+    rank = int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")))
+    saved = torch.load(os.path.join(outputs, f"rank{rank}.pt"), weights_only=True)
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+
+
+def async_forms() -> dict:
+    """The asynchronous and in-place forms, several in flight at once, and the job's facts."""
+    import torch
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x = torch.arange(4 * n, dtype=torch.float32).reshape(2 * n, 2) + r
+    out: dict = dict(initialized=hvd.is_initialized(),
+                     cross=[hvd.cross_rank(), hvd.cross_size()])
+    handles = {
+        "allreduce_async_": hvd.allreduce_async_(x.clone(), name="f.a", op=hvd.Min),
+        "allgather_async": hvd.allgather_async(x[:r + 1], name="f.b"),
+        "alltoall_async": hvd.alltoall_async(x, name="f.c"),
+        "broadcast_async": hvd.broadcast_async(x, root_rank=0, name="f.d"),
+        "broadcast_async_": hvd.broadcast_async_(x.clone(), root_rank=n - 1, name="f.e"),
+        "grouped_allreduce_async": hvd.grouped_allreduce_async([x, x * 2], name="f.f",
+                                                               op=hvd.Product),
+        "reducescatter_async": hvd.reducescatter_async(x, name="f.g"),
+        "grouped_reducescatter_async": hvd.grouped_reducescatter_async(
+            [x, x[:n + 1].clone()], name="f.h", op=hvd.Sum),
+    }
+    for label, handle in handles.items():
+        out[label] = _answer(lambda: hvd.synchronize(handle))
+    grouped = [x.clone(), x.clone() * 3]
+    hvd.grouped_allreduce_(grouped, name="f.i", op=hvd.Sum)
+    out["grouped_allreduce_"] = [_plain(g) for g in grouped]
+    return out
+
+
+def checks_in_training() -> dict:
+    """How many descriptor checks (one small blocking round each) hvdsync's own training steps
+    and flush cost on the torch engine (none: the pipeline's order is the same on every rank
+    by construction), against a script's own collectives (one each)."""
+    import torch
+
+    import hvdsync.torch as hvd
+    from hvdsync.torch import c10d_checks
+    from tests.models import MLP, teacher_batches
+    hvd.init()
+    counted = {"n": 0}
+    original = c10d_checks.descriptor
+
+    def counting(desc: dict) -> list:
+        counted["n"] += 1
+        return original(desc)
+    c10d_checks.descriptor = counting
+    try:
+        torch.manual_seed(0)
+        model = MLP()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), clip=1.0,
+                                       threshold=dict(threshold=0.5))
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        before = counted["n"]
+        for x, y in teacher_batches(hvd.rank(), 4):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        opt.flush()
+        in_training = counted["n"] - before
+        hvd.allreduce(torch.ones(1), name="a script's own")
+        return dict(setup=before, training=in_training,
+                    script=counted["n"] - before - in_training)
+    finally:
+        c10d_checks.descriptor = original
