@@ -88,8 +88,14 @@ def test_reexports_horovod_torch_api():
     backend (Horovod here) with Horovod's results; the rest of its API re-exported."""
     import horovod.torch as horovod_hvd
     hvd.init()
-    for name in ("Compression", "Average", "Sum", "Adasum", "alltoall", "SyncBatchNorm"):
+    for name in ("Compression", "Average", "Sum", "Adasum", "ProcessSet"):
         assert getattr(hvd, name) is getattr(horovod_hvd, name), name
+    # every call is routed to the active engine (alltoall too); SyncBatchNorm is hvdsync's
+    # own on either engine (it also takes CPU tensors: tests/test_torch_api.py)
+    assert hvd.alltoall is not horovod_hvd.alltoall
+    assert torch.equal(hvd.alltoall(torch.arange(4.0)), horovod_hvd.alltoall(torch.arange(4.0)))
+    assert issubclass(hvd.SyncBatchNorm, torch.nn.modules.batchnorm._BatchNorm)
+    assert hvd.SyncBatchNorm is not horovod_hvd.SyncBatchNorm
     # Elastic: Horovod's classes; run() resets hvdsync's optimizers too (hvdsync.torch.elastic)
     assert hvd.elastic.TorchState is horovod_hvd.elastic.TorchState
     assert hvd.elastic.ElasticSampler is horovod_hvd.elastic.ElasticSampler
