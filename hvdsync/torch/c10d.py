@@ -107,7 +107,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
-    for ps in process_sets or ():
+    for ps in () if process_sets in (None, "dynamic") else process_sets:  # always dynamic
         if getattr(ps, "process_set_id", None) is None:
             add_process_set(ps)
 
@@ -271,13 +271,13 @@ def _wait(work: Any) -> None:
 
 
 # -- allreduce --------------------------------------------------------------------------------
-def _check_op(op: Any, dtype: torch.dtype) -> None:
+def _check_op(op: Any, dtype: torch.dtype, scaled: bool) -> None:
     if op not in _C10D_OPS:
         raise ValueError(f"the torch backend reduces with Average, Sum, Min, Max or Product "
                          f"(Adasum is Horovod's own); got op={op!r}")
-    if dtype == torch.bool and op not in (Min, Max):
+    if dtype == torch.bool and (op not in (Min, Max) or scaled):
         raise ValueError("bool tensors reduce with op=hvd.Min (all ranks true) or hvd.Max (any "
-                         "rank true); for a count, reduce them as int32")
+                         "rank true), unscaled; for a count, reduce them as int32")
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
@@ -292,8 +292,6 @@ def _scale(flat: torch.Tensor, factor: float) -> None:
     """``flat *= factor`` as Horovod scales: integers in double precision, truncated."""
     if factor == 1.0:
         return
-    if flat.dtype == torch.bool:
-        raise ValueError("bool tensors take no prescale_factor or postscale_factor")
     if flat.is_floating_point():
         flat.mul_(factor)
     else:
@@ -352,7 +350,7 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: Optional[bool
            scales=(prescale_factor, postscale_factor))
     by_dtype = _by_dtype(tensors)
     for dtype in by_dtype:  # all refused before any starts
-        _check_op(op, dtype)
+        _check_op(op, dtype, prescale_factor != 1.0 or postscale_factor != 1.0)
     handles = []
     for dtype, idx in by_dtype.items():
         group_tensors = [tensors[i] for i in idx]

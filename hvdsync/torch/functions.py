@@ -84,7 +84,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     parameters do not move) so that every rank has a state to take root's into."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state (Horovod refuses it too)")
-    if not optimizer.state_dict()["state"]:
+    if not optimizer.state:
         _initial_step(optimizer, model)
     # the base class's state_dict: hvdsync's wrapper adds its techniques' state to its own
     # state_dict(), which hvd.broadcast_optimizer_state broadcasts apart (shared part only)
