@@ -47,6 +47,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from hvdsync.carried import CarriedCompressor
 from hvdsync.config import coerce_config
 from hvdsync.outer import CODECS, OuterSync, start_offsets
 from hvdsync.stats import SyncStats
@@ -311,7 +312,7 @@ class DelayedGradients(Transport):
 
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats,
-                 compressor: Optional[Any] = None, traces: bool = False):
+                 compressor: Optional[CarriedCompressor] = None, traces: bool = False):
         config = config.for_adapter(traces)
         if config.fragments > len(layer_names):  # a fragment is one layer at least
             config = dataclasses.replace(config, fragments=len(layer_names))
@@ -322,8 +323,9 @@ class DelayedGradients(Transport):
         self.comm = comm
         self.layer_names = layer_names
         self.stats = stats
-        #: ``lowrank=``'s compression (:meth:`LowRankCompression.exchange`), or None: plain
-        self.compressor = compressor
+        #: ``lowrank=``'s compression, reached through :class:`CarriedCompressor` only; or
+        #: None: plain exchanges
+        self.compressor: Optional[CarriedCompressor] = compressor
         self._in_flight: dict[int, dict[int, _InFlight]] = {}  # step id -> layer -> part
         self._average_after_step = False
         self._outer_due = False  # the outer synchronization's turn after this step's update
@@ -706,8 +708,9 @@ class DelayedGradients(Transport):
 
     def carry(self, other: Technique) -> None:
         """``lowrank=``: each step's exchange is its compressed one (it owns nothing itself)."""
-        other.in_delay(self.config.staleness, lambda: self.policy.step)
-        self.compressor = other
+        compressor: CarriedCompressor = other  # type: ignore[assignment] -- carries names it
+        compressor.in_delay(self.config.staleness, lambda: self.policy.step)
+        self.compressor = compressor
 
     def forget(self) -> None:
         self.discard()

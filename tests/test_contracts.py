@@ -13,6 +13,7 @@ import pathlib
 import pytest
 
 from hvdsync import technique
+from hvdsync.carried import CarriedCompressor
 from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps, Technique,
                                Transform, Transport)
 
@@ -27,6 +28,8 @@ RECEIVERS = {
     "self.grads": (Gradients,), "self.owner.grads": (Gradients,),
     "self.decider": (Decider,),
     "layer.pending": (Pending,), "pending": (Pending,), "p": (Pending,),
+    # what delay= calls on the technique it carries (lowrank=)
+    "self.compressor": (CarriedCompressor,), "compressor": (CarriedCompressor,),
 }
 #: in the pipeline only, where ``t`` is always a technique
 PIPELINE_RECEIVERS = {"t": (Technique, Transform, Transport)}
@@ -76,3 +79,17 @@ def test_the_check_sees_an_undeclared_call(tmp_path):
     found = [(r, m) for _, r, m in calls(bad, RECEIVERS)
              if not any(m in declared(i) for i in RECEIVERS[r])]
     assert found == [("self.comm", "reduce")]
+
+
+def test_what_delay_carries_implements_the_declared_interface():
+    """Every technique ``delay=`` may carry has each method of :class:`CarriedCompressor`,
+    with the same parameters."""
+    from hvdsync.delay import DelayedGradients
+    from hvdsync.lowrank import LowRankCompression
+    carried = {"lowrank": LowRankCompression}
+    assert set(DelayedGradients.carries) == set(carried)
+    for cls in carried.values():
+        for name in sorted(n for n in declared(CarriedCompressor) if not n.startswith("_")):
+            ours = inspect.signature(getattr(CarriedCompressor, name))
+            theirs = inspect.signature(getattr(cls, name))
+            assert list(ours.parameters) == list(theirs.parameters), (cls.__name__, name)
