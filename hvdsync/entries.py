@@ -34,10 +34,15 @@ from hvdsync import watchdog
 from hvdsync.agreement import RanksDisagree
 
 #: what each entry point is, as the error names it
-KINDS = {1: "a training step", 2: "flush()", 3: "save_checkpoint / save_model",
+KINDS = {0: "hvd.join() (Horovod's joined rank sends zeros)", 1: "a training step",
+         2: "flush()", 3: "save_checkpoint / save_model",
          4: "the optimizer's construction or a restore check"}
 CODE = {"step": 1, "flush": 2, "save": 3, "start": 4}
-FIX = {2: "call flush() on every rank", 3: "call save_checkpoint / save_model on every rank "
+#: the fix the error names, the first that applies in this order
+FIX = {0: "hvdsync's optimizer cannot step while a rank waits in hvd.join(): its steps keep "
+       "counters that every rank shares; give every rank as many batches (a "
+       "DistributedSampler with drop_last=True)",
+       2: "call flush() on every rank", 3: "call save_checkpoint / save_model on every rank "
        "(rank 0 writes the file)"}
 #: tags in flight at most: local steps (delay=) let ranks run apart between synchronizations,
 #: and a tag must not hold a rank back that the technique lets go on
@@ -127,7 +132,7 @@ def _message(kinds: list[int], steps: list[int]) -> str:
     sides = {k: [r for r, x in enumerate(kinds) if x == k] for k in kinds}
     said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
                      f"{KINDS.get(k, k)} (step {steps[rs[0]]})" for k, rs in sides.items())
-    fix = next((FIX[k] for k in sides if k in FIX), "make every rank take the same steps")
+    fix = next((FIX[k] for k in FIX if k in sides), "make every rank take the same steps")
     return (f"hvdsync: the ranks called different collectives -- {said}. Each would wait for "
             f"the others forever (or, on torch.distributed, pair the wrong tensors): {fix}. "
             "See docs/failures.md.")

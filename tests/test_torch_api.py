@@ -15,7 +15,8 @@ import pytest
 
 from hvdsync.testing import HIDE_ENV, run_ranks
 from tests.torch_api_cases import (DTYPES, REDUCE_OPS, WIDE, async_forms, autograd_walk,
-                                   checks_in_training, dtype_matrix, mistakes, rank_leaves, run_script, sync_batch_norm)
+                                   checks_in_training, dtype_matrix, mistakes,
+                                   step_while_a_rank_joined, rank_leaves, run_script, sync_batch_norm)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NP = pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
@@ -145,6 +146,13 @@ def test_a_rank_that_leaves_ends_the_others_wait_with_an_error():
     assert res[1:] == ["left", "left"]
     text, seconds = res[0]
     assert "a collective failed" in text and seconds < 30, res[0]
+
+
+def test_a_step_while_a_rank_is_in_horovods_join_is_refused_with_the_reason():
+    # Horovod: a joined rank sends zeros, which the step's entry tag reads as "in hvd.join()"
+    said, joined = run_ranks(step_while_a_rank_joined, np=2, timeout=120)
+    assert joined is None
+    assert "rank 1: hvd.join()" in said and "as many batches" in said, said
 
 
 HOROVOD_SCRIPT = '''

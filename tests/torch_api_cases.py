@@ -316,3 +316,27 @@ def checks_in_training() -> dict:
                     script=counted["n"] - before - in_training)
     finally:
         c10d_checks.descriptor = original
+
+
+def step_while_a_rank_joined() -> Any:
+    """Horovod: rank 1 runs out of data and calls ``hvd.join()`` while rank 0 steps hvdsync's
+    optimizer; rank 0 must get a clear error (then joins too, so both end)."""
+    import torch
+
+    import hvdsync.torch as hvd
+    from hvdsync.agreement import RanksDisagree
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    said = None
+    try:
+        for _ in range(3 if hvd.rank() == 0 else 1):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+    except RanksDisagree as e:
+        said = str(e)
+    hvd.join()
+    return said
