@@ -42,14 +42,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-class RanksFailed(AssertionError):
-    """A multi-rank job failed, crashed or hung; the message has every rank's output.
-    ``workdir`` is the job's (deleted) scratch directory: every rank's command line holds it."""
-
-    def __init__(self, message: str, workdir: str = ""):
-        super().__init__(message)
-        self.workdir = workdir
+from hvdsync.rank_errors import RanksFailed
 
 
 @functools.cache

@@ -39,11 +39,9 @@ import numpy as np
 import torch
 import torch.distributed as _real_dist
 
+from hvdsync.rank_errors import RanksFailed, SimulationError
+
 NAME = "simulated"
-
-
-class SimulationError(RuntimeError):
-    """A simulated collective failed: ranks disagreed, one never came, or one raised."""
 
 
 class _Slot:
@@ -199,7 +197,6 @@ class World:
                 t.join()
         finally:
             _set_rng_state(saved)
-        from hvdsync.testing import RanksFailed
         if errors:
             raise RanksFailed(f"simulated ranks failed: {self.failed}\n" + "\n".join(
                 f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
