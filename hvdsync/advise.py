@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -136,7 +137,10 @@ def _load(spec: str) -> Any:
     module, _, name = spec.partition(":")
     if not name:
         raise SystemExit(f"--model takes module:callable, got {spec!r}")
-    return getattr(importlib.import_module(module), name)()
+    try:
+        return getattr(importlib.import_module(module), name)()
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--model {spec!r}: {e}") from e
 
 
 def sizes_from_module(model: Any, input_shape: Optional[tuple[int, ...]], measure: bool,
@@ -232,39 +236,94 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad input ends in one line naming the flag and what it accepts (exit code 2), never a
+    traceback."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def _number(kind: type, low: float, strict: bool) -> Any:
+    """An argparse type: a finite ``kind`` above ``low`` (``strict``) or at least ``low``."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < low or (strict and value == low):
+            sign = ">" if strict else ">="
+            raise argparse.ArgumentTypeError(
+                f"takes {'an integer' if kind is int else 'a finite number'} {sign} {low:g}, "
+                f"got {text!r}")
+        return value
+    parse.__name__ = kind.__name__  # what argparse names in its own messages
+    return parse
+
+
+_POSITIVE, _COUNT = _number(float, 0, True), _number(int, 0, True)
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    """``--input-shape``: integers >= 1, comma-separated (``64,32``)."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"takes a batch's shape, integers >= 1 separated by "
+                                         f"commas (e.g. 64,32), got {text!r}")
+    return shape
+
+
+def _description() -> str:
+    """The module doc's first paragraph, whole (argparse shows it under usage)."""
+    text = " ".join(__doc__.split("::")[0].split()).replace("``", "")
+    return re.sub(r":\w+:`([^`]*)`", r"\1", text)  # :mod:`x` -> x
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m hvdsync.advise",
-                                 description=__doc__.splitlines()[0])
+    ap = _Parser(prog="python -m hvdsync.advise", description=_description())
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--preset", choices=["gpt-125m", "gpt-1.3b", "resnet50"])
     what.add_argument("--model", help="module:callable returning a torch module or Keras model")
-    what.add_argument("--params", type=float, help="parameter count (sizes alone)")
-    ap.add_argument("--layers", type=int, default=50, help="with --params: how many layers")
-    ap.add_argument("--compute-ms", type=float,
+    what.add_argument("--params", type=_POSITIVE, help="parameter count (sizes alone)")
+    ap.add_argument("--layers", type=_COUNT, default=50, help="with --params: how many layers")
+    ap.add_argument("--compute-ms", type=_POSITIVE,
                     help="forward+backward+optimizer per step on one rank")
-    ap.add_argument("--input-shape", help="with --model --measure: a batch's shape, e.g. 64,32")
+    ap.add_argument("--input-shape", type=_shape,
+                    help="with --model --measure: a batch's shape, e.g. 64,32")
     ap.add_argument("--measure", action="store_true", help="time one local step of --model")
     ap.add_argument("--family", choices=list(MEASURED_STEPS), default=None,
                     help="which measured steps-to-target factors apply (default: the preset's, "
                          "else transformer)")
-    ap.add_argument("--ranks", type=int, required=True)
-    ap.add_argument("--ranks-per-node", type=int, default=1)
-    ap.add_argument("--bandwidth", type=float, required=True,
+    ap.add_argument("--ranks", type=_COUNT, required=True)
+    ap.add_argument("--ranks-per-node", type=_COUNT, default=1)
+    ap.add_argument("--bandwidth", type=_POSITIVE, required=True,
                     help="Gbit/s per rank between nodes")
-    ap.add_argument("--latency-us", type=float, default=20.0)
-    ap.add_argument("--intra-bandwidth", type=float, default=600.0,
+    ap.add_argument("--latency-us", type=_number(float, 0, False), default=20.0)
+    ap.add_argument("--intra-bandwidth", type=_POSITIVE, default=600.0,
                     help="Gbit/s between ranks of a node")
-    ap.add_argument("--tokens", type=int, default=16384,
+    ap.add_argument("--tokens", type=_COUNT, default=16384,
                     help="presets: tokens per rank per step (transformers)")
-    ap.add_argument("--images", type=int, default=256,
+    ap.add_argument("--images", type=_COUNT, default=256,
                     help="presets: images per rank per step (ResNet-50)")
-    ap.add_argument("--device-tflops", type=float, default=400.0,
+    ap.add_argument("--device-tflops", type=_POSITIVE, default=400.0,
                     help="presets: achieved TFLOP/s per rank (400: an H100 at ~40%% of peak)")
     ap.add_argument("--constants", choices=["gpu", "bench"], default="gpu",
                     help="gpu (default): an NCCL GPU cluster, assumed; bench: fitted on this "
                          "project's bench bed (CPU ranks over Gloo, collectives at most ~1 "
                          "Gbit/s)")
     args = ap.parse_args(argv)
+    try:
+        _advise(args)
+    except (ValueError, ImportError, AttributeError, SystemExit) as e:
+        if isinstance(e, SystemExit) and not isinstance(e.code, str):
+            raise
+        ap.error(str(e.code if isinstance(e, SystemExit) else e))
+
+
+def _advise(args: argparse.Namespace) -> None:
     family = args.family
     if args.preset:
         p = presets(args.tokens, args.images)[args.preset]
@@ -273,13 +332,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         family = family or p.family
         title = p.what
     elif args.model:
-        sizes = sizes_from_module(_load(args.model), tuple(
-            int(x) for x in args.input_shape.split(",")) if args.input_shape else None,
-            args.measure, None if args.compute_ms is None else args.compute_ms / 1e3)
+        sizes = sizes_from_module(_load(args.model), args.input_shape, args.measure,
+                                  None if args.compute_ms is None else args.compute_ms / 1e3)
         title = args.model
     else:
         if args.compute_ms is None:
-            ap.error("--params needs --compute-ms")
+            raise ValueError("--params needs --compute-ms")
+        if args.layers > args.params:
+            raise ValueError(f"--layers {args.layers} is more than --params {args.params:g}")
         per = int(args.params // args.layers)
         side = max(1, int(math.sqrt(per)))
         layers = tuple(LayerSize(f"layer{i}", per, ((side, per // side),))

@@ -3,6 +3,7 @@ argument, instead of surfacing as a hang or a wrong result many steps later."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from collections.abc import Iterable
@@ -16,12 +17,17 @@ def reject_unknown_kwargs(unknown: dict[str, Any], known: Iterable[str], where: 
     if not unknown:
         return
     known = sorted(known)
+    raise TypeError(f"{where}() got unknown keyword argument(s) {_suggested(unknown, known)}; "
+                    f"it accepts: {', '.join(known)}")
+
+
+def _suggested(unknown: Iterable[str], known: list[str]) -> str:
+    """``'max_nrm' (did you mean 'max_norm'?)``, for each unknown name."""
     msgs = []
     for name in unknown:
         close = difflib.get_close_matches(name, known, n=1)
         msgs.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise TypeError(f"{where}() got unknown keyword argument(s) {', '.join(msgs)}; "
-                    f"it accepts: {', '.join(known)}")
+    return ", ".join(msgs)
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -83,6 +89,11 @@ def coerce_config(cls: type[C], value: Any, arg: str, number_field: str) -> Opti
     if value is None or isinstance(value, cls):
         return value
     if isinstance(value, dict):
+        fields = sorted(f.name for f in dataclasses.fields(cls) if f.init)  # type: ignore[arg-type]
+        unknown = [k for k in value if k not in fields]
+        if unknown:
+            raise TypeError(f"{arg}= got unknown key(s) {_suggested(unknown, fields)} for "
+                            f"{cls.__name__}; it has: {', '.join(fields)}")
         return cls(**value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return cls(**{number_field: value})

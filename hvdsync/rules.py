@@ -48,7 +48,10 @@ EXCLUSIONS = (
     Exclusion("delay", "threshold",
               "delay= replaces a dense layer's exchange with a local step and a later fold; "
               "a decider's skipped layers would need a fold rule of their own; pass one of them"),
-    Exclusion("delay", "select", "same reason as delay= with threshold=; pass one of them"),
+    Exclusion("delay", "select",
+              "delay= replaces a dense layer's exchange with a local step and a later fold; "
+              "select= holds back the layers it does not pick (their residuals kept), which "
+              "would need a fold rule of their own; pass one of them"),
     Exclusion("delay", "sparse",
               "delay= folds dense global gradients into later steps and averages the "
               "parameters every K steps; row-sparse gradients have no such fold yet; pass "

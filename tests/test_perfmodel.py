@@ -271,3 +271,36 @@ def test_advise_says_what_is_missing():
                           "8", "--bandwidth", "1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode != 0 and "--compute-ms" in out.stderr
+
+
+BASE = ["--params", "25e6", "--layers", "54", "--compute-ms", "120", "--ranks", "8",
+        "--bandwidth", "10"]
+
+
+@pytest.mark.parametrize("bad,flag", [
+    (["--bandwidth", "nan"], "--bandwidth"), (["--compute-ms", "-10"], "--compute-ms"),
+    (["--layers", "0"], "--layers"), (["--params", "-5"], "--params"),
+    (["--ranks", "-4"], "--ranks"), (["--ranks-per-node", "16"], "ranks_per_node"),
+    (["--latency-us", "inf"], "--latency-us"), (["--layers", "1e9"], "--layers"),
+    ("model:nosuch.module:f", "--model"), ("model:examples.torch.train_teacher:nosuch",
+                                           "--model"),
+    ("model:examples.torch.train_teacher:student --input-shape 64,x", "--input-shape"),
+])
+def test_the_advisor_answers_bad_input_in_one_line(capsys, bad, flag):
+    if isinstance(bad, str):  # a --model case: no --params
+        model, *rest = bad.removeprefix("model:").split()
+        argv = ["--model", model, *rest, "--ranks", "8", "--bandwidth", "10"]
+    else:
+        argv = BASE + bad
+    with pytest.raises(SystemExit) as done:
+        advise.main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err and "Traceback" not in err, err
+
+
+def test_the_advisors_help_says_what_it_does_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit):
+        advise.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "prints the performance model's table" in out and "(docs/at-scale.md)" in out

@@ -91,3 +91,32 @@ def test_ops_each_technique_needs():
         rules.configure(op="sum", sparse_as_dense=False, **{name: CONFIGS[name]})
         with pytest.raises(ValueError, match="op=Average or op=Sum"):
             rules.configure(op="other", sparse_as_dense=False, **{name: CONFIGS[name]})
+
+
+@pytest.mark.parametrize("arg,typo,meant", [
+    ("clip", "max_nrm", "max_norm"), ("threshold", "treshold", "threshold"),
+    ("select", "kk", "k"), ("sparse", "dense_ration", "dense_ratio"),
+    ("lowrank", "rnk", "rank"), ("delay", "stalenes", "staleness")])
+def test_a_typo_inside_a_config_dict_names_the_key_meant_and_the_fields(arg, typo, meant):
+    import dataclasses
+
+    from hvdsync.clipping import ClipConfig
+    from hvdsync.config import coerce_config
+    from hvdsync.delay import DelayConfig
+    from hvdsync.lowrank import LowRankConfig
+    from hvdsync.select import SelectConfig
+    from hvdsync.sparse import SparseConfig
+    from hvdsync.threshold import ThresholdConfig
+    cls = {"clip": ClipConfig, "threshold": ThresholdConfig, "select": SelectConfig,
+           "sparse": SparseConfig, "lowrank": LowRankConfig, "delay": DelayConfig}[arg]
+    with pytest.raises(TypeError) as info:
+        coerce_config(cls, {typo: 1}, arg, meant)
+    said = str(info.value)
+    assert f"{arg}= got unknown key(s) '{typo}' (did you mean '{meant}'?)" in said, said
+    assert all(f.name in said for f in dataclasses.fields(cls) if f.init), said
+
+
+def test_every_refused_pair_states_its_own_reason():
+    reasons = [rule.why for rule in rules.EXCLUSIONS]
+    assert len(set(reasons)) == len(reasons)
+    assert not any("same reason" in why for why in reasons)

@@ -15,8 +15,8 @@ import pytest
 
 from hvdsync.testing import HIDE_ENV, run_ranks
 from tests.torch_api_cases import (DTYPES, REDUCE_OPS, WIDE, async_forms, autograd_walk,
-                                   checks_in_training, dtype_matrix, mistakes,
-                                   step_while_a_rank_joined, rank_leaves, run_script, sync_batch_norm)
+                                   checks_in_training, dtype_matrix, mistakes, rank_leaves,
+                                   run_script, step_while_a_rank_joined, sync_batch_norm)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NP = pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])

@@ -320,7 +320,8 @@ def test_gradient_layouts():
     (dict(sparse=-1), ValueError, "dense_ratio must be >= 0"),
     (dict(sparse=float("nan")), ValueError, "dense_ratio must be >= 0"),
     (dict(sparse="dense"), TypeError, "sparse must be a SparseConfig"),
-    (dict(sparse=dict(ratio=2)), TypeError, "unexpected keyword"),
+    (dict(sparse=dict(ratio=2)), TypeError,
+     r"unknown key\(s\) 'ratio' \(did you mean 'dense_ratio'\?\)"),
     (dict(sparse=dict(dense_ratio="1")), TypeError, "dense_ratio must be a number"),
     (dict(sprase=True), TypeError, "did you mean 'sparse'"),
 ])
