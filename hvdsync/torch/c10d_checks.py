@@ -108,14 +108,6 @@ def _show(field: str, value: Any) -> str:
 def gather_json(obj: Any, process_set: Any) -> list[Any]:
     """Every rank's ``obj`` as JSON (nothing a peer sends runs code here), in rank order: the
     readable descriptions, once descriptors differed."""
-    import torch
-
-    from hvdsync.torch import engine
-    ops = engine.ops()
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    sizes = ops.synchronize(ops.allgather_async(torch.tensor([data.numel()]),
-                                                f"{INTERNAL}check.sizes", process_set)).tolist()
-    everyone = ops.synchronize(ops.allgather_async(data, f"{INTERNAL}check", process_set))
-    starts = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
-    return [json.loads(bytes(everyone[a:b].tolist()).decode())
-            for a, b in zip(starts, starts[1:])]
+    from hvdsync.torch.functions import gather_bytes
+    return [json.loads(b) for b in gather_bytes(json.dumps(obj).encode(), f"{INTERNAL}check",
+                                                process_set)]

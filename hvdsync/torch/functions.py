@@ -22,16 +22,23 @@ def _pickled(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
-def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = None) -> list[Any]:
-    """Every rank's ``obj`` (pickled), in rank order."""
+def gather_bytes(data: bytes, name: Optional[str] = None, process_set: Any = None
+                 ) -> list[bytes]:
+    """Every rank's ``data``, in rank order: the lengths first, then the bytes."""
     ops = engine.ops()
     ps = process_set or _global_set()
-    data = _pickled(obj)
-    sizes = ops.allgather(torch.tensor([data.numel()], dtype=torch.int64),
-                          None if name is None else f"{name}.sizes", process_set=ps).tolist()
-    everyone = ops.allgather(data, name, process_set=ps)
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    sizes = ops.synchronize(ops.allgather_async(
+        torch.tensor([mine.numel()], dtype=torch.int64),
+        None if name is None else f"{name}.sizes", ps)).tolist()
+    everyone = ops.synchronize(ops.allgather_async(mine, name, ps))
     starts = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
-    return [pickle.loads(everyone[a:b].numpy().tobytes()) for a, b in zip(starts, starts[1:])]
+    return [everyone[a:b].numpy().tobytes() for a, b in zip(starts, starts[1:])]
+
+
+def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (pickled), in rank order."""
+    return [pickle.loads(b) for b in gather_bytes(pickle.dumps(obj), name, process_set)]
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
