@@ -45,6 +45,7 @@ exclusive).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -176,6 +177,7 @@ class SparseProtocol:
         #: the last step's route, per-rank row counts and rows handed to the optimizer (after
         #: summing duplicates across ranks) per sparse parameter name, for logging and tests
         self.last_routes: dict[str, tuple[str, tuple[int, ...], int]] = {}
+        self._nothing_sparse_said = False  # (the warning of :meth:`_warn_if_nothing_sparse`)
 
     def begin(self, local: Sequence[tuple[int, int]]) -> list[int]:
         """A new step: per parameter this rank's code (distinct rows, :data:`DENSE` or
@@ -197,6 +199,23 @@ class SparseProtocol:
             self.layout[i] = (layout, [max(r[2 * i], 0) for r in rows], sdim)
             if layout != "absent":
                 self.known[i] = (layout, sdim)
+        self._warn_if_nothing_sparse()
+
+    def _warn_if_nothing_sparse(self) -> None:
+        """Once, at the first step where every gradient is there: ``sparse=`` with no
+        row-sparse gradient changes nothing, which a user should hear of (the wrapper never
+        sees the model, so this is the first moment it can know)."""
+        layouts = {layout for layout, _, _ in self.layout.values()}
+        if self._nothing_sparse_said or "absent" in layouts or not layouts:
+            return
+        self._nothing_sparse_said = True
+        if "sparse" not in layouts:
+            warnings.warn(
+                "hvdsync: sparse= is on, but no gradient of the first full step was row-sparse, "
+                "so every layer goes dense as without it. Row-sparse gradients come from "
+                "torch's nn.Embedding / nn.EmbeddingBag with sparse=True and from Keras' "
+                "Embedding layers (docs/sparse.md); or drop sparse=.", RuntimeWarning,
+                stacklevel=2)
 
     def is_sparse(self, i: int) -> bool:
         """Whether parameter ``i``'s gradient travels sparse this step: some rank has it

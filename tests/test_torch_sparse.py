@@ -390,3 +390,33 @@ def test_training_matches_horovod_and_learns(request, torch_job, np_):
         # Horovod's path, which sends every lookup.
         assert total["bytes_sent"] < 0.45 * total["bytes_dense"], total
         assert res["dense"]["stats"]["total"]["sparse_dense"] == steps
+
+
+def test_sparse_with_no_row_sparse_gradient_warns_once_at_the_first_step():
+    """The wrapper never sees the model, so the first full step is where it can tell that
+    ``sparse=`` changes nothing (no embedding with ``sparse=True``); a model with one is
+    not warned about."""
+    import warnings
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    said = {}
+    for case in ("dense", "embedding"):
+        torch.manual_seed(0)
+        if case == "dense":
+            model, x = torch.nn.Linear(4, 2), torch.ones(3, 4)
+        else:
+            model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True),
+                                        torch.nn.Flatten(), torch.nn.Linear(8, 2))
+            x = torch.tensor([[1, 2], [3, 4], [1, 5]])
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), sparse=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                opt.zero_grad()
+                model(x).sum().backward()
+                opt.step()
+        said[case] = [str(w.message) for w in caught if "sparse= is on" in str(w.message)]
+    assert len(said["dense"]) == 1 and "nn.Embedding" in said["dense"][0], said
+    assert said["embedding"] == [], said
