@@ -178,10 +178,6 @@ def barrier(process_set: Any = global_process_set) -> None:
         dist.barrier(group=group)
 
 
-def _set_size(process_set: Any) -> int:
-    return dist.get_world_size(_group(process_set))
-
-
 def _set_ranks(process_set: Any) -> list[int]:
     return list(getattr(process_set, "ranks", None) or range(size()))
 
@@ -247,12 +243,9 @@ def _agree(kind: str, tensors: list, name: Optional[str], process_set: Any, op: 
         if duplicate:
             raise HorovodInternalError(checks.message([desc], [rank()]))
         return
-    mine = torch.tensor(checks.descriptor(desc), dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(n)]
-    with watchdog.guard(f"the ranks' check of hvd.{kind} {name!r}"):
-        _wait(dist.all_gather([_lend(e) for e in everyone], _lend(mine), group=group,
-                              async_op=True))
-    if not duplicate and all(torch.equal(e, everyone[0]) for e in everyone):
+    everyone = _gather_ints(torch.tensor(checks.descriptor(desc), dtype=torch.int64), group,
+                            f"the ranks' check of hvd.{kind} {name!r}")
+    if not duplicate and all(e == everyone[0] for e in everyone):
         return  # (a duplicate on one rank differs from the others': all come here alike)
     raise HorovodInternalError(checks.message(checks.gather_json(desc, process_set),
                                               _set_ranks(process_set)))
@@ -268,6 +261,16 @@ def _track(name: Optional[str], handle: Handle) -> Handle:
 
 def _wait(work: Any) -> None:
     synchronize(Handle([work], lambda: None))
+
+
+def _gather_ints(mine: torch.Tensor, group: Any, what: str) -> list[list[int]]:
+    """Every rank's ``mine`` (int64 vector, equal lengths), blocking (``what``: for the
+    watchdog): per rank, a list. The descriptors, and uneven collectives' sizes."""
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    with watchdog.guard(what):
+        _wait(dist.all_gather([_lend(g) for g in everyone], _lend(mine), group=group,
+                              async_op=True))
+    return torch.stack(everyone).tolist()
 
 
 # -- allreduce --------------------------------------------------------------------------------
@@ -370,15 +373,6 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: Optional[bool
 
 
 # -- allgather --------------------------------------------------------------------------------
-def _gather_sizes(mine: torch.Tensor, group: Any, what: str) -> list[list[int]]:
-    """Every rank's ``mine`` (int64 vector, equal lengths), blocking: per rank, a list."""
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    with watchdog.guard(what):
-        _wait(dist.all_gather([_lend(g) for g in everyone], _lend(mine), group=group,
-                              async_op=True))
-    return torch.stack(everyone).tolist()
-
-
 def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = None,
                             process_set: Any = global_process_set) -> Handle:
     """Start gathering every rank's ``tensors`` (concatenated along dim 0 in rank order; the
@@ -395,7 +389,7 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = N
         out = [t.clone() for t in tensors]
         return Handle([], lambda: out)
     mine = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
-    rows = _gather_sizes(mine, group, f"the sizes of the allgather {name!r}")
+    rows = _gather_ints(mine, group, f"the sizes of the allgather {name!r}")
     me = dist.get_rank(group)
     works, unpack = [], []
     for dtype, idx in _by_dtype(tensors).items():
@@ -478,7 +472,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
                              f"dimension {tensor.shape[0]}; got {sent}")
     wire = _WIRE.get(tensor.dtype, tensor.dtype)
     me = dist.get_rank(group)
-    received = [row[me] for row in _gather_sizes(torch.tensor(sent, dtype=torch.int64), group,
+    received = [row[me] for row in _gather_ints(torch.tensor(sent, dtype=torch.int64), group,
                                                  f"the splits of the alltoall {name!r}")]
     out = torch.empty((sum(received), *tensor.shape[1:]), dtype=wire)
     send = tensor.to(wire).contiguous()

@@ -139,9 +139,8 @@ class _Allreduce(Function):
     @staticmethod
     def forward(ctx, op, pre, post, ps, name, *tensors):
         ctx.args = (op, pre, post, ps)
-        ops = engine.ops()
-        return tuple(ops.synchronize(ops.grouped_allreduce_async_(
-            [t.detach().clone() for t in tensors], None, name, op, pre, post, ps)))
+        return tuple(engine.ops().synchronize(grouped_allreduce_async(
+            list(tensors), None, name, op, pre, post, ps)))
 
     @staticmethod
     def backward(ctx, *grads):
