@@ -4,8 +4,9 @@ test_contracts.py) sees every call, as it does the ports' (docs/design.md, "One 
 roles and moments").
 
 A technique that ``delay=`` carries runs its exchange inside delay's: each step's global
-gradient is the compressed one, folded in up to ``staleness`` steps later. Today lowrank's
-``LowRankCompression`` implements it; another compressor would implement the same methods.
+gradient is the compressed one, folded in up to ``staleness`` steps later. lowrank's
+``LowRankCompression`` is :class:`Carryable`; its carried form, ``DelayedLowRank``, is the
+:class:`CarriedCompressor`. Another compressor would implement the same two.
 """
 
 from __future__ import annotations
@@ -18,10 +19,6 @@ from hvdsync.technique import Pending
 
 class CarriedCompressor(Protocol):
     """The compression ``delay=`` runs its exchanges through (eager and traced)."""
-
-    def in_delay(self, staleness: int, finished_steps: Callable[[], int]) -> None:
-        """From now on the exchanges run inside ``delay=``: each global gradient is folded
-        in at most ``staleness`` steps after its step; ``finished_steps()``: delay's count."""
 
     def exchange(self, li: int, ks: list[int], grads: list, step: int, lag: int,
                  name: str) -> Pending:
@@ -48,3 +45,12 @@ class CarriedCompressor(Protocol):
     def discard_in_delay(self, held: Optional[dict[str, Any]] = None) -> None:
         """Traced: delay dropped its exchanges in flight (a flush); what they took goes back
         to the compressor's memory."""
+
+
+class Carryable(Protocol):
+    """A technique ``delay=`` may carry, before it is carried."""
+
+    def in_delay(self, staleness: int, finished_steps: Callable[[], int]) -> CarriedCompressor:
+        """Its form inside ``delay=`` (a technique that takes its place in the step pipeline):
+        each global gradient is folded in at most ``staleness`` steps after its step;
+        ``finished_steps()``: delay's count."""

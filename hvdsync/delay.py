@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from hvdsync.carried import CarriedCompressor
+from hvdsync.carried import Carryable, CarriedCompressor
 from hvdsync.config import coerce_config
 from hvdsync.outer import CODECS, OuterSync, start_offsets
 from hvdsync.stats import SyncStats
@@ -348,7 +348,7 @@ class DelayedGradients(Transport):
         update), or global gradients folded when due (:meth:`trace_local`). Folding what has
         arrived asks the host mid-step whether an exchange is done: that runs the step
         pipeline (docs/keras.md). ``lowrank=``'s rounds are built in
-        (:meth:`hvdsync.lowrank.LowRankCompression.trace_in_delay`)."""
+        (:meth:`hvdsync.lowrank_delay.DelayedLowRank.trace_in_delay`)."""
         c = self.config
         due = c.fold == "due" or c.synchronous  # (synchronous: every step folds its own)
         return not c.exchange_gradients or due
@@ -517,7 +517,7 @@ class DelayedGradients(Transport):
                           reduce: Callable[[int, str, list], list], flags: dict[str, Any]
                           ) -> tuple[list[list], list[list]]:
         """A traced step's exchanges (plain; ``lowrank=``'s are
-        :meth:`hvdsync.lowrank.LowRankCompression.trace_in_delay`): per layer the correction
+        :meth:`hvdsync.lowrank_delay.DelayedLowRank.trace_in_delay`): per layer the correction
         ``G - g`` of the ``held`` gradients (the last step's: zeros unless
         ``flags["exchange_held"]``; ``None``: synchronous, none) and the average of ``own``
         (this step's: zeros unless ``flags["drain"]``; synchronous: always). One branch for
@@ -552,7 +552,7 @@ class DelayedGradients(Transport):
         ``exchange_held`` (the last step's gradient goes in this one) and ``drain`` (this
         step folds in every outstanding global gradient, its own included), and with
         ``lowrank=`` its exchanges' flags
-        (:meth:`hvdsync.lowrank.LowRankCompression.delay_flags`)."""
+        (:meth:`hvdsync.lowrank_delay.DelayedLowRank.delay_flags`)."""
         if not self.traceable:
             return {}
         flags = {"before_update": self.host_before_update()}
@@ -706,11 +706,12 @@ class DelayedGradients(Transport):
             self.stats.count("discarded", n)
         return n
 
-    def carry(self, other: Technique) -> None:
-        """``lowrank=``: each step's exchange is its compressed one (it owns nothing itself)."""
-        compressor: CarriedCompressor = other  # type: ignore[assignment] -- carries names it
-        compressor.in_delay(self.config.staleness, lambda: self.policy.step)
-        self.compressor = compressor
+    def carry(self, other: Technique) -> Technique:
+        """``lowrank=``: each step's exchange is its compressed one (its carried form owns
+        nothing in the step pipeline)."""
+        carryable: Carryable = other  # type: ignore[assignment] -- carries names it
+        self.compressor = carryable.in_delay(self.config.staleness, lambda: self.policy.step)
+        return self.compressor  # type: ignore[return-value] -- a technique too
 
     def forget(self) -> None:
         self.discard()

@@ -19,7 +19,8 @@ from typing import Any, Optional
 from hvdsync.clipping import ClipConfig, ClipLayers, LayerClip
 from hvdsync.config import check_bool, check_reduce_op, positive_float, positive_int
 from hvdsync.delay import DelayConfig, DelayedGradients
-from hvdsync.lowrank import LowRankCompression, LowRankConfig
+from hvdsync.lowrank import LowRankConfig
+from hvdsync.lowrank_pipeline import LowRankCompression
 from hvdsync.plain import PlainAllreduce
 from hvdsync.select import SelectConfig, SelectedPushes
 from hvdsync.sparse import SparseConfig
@@ -194,9 +195,9 @@ def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOp
         "plain": lambda _: PlainAllreduce(grads, comm, layer_names),
     }
     techniques = [make[name](configs.get(name)) for name in pipeline_order(configs)]
-    by_name = {t.name: t for t in techniques}
-    for t in techniques:  # compositions the techniques declare (Technique.carries)
+    for t in list(techniques):  # compositions the techniques declare (Technique.carries)
         for name in t.carries:
-            if name in by_name:
-                t.carry(by_name[name])
+            at = [i for i, other in enumerate(techniques) if other.name == name]
+            for i in at:
+                techniques[i] = t.carry(techniques[i])
     return techniques

@@ -443,8 +443,9 @@ class Technique:
     #: ``lowrank=``'s compressed exchange): :meth:`carry` is given each one present
     carries: tuple[str, ...] = ()
 
-    def carry(self, other: "Technique") -> None:
-        """Run ``other``'s exchange inside this technique's (a name in :attr:`carries`)."""
+    def carry(self, other: "Technique") -> "Technique":
+        """Run ``other``'s exchange inside this technique's (a name in :attr:`carries`);
+        returns what takes ``other``'s place in the step pipeline (its carried form)."""
         raise NotImplementedError(f"{self.name} declares no technique it carries")
 
     def layer_ready(self, li: int, ks: list[int]) -> None:

@@ -13,7 +13,7 @@ import pathlib
 import pytest
 
 from hvdsync import technique
-from hvdsync.carried import CarriedCompressor
+from hvdsync.carried import Carryable, CarriedCompressor
 from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps, Technique,
                                Transform, Transport)
 
@@ -30,6 +30,7 @@ RECEIVERS = {
     "layer.pending": (Pending,), "pending": (Pending,), "p": (Pending,),
     # what delay= calls on the technique it carries (lowrank=)
     "self.compressor": (CarriedCompressor,), "compressor": (CarriedCompressor,),
+    "carryable": (Carryable,),
 }
 #: in the pipeline only, where ``t`` is always a technique
 PIPELINE_RECEIVERS = {"t": (Technique, Transform, Transport)}
@@ -82,14 +83,16 @@ def test_the_check_sees_an_undeclared_call(tmp_path):
 
 
 def test_what_delay_carries_implements_the_declared_interface():
-    """Every technique ``delay=`` may carry has each method of :class:`CarriedCompressor`,
-    with the same parameters."""
+    """Every technique ``delay=`` may carry is :class:`Carryable`, and its carried form has
+    each method of :class:`CarriedCompressor`, with the same parameters."""
     from hvdsync.delay import DelayedGradients
-    from hvdsync.lowrank import LowRankCompression
-    carried = {"lowrank": LowRankCompression}
+    from hvdsync.lowrank_delay import DelayedLowRank
+    from hvdsync.lowrank_pipeline import LowRankCompression
+    carried = {"lowrank": (LowRankCompression, DelayedLowRank)}
     assert set(DelayedGradients.carries) == set(carried)
-    for cls in carried.values():
-        for name in sorted(n for n in declared(CarriedCompressor) if not n.startswith("_")):
-            ours = inspect.signature(getattr(CarriedCompressor, name))
-            theirs = inspect.signature(getattr(cls, name))
-            assert list(ours.parameters) == list(theirs.parameters), (cls.__name__, name)
+    for before, inside in carried.values():
+        for interface, cls in ((Carryable, before), (CarriedCompressor, inside)):
+            for name in sorted(n for n in declared(interface) if not n.startswith("_")):
+                ours = inspect.signature(getattr(interface, name))
+                theirs = inspect.signature(getattr(cls, name))
+                assert list(ours.parameters) == list(theirs.parameters), (cls.__name__, name)
