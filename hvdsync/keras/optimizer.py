@@ -259,31 +259,24 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
                          **unknown: Any) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so its updates use gradients reduced across Horovod ranks.
 
-    Takes ``horovod.tensorflow.keras.DistributedOptimizer``'s arguments with the same meaning
-    (``device_dense``/``device_sparse`` must stay ``""``, ``scale_local_gradients`` ``True``);
-    with no technique enabled the updates equal averaged-gradient training. The result is an
-    instance of a subclass of the optimizer's class (it serializes as that class, so
-    ``model.save()`` files load anywhere) sharing the optimizer's state, with ``stats``,
-    ``flush()``, ``techniques``, ``selection``, ``delay_status``, ``sparse_routes``.
+    Horovod's arguments with the same meaning (``device_dense``/``device_sparse`` stay ``""``,
+    ``scale_local_gradients`` ``True``); with no technique on, the updates equal Horovod's.
+    Returns an instance of a subclass of the optimizer's class (saved files load anywhere)
+    sharing its state, with ``stats``, ``flush()``, ``techniques``, ``selection``,
+    ``delay_status`` and ``sparse_routes``.
 
     Args:
-        optimizer: the Keras optimizer to wrap (unbuilt or built).
-        name: a new name for the optimizer (Horovod's argument).
-        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
+        optimizer, name: the Keras optimizer to wrap (built or not); a new name for it.
+        compression, op: ``hvd.Compression.none`` or ``.fp16``; ``hvd.Average`` or ``hvd.Sum``.
         sparse_as_dense: reduce ``IndexedSlices`` gradients (embeddings) as dense tensors.
         gradient_predivide_factor: with Average, scale by 1/f before and f/size after the sum.
-        op: ``hvd.Average`` (default) or ``hvd.Sum``.
-        backward_passes_per_step: gradients of this many batches are accumulated locally before
-            one exchange and update (summed, as in Horovod; averaged with
-            ``average_aggregated_gradients=True``).
-        num_groups, groups: Horovod's grouping (an int: contiguous chunks of variables; a list of
-            lists of variables reduced together). Mutually exclusive with ``layers``.
+        backward_passes_per_step: batches accumulated locally before one exchange and update
+            (summed, as Horovod; averaged with ``average_aggregated_gradients=True``).
+        num_groups, groups: Horovod's grouping (an int: contiguous chunks; lists of variables
+            reduced together); not with ``layers``.
         process_set: reduce over this Horovod process set only.
-        layers: hvdsync's grouping of variables into layers: ``None`` groups by Keras layer, or
-            a callable / mapping from variable path to layer name.
-        clip, threshold, select, sparse, lowrank, delay: the techniques, as in
-            :func:`hvdsync.torch.DistributedOptimizer` (config objects, dicts of their fields,
-            or a number); see docs/ and, for which combine, :mod:`hvdsync.rules`.
+        layers: hvdsync's grouping into layers: by Keras layer, or a callable / mapping.
+        clip, threshold, select, sparse, lowrank, delay: as :func:`hvdsync.torch`'s.
     """
     techniques = rules.given(locals())
     reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers",) + rules.TECHNIQUES,
@@ -297,6 +290,35 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
         return LossScaleOptimizer(inner, initial_scale=optimizer.initial_scale,
                                   dynamic_growth_steps=optimizer.dynamic_growth_steps,
                                   name=optimizer.name)
+    _check_wrappable(optimizer, device_dense or device_sparse, scale_local_gradients)
+    check_bool("average_aggregated_gradients", average_aggregated_gradients)
+    configs, groups = rules.check_arguments(
+        mpi_ops, compression=compression, backward_passes_per_step=backward_passes_per_step,
+        op=op, gradient_predivide_factor=gradient_predivide_factor,
+        sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
+        groups=groups, layers=layers, **techniques)
+    grouping = layers if layers is not None else groups_to_names(groups)
+    # what every rank must agree on (agreement.require), as Horovod names it
+    horovod_options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                           backward_passes_per_step=backward_passes_per_step,
+                           average_aggregated_gradients=average_aggregated_gradients,
+                           gradient_predivide_factor=gradient_predivide_factor,
+                           process_set=process_set.ranks)
+    wrapped = _wrap(optimizer, name, backward_passes_per_step)
+    object.__setattr__(wrapped, "_hv", _Hvdsync(
+        compression=compression, op=op, predivide=gradient_predivide_factor,
+        sparse_as_dense=sparse_as_dense, process_set=process_set,
+        average_aggregated_gradients=average_aggregated_gradients,
+        grouping=grouping if grouping is not None else keras_layer_of, configs=configs,
+        pending_state=None, horovod_options=horovod_options))
+    if optimizer.built:
+        wrapped._hvdsync_build(list(optimizer._trainable_variables))
+    return wrapped
+
+
+def _check_wrappable(optimizer: Any, device: Any, scale_local_gradients: Any) -> None:
+    """A clear error for what :func:`DistributedOptimizer` cannot wrap (``device``: Horovod's
+    ``device_dense`` or ``device_sparse``)."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer (Keras 3), got "
                         f"{type(optimizer).__module__}.{type(optimizer).__name__}")
@@ -305,45 +327,29 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError(f"hvdsync.keras needs Keras' TensorFlow backend (Horovod's ops are "
                            f"TensorFlow ops); KERAS_BACKEND is {keras.backend.backend()!r}")
-    if device_dense or device_sparse:
+    if device:
         raise ValueError("device_dense/device_sparse are not supported by hvdsync.keras (the "
                          "reductions run where the gradients are)")
     if scale_local_gradients is not True:
         raise ValueError("scale_local_gradients=False is not supported by hvdsync.keras")
-    check_bool("average_aggregated_gradients", average_aggregated_gradients)
-    configs, groups = rules.check_arguments(
-        mpi_ops, compression=compression, backward_passes_per_step=backward_passes_per_step,
-        op=op, gradient_predivide_factor=gradient_predivide_factor,
-        sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
-        groups=groups, layers=layers, **techniques)
-    grouping = layers if layers is not None else groups_to_names(groups)
 
+
+def _wrap(optimizer: Any, name: Optional[str], backward_passes_per_step: int) -> Any:
+    """An instance of a subclass of the optimizer's class, sharing its state (variables,
+    hyper-parameters, tracker), that accumulates ``backward_passes_per_step`` batches."""
+    if backward_passes_per_step > 1 and optimizer.built:
+        raise ValueError("backward_passes_per_step > 1 needs an optimizer that is not built "
+                         "yet (its accumulators are created when it is built)")
+    if backward_passes_per_step <= 1 and optimizer.gradient_accumulation_steps:
+        raise ValueError("the optimizer has gradient_accumulation_steps set; use "
+                         "backward_passes_per_step instead (the accumulation must happen "
+                         "before the exchange)")
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
     wrapped = cls.__new__(cls)
-    # Share the wrapped optimizer's state (variables, hyper-parameters, tracker).
     wrapped.__dict__.update(optimizer.__dict__)
     if name is not None:
         wrapped.name = name
     if backward_passes_per_step > 1:
-        if optimizer.built:
-            raise ValueError("backward_passes_per_step > 1 needs an optimizer that is not built "
-                             "yet (its accumulators are created when it is built)")
         wrapped.gradient_accumulation_steps = backward_passes_per_step
-    elif optimizer.gradient_accumulation_steps:
-        raise ValueError("the optimizer has gradient_accumulation_steps set; use "
-                         "backward_passes_per_step instead (the accumulation must happen "
-                         "before the exchange)")
-    object.__setattr__(wrapped, "_hv", _Hvdsync(
-        compression=compression, op=op, predivide=gradient_predivide_factor,
-        sparse_as_dense=sparse_as_dense, process_set=process_set,
-        grouping=grouping if grouping is not None else keras_layer_of, configs=configs,
-        average_aggregated_gradients=average_aggregated_gradients, pending_state=None,
-        horovod_options=dict(op=op, compression=compression,
-                             backward_passes_per_step=backward_passes_per_step,
-                             average_aggregated_gradients=average_aggregated_gradients,
-                             gradient_predivide_factor=gradient_predivide_factor,
-                             sparse_as_dense=sparse_as_dense, process_set=process_set.ranks)))
-    if optimizer.built:
-        wrapped._hvdsync_build(list(optimizer._trainable_variables))
     return wrapped

@@ -298,61 +298,41 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across the ranks (on Horovod
     or torch.distributed: :mod:`hvdsync.torch.engine`).
 
-    Takes ``horovod.torch.DistributedOptimizer``'s arguments with the same meaning, and with
-    no hvdsync technique enabled gives the same parameters. The returned object is an instance
-    of the wrapped optimizer's class (sharing its ``param_groups`` and ``state``) with
-    ``synchronize()``, ``skip_synchronize()``, ``flush()``, ``stats``
-    (:class:`hvdsync.SyncStats`) and ``techniques``.
+    Takes ``horovod.torch.DistributedOptimizer``'s arguments with the same meaning; with no
+    technique on, it gives the same parameters. Returns an instance of the optimizer's class
+    sharing its ``param_groups`` and ``state``, with ``synchronize()``, ``skip_synchronize()``,
+    ``flush()``, ``stats`` (:class:`hvdsync.SyncStats`) and ``techniques``. A step whose
+    gradients hold NaN/Inf on any rank is skipped on every rank (docs/failures.md).
 
     Args:
         optimizer: the torch optimizer to wrap.
         named_parameters: ``model.named_parameters()``; names identify collectives and group
             parameters into layers. Without it every parameter is its own layer.
-        compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``.
+        compression, op: ``hvd.Compression.none`` or ``.fp16``; ``hvd.Average`` or ``hvd.Sum``.
         backward_passes_per_step: backward passes accumulated locally before a reduction.
-        op: ``hvd.Average`` (default) or ``hvd.Sum`` (Adasum is not supported).
         gradient_predivide_factor: with Average, scale by 1/f before and f/size after the sum.
-        num_groups: deprecated Horovod alias of ``groups=int``.
-        groups: Horovod's explicit grouping: an int (contiguous chunks of parameters) or a list
-            of lists of parameters reduced together. Mutually exclusive with ``layers``.
+        num_groups, groups: Horovod's grouping (``num_groups``: deprecated ``groups=int``): an
+            int (contiguous chunks) or lists of parameters reduced together; not with ``layers``.
         sparse_as_dense: reduce sparse gradients as dense tensors.
-        process_set: reduce over this Horovod process set only (default: every rank; the
-            torch backend has that one only).
-        layers: hvdsync's grouping of parameters into layers (the unit sent together and
-            decided on): ``None`` groups by module, or a callable / mapping from parameter
-            name to layer name, see :data:`hvdsync.layers.Grouping`.
-        clip, threshold, select, sparse, lowrank, delay: the techniques (docs/clip.md,
-            docs/threshold.md, docs/select.md, docs/sparse.md, docs/lowrank.md,
-            docs/delay.md; with ``delay=``
-            call :meth:`flush` before evaluating or saving).
-        scaler: the ``torch.amp.GradScaler`` of mixed-precision training: the techniques then
-            see unscaled gradients, and ``synchronize()`` leaves them scaled for
-            ``scaler.unscale_(opt)`` (docs/mixed_precision.md for the recipe).
-        group_mb: the size of a *ready group* in MiB (default 25, torch DDP's bucket size):
-            layers are clipped, measured and sent a group at a time -- backward's consecutive
-            layers until their gradients reach this size -- so a technique's tensor work is a
-            few multi-tensor ops per group, not per tensor (on a GPU each op is a kernel
-            launch). ``0``: every layer alone, each sent the moment it is ready
-            (docs/design.md, "Ready groups").
-
-    A step whose gradients hold NaN/Inf on any rank is skipped on every rank
-    (docs/failures.md): ``synchronize()`` leaves every gradient NaN, ``step()`` does nothing.
-
-    Each technique takes its config object (``hvd.ClipConfig`` ...), a dict of its fields, or
-    a number (its main field). Which techniques combine: :mod:`hvdsync.rules`.
+        process_set: reduce over this process set only (default: every rank).
+        layers: hvdsync's grouping of parameters into layers (sent and decided on together):
+            by module, or a callable / mapping (:data:`hvdsync.layers.Grouping`).
+        clip, threshold, select, sparse, lowrank, delay: the techniques (docs/<name>.md), each
+            a config object (``hvd.ClipConfig`` ...), a dict of its fields or a number (its
+            main field); which combine: :mod:`hvdsync.rules`. With ``delay=`` call
+            :meth:`flush` before evaluating or saving.
+        scaler: the ``torch.amp.GradScaler`` of mixed precision: the techniques see unscaled
+            gradients; ``synchronize()`` leaves them scaled (docs/mixed_precision.md).
+        group_mb: the size of a *ready group* in MiB (default 25, DDP's bucket size):
+            backward's consecutive layers are clipped, measured and sent a group at a time, a
+            few multi-tensor ops per group (docs/design.md, "Ready groups"); ``0``: every
+            layer alone, sent the moment it is ready.
     """
     techniques = rules.given(locals())
     reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers", "scaler", "group_mb")
                           + rules.TECHNIQUES, "DistributedOptimizer")
     group_bytes = int(non_negative_float("group_mb", group_mb) * 2**20)
-    if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in
-                                      ("get_scale", "is_enabled", "update", "unscale_")):
-        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
-        raise ValueError("optimizer is already wrapped by hvdsync.torch.DistributedOptimizer")
+    _check_wrappable(optimizer, scaler)
     ops = engine.ops()
     compression = ops.Compression.none if compression is None else compression
     op = ops.Average if op is None else op
@@ -374,3 +354,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                           gradient_predivide_factor, groups, sparse_as_dense, process_set,
                           layers, configs, scaler, group_bytes)
     return wrapped
+
+
+def _check_wrappable(optimizer: Any, scaler: Any) -> None:
+    """A clear error for what :func:`DistributedOptimizer` cannot wrap."""
+    if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in
+                                      ("get_scale", "is_enabled", "update", "unscale_")):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is already wrapped by hvdsync.torch.DistributedOptimizer")
