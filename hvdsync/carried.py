@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
-from hvdsync.technique import Pending
+from hvdsync.pending import Pending
 
 
 class CarriedCompressor(Protocol):

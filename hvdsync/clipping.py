@@ -41,7 +41,8 @@ from typing import Any, Optional, Union
 
 from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Gradients, TensorOps, Transform
+from hvdsync.ports import Gradients, TensorOps
+from hvdsync.technique import Transform
 
 MODES = ("local", "global")
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32

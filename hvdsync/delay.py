@@ -51,8 +51,9 @@ from hvdsync.carried import Carryable, CarriedCompressor
 from hvdsync.config import coerce_config
 from hvdsync.outer import CODECS, OuterSync, start_offsets
 from hvdsync.stats import SyncStats
-from hvdsync.technique import (Communicator, Gradients, Pending, TensorOps, Technique, Transport,
-                               finish_dropped)
+from hvdsync.pending import Pending, finish_dropped
+from hvdsync.ports import Communicator, Gradients, TensorOps
+from hvdsync.technique import Technique, Transport
 
 STATE_MODES = ("local", "average")
 #: when a global gradient is folded in (:attr:`DelayConfig.fold`)

@@ -37,7 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hvdsync.technique import LOCAL_STEP, Decider, Gradients, TensorOps, control_dtype
+from hvdsync.ports import Gradients, TensorOps
+from hvdsync.technique import LOCAL_STEP, Decider, control_dtype
 
 
 class KeptLayers:

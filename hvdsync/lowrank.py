@@ -23,7 +23,8 @@ from typing import Any, Optional
 import numpy as np
 
 from hvdsync.config import coerce_config
-from hvdsync.technique import Communicator, Gradients, TensorOps, Transport, refill
+from hvdsync.ports import Communicator, Gradients, TensorOps
+from hvdsync.technique import Transport, refill
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from hvdsync.lowrank import LowRankBase, LowRankConfig, project
 from hvdsync.lowrank_delay_traced import TracedRing, ring_memory, traffic
-from hvdsync.technique import Communicator, Gradients, Pending, TensorOps
+from hvdsync.pending import Pending
+from hvdsync.ports import Communicator, Gradients, TensorOps
 
 
 class _Exchange(Pending):

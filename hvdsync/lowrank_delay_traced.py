@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.lowrank import two_rounds
-from hvdsync.technique import TensorOps
+from hvdsync.ports import TensorOps
 
 
 def ring_memory(q: dict, err: dict, lag: int) -> dict[str, dict]:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from hvdsync.lowrank import LowRankBase, round_label, two_rounds
 from hvdsync.lowrank_delay import DelayedLowRank
-from hvdsync.technique import Pending
+from hvdsync.pending import Pending
 
 
 class _Round:

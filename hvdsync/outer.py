@@ -40,7 +40,8 @@ from functools import partial
 from typing import Any, Optional
 
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Communicator, Gradients, Pending, TensorOps, finish_dropped
+from hvdsync.pending import Pending, finish_dropped
+from hvdsync.ports import Communicator, Gradients, TensorOps
 
 #: how the pseudo-gradients travel: ``none`` (as they are, allreduce), ``fp16`` (allreduce
 #: in half precision), ``bf16`` and ``int8`` (allgather: every rank decodes every rank's

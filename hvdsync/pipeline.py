@@ -32,8 +32,9 @@ from typing import Any, Optional
 from hvdsync import checkpoint
 from hvdsync.agreement import RanksDisagree
 from hvdsync.stats import SyncStats
-from hvdsync.technique import (DECIDER, TRANSFORM, TRANSPORT, Communicator, Decider, Gradients,
-                               Pending, TensorOps, Technique, Transport, finish_dropped)
+from hvdsync.pending import Pending, finish_dropped
+from hvdsync.ports import Communicator, Gradients, TensorOps
+from hvdsync.technique import DECIDER, TRANSFORM, TRANSPORT, Decider, Technique, Transport
 
 
 #: the default size of a ready group (torch DDP's bucket size: large enough that a model of

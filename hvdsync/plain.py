@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hvdsync.technique import Communicator, Gradients, Pending, Transport
+from hvdsync.pending import Pending
+from hvdsync.ports import Communicator, Gradients
+from hvdsync.technique import Transport
 
 
 class PlainAllreduce(Transport):

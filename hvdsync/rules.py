@@ -25,7 +25,8 @@ from hvdsync.plain import PlainAllreduce
 from hvdsync.select import SelectConfig, SelectedPushes
 from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Communicator, Gradients, TensorOps, Technique, Transport
+from hvdsync.ports import Communicator, Gradients, TensorOps
+from hvdsync.technique import Technique, Transport
 from hvdsync.threshold import AccumulationThreshold, ThresholdConfig
 
 #: every technique keyword, in role order

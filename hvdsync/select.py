@@ -56,8 +56,9 @@ import numpy as np
 
 from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
-from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps,
-                               accumulated, control_part, refill, shared_ok)
+from hvdsync.pending import Pending
+from hvdsync.ports import Communicator, Gradients, TensorOps
+from hvdsync.technique import Decider, accumulated, control_part, refill, shared_ok
 
 SELECTORS = ("hypernet", "norm", "random", "round_robin")
 OBJECTIVES = ("first_order", "second_order")

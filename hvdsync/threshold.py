@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.config import coerce_config
-from hvdsync.technique import (LOCAL_STEP, Communicator, Decider, Gradients, Pending,
-                               TensorOps, accumulated, control_part, refill, shared_ok)
+from hvdsync.pending import Pending
+from hvdsync.ports import Communicator, Gradients, TensorOps
+from hvdsync.technique import LOCAL_STEP, Decider, accumulated, control_part, refill, shared_ok
 
 SCOPES = ("layer", "global")
 

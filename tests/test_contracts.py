@@ -14,12 +14,14 @@ import pytest
 
 from hvdsync import technique
 from hvdsync.carried import Carryable, CarriedCompressor
-from hvdsync.technique import (Communicator, Decider, Gradients, Pending, TensorOps, Technique,
-                               Transform, Transport)
+from hvdsync.pending import Pending
+from hvdsync.ports import Communicator, Gradients, TensorOps
+from hvdsync.technique import Decider, Technique, Transform, Transport
 
-#: the core's modules (technique.py defines the interfaces; testing.py is the test harness)
+#: the core's modules (technique.py, ports.py and pending.py define the interfaces; testing.py is
+#: the test harness)
 CORE = sorted(p for p in pathlib.Path(technique.__file__).parent.glob("*.py")
-              if p.name not in ("technique.py", "testing.py"))
+              if p.name not in ("technique.py", "ports.py", "pending.py", "testing.py"))
 
 #: how the core names each port or technique -> the interfaces that declare what it may call
 RECEIVERS = {

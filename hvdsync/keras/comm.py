@@ -31,7 +31,7 @@ from horovod.tensorflow.mpi_ops import Average, ProcessSet, Sum
 
 from hvdsync.entries import Entries
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Pending
+from hvdsync.pending import Pending
 from hvdsync.watchdog import guard
 
 

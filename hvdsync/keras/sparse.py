@@ -39,7 +39,7 @@ from hvdsync.keras.backend import KerasGradients
 from hvdsync.keras.comm import KerasCommunicator, coalesce, payload_bytes
 from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseProtocol, SparseTransport
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Pending
+from hvdsync.pending import Pending
 
 _INDEX_BYTES = 8  # int64 row indices
 

@@ -18,7 +18,7 @@ import torch
 
 from hvdsync.entries import Entries
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Pending
+from hvdsync.pending import Pending
 from hvdsync.torch import engine
 from hvdsync.watchdog import guard
 

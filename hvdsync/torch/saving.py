@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from hvdsync import checkpoint
+from hvdsync.api import SyncAPI
 from hvdsync.torch import engine
 from hvdsync.watchdog import guard
 
@@ -100,12 +101,11 @@ def save_checkpoint(path: str, model: torch.nn.Module,
     takes) to ``path``. A collective: call it on every rank; ``root_rank`` writes the file
     (atomically), with every rank's own hvdsync memory; every rank returns once it is
     written. With ``delay=``, call ``optimizer.flush()`` first (replicas identical)."""
-    from hvdsync.torch.optimizer import _DistributedOptimizer
-    if isinstance(optimizer, _DistributedOptimizer):  # refused at once where ranks differ
+    if isinstance(optimizer, SyncAPI):  # hvdsync's wrapper  # refused at once where ranks differ
         optimizer._comm.entries.begin("save", optimizer.stats.total.step)
         optimizer._comm.entries.now("save_checkpoint's gather")
     state = optimizer.state_dict() if optimizer is not None else None
-    if isinstance(optimizer, _DistributedOptimizer) and "hvdsync" in state:
+    if isinstance(optimizer, SyncAPI) and "hvdsync" in state:
         own = checkpoint.per_rank_part(optimizer._configured, state["hvdsync"])
         parts = [safe_load(io.BytesIO(b), what=f"rank {r}'s hvdsync state")
                  for r, b in enumerate(optimizer._comm.gather_bytes(

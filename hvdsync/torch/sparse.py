@@ -21,7 +21,7 @@ import torch
 from hvdsync.sparse import (ABSENT, DENSE, SparseConfig, SparseProtocol, SparseRoute,
                             SparseTransport)
 from hvdsync.stats import SyncStats
-from hvdsync.technique import Pending
+from hvdsync.pending import Pending
 from hvdsync.torch.backend import TorchGradients
 from hvdsync.torch.comm import TorchCommunicator
 from hvdsync.watchdog import guard
