@@ -40,7 +40,7 @@ from typing import Any
 from benchmarks.common import RESULTS, markdown_table, report
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
 from benchmarks.workloads import METRIC_LABEL, WORKLOADS, as_shown
-from hvdsync.delay import STREAMING
+from hvdsync.delay_policy import STREAMING
 from hvdsync.stats import human_bytes
 from hvdsync.testing import RanksFailed
 
