@@ -1,32 +1,16 @@
 """A performance model of data-parallel training with each technique: time and bytes per step
-from the model's sizes, its compute per step, the ranks and the network (docs/at-scale.md).
+from the model's sizes, its compute per step, the ranks and the network.
 
-The model, per step, on every rank:
+Per step, on every rank::
 
     step = compute + exposed communication + collectives x overhead + layers x hook cost
            + the technique's own compute (compression, casts, norms)
 
-* **Collectives** cost what the standard algorithms cost on the links given: a ring allreduce
-  of ``B`` bytes over ``N`` ranks moves ``2 (N-1)/N B`` through each rank's link in
-  ``2 (N-1)`` latency-bound steps; a tree allreduce ``2 B`` in ``2 log2 N`` steps; with
-  several ranks per node, a reduce inside the node, the allreduce between nodes (one ring per
-  local rank, each ``B / ranks_per_node``), a broadcast inside the node (NCCL's hierarchical
-  algorithm). An allgather of ``b`` bytes per rank moves ``(N-1) b``.
-* **Overlap**: an exchange started from the backward pass hides behind what is left of it
-  (``overlap`` of the backward time, calibrated); ``delay=`` behind the next steps' compute
-  (each step still puts a whole exchange on the link: the slower of the two sets the pace);
-  the outer synchronization behind ``overlap`` steps per fragment.
-* **Technique compute** is counted per parameter (casts, norms, accumulations) and per flop
-  (``lowrank=``'s products), at rates calibrated on this project's bench bed.
-
-What is *measured*, not modelled -- how many steps a technique needs to reach the baseline's
-quality -- lives apart (:data:`MEASURED_STEPS`), labelled with the workload it was measured on.
-
-Everything is plain Python: :func:`predict` for one technique, :func:`predict_all` for every
-one, on :class:`ModelSizes` (from a torch module or a Keras model with :func:`sizes_of`, or
-from counts alone) and :class:`Cluster`. The constants (:class:`Constants`) were fitted on
-the bench bed (``python -m benchmarks.bench_perfmodel``: which cells, held-out ones,
-predicted against measured).
+Collectives cost what the standard ring, tree and hierarchical algorithms cost on the links
+given; exchanges started in backward hide behind part of it. :func:`predict` answers for one
+technique, :func:`predict_all` for every one, on :class:`ModelSizes` and :class:`Cluster`;
+the :class:`Constants` were fitted on the bench bed (``python -m benchmarks.bench_perfmodel``).
+Accuracy is not modelled. docs/at-scale.md, "The model", has each term.
 """
 
 from __future__ import annotations

@@ -1,47 +1,14 @@
 """``select=``: hypernet-selected layer pushes with error feedback (a decider).
 
-Each step only some layers are *pushed* (allreduced) -- ``k`` of them, or as many as fit a
-byte ``budget`` -- the others add their gradient to a local residual (error feedback) and
-are not updated this step; when a layer is next pushed it sends its gradient plus the
-residual, so nothing a rank computed is lost. Which layers:
-
-* ``selector="hypernet"`` (default): a tiny MLP -- a learned input embedding (next to it,
-  with ``inputs="statistics"``, each layer's residual norm against the layers' mean), two
-  tanh hidden layers, one sigmoid output per model layer (scores ``alpha`` in (0, 1)) -- is
-  trained alongside the model on the model loss with each layer's weights scaled by
-  ``alpha``. At ``alpha = 1`` that loss's gradient is ``d_l = <g_l, theta_l>``, one dot
-  product per layer from the gradient backward already produced (no second backward),
-  averaged over ranks. ``objective="second_order"`` (default) follows the loss to the
-  current alpha with a curvature estimate from the same dot products -- the rank average of
-  ``d_l^2`` (an empirical Fisher term along ``theta_l``) -- so the hypernet descends
-  ``d_l + h_l (alpha_l - 1)`` and settles where scaling the layer would stop paying instead
-  of drifting to 0 or 1; ``"first_order"`` is the seed design's ``d_l``. One Adam step per
-  model step; an EMA (``ema``) of ``|alpha_t - alpha_{t-1}|`` per layer is the score:
-  layers whose scaling the hypernet is still moving are the ones that matter now. Chosen
-  as default by the equal-bytes benchmark (docs/select.md).
-* ``selector="norm"``: the largest accumulation ``||residual + g||`` (rank-averaged; the
-  classic top-k baseline); ``"random"``: uniformly at random (seeded identically on every
-  rank); ``"round_robin"``: the layer that has waited longest first (ties: layer order).
-
-Byte budget (``budget``: a fraction of the dense bytes per step, or bytes): a credit grows
-by the budget each step; layers are taken in score order while the next one fits, and the
-first that does not ends the step's choice (its bytes are saved up for, so a large layer
-ranked first is not starved by small ones). Layers forced by ``max_wait`` are paid first and
-may overdraw the credit, which later steps repay: bytes per step average the budget.
-
-Agreement (the no-hang rule of docs/design.md): every rank's statistics -- the dot products
-(and their squares) and residual norms, 2-3 floats per layer -- are averaged in **one**
-control-plane allreduce per step (started with the step's data, waited on after it), and
-every rank computes the scores from those averages: the hypernet, its scores and the chosen
-layers (ties by layer order) are the same on every rank. A layer not pushed for ``max_wait`` steps
-is forced in (forced layers come first; if more than ``k`` are forced, all of them are
-pushed, so the bound always holds).
-
-Overlap: the scores for step ``t`` exist only after step ``t``'s backward, so the set pushed
-at step ``t + 1`` is the one chosen at the end of step ``t`` -- known before step ``t + 1``'s
-backward, so each pushed layer's allreduce starts the moment its gradient is ready,
-overlapping the rest of backward, as without selection. Step 1 pushes every layer (there are
-no scores yet).
+Each step only some layers are pushed (allreduced) -- ``k`` of them, or as many as fit a
+byte ``budget`` -- the others add their gradient to a local residual that goes with their
+next push, so nothing a rank computed is lost; ``max_wait`` bounds a layer's wait. The
+selector scores the layers: a small hypernet trained on per-layer dot products
+``<g_l, theta_l>`` (default), the largest residual norm, random, or round robin. Every
+rank's statistics are averaged in one control-plane allreduce per step and every rank
+computes the same scores and choice from them (the no-hang rule of docs/design.md); the set
+for step ``t + 1`` is chosen at the end of step ``t``, so each pushed layer still starts the
+moment backward produces it. docs/select.md says how each selector works and what it costs.
 """
 
 from __future__ import annotations
@@ -58,19 +25,12 @@ from hvdsync.config import coerce_config
 from hvdsync.stats import SyncStats
 from hvdsync.pending import Pending
 from hvdsync.ports import Communicator, Gradients, TensorOps
+from hvdsync.select_hypernet import Hypernet, saved_floats
 from hvdsync.technique import Decider, accumulated, control_part, refill, shared_ok
 
 SELECTORS = ("hypernet", "norm", "random", "round_robin")
 OBJECTIVES = ("first_order", "second_order")
 INPUTS = ("embedding", "statistics")
-
-
-def _floats(value: Any) -> np.ndarray:
-    """A saved value as float64 numpy: from numpy, a list, or a framework tensor (torch's
-    ``state_dict()`` holds tensors, which load without unpickling anything)."""
-    if hasattr(value, "numpy") and not isinstance(value, np.ndarray):
-        value = value.numpy()
-    return np.array(value, dtype=float)
 
 
 @dataclass(frozen=True)
@@ -155,88 +115,6 @@ class SelectConfig:
         if self.budget is None:
             return None
         return self.budget * dense_bytes if isinstance(self.budget, float) else float(self.budget)
-
-
-class Hypernet:
-    """The scorer: [embedding, features] -> tanh -> tanh -> sigmoid, trained with Adam on
-    ``dL/dalpha`` (float64 numpy: a few hundred parameters, not worth a device).
-    ``features``: the number of per-step input statistics next to the learned embedding
-    (0: the embedding alone, the seed's design)."""
-
-    def __init__(self, num_layers: int, embed_dim: int, hidden: int, lr: float, seed: int,
-                 features: int = 0):
-        rng = np.random.default_rng(seed)
-
-        def layer(n_in: int, n_out: int) -> np.ndarray:
-            return rng.standard_normal((n_in, n_out)) / math.sqrt(n_in)
-        self.embed_dim = embed_dim
-        self.features = np.zeros(features)  # the inputs of the last step
-        self.params = {"embedding": rng.standard_normal(embed_dim),
-                       "w1": layer(embed_dim + features, hidden), "b1": np.zeros(hidden),
-                       "w2": layer(hidden, hidden), "b2": np.zeros(hidden),
-                       "w3": layer(hidden, num_layers) * 0.1, "b3": np.zeros(num_layers)}
-        self.lr = lr
-        self.m = {k: np.zeros_like(v) for k, v in self.params.items()}
-        self.v = {k: np.zeros_like(v) for k, v in self.params.items()}
-        self.t = 0
-
-    def forward(self) -> tuple[np.ndarray, tuple]:
-        p = self.params
-        x = np.concatenate([p["embedding"], self.features])
-        h1 = np.tanh(x @ p["w1"] + p["b1"])
-        h2 = np.tanh(h1 @ p["w2"] + p["b2"])
-        alpha = 1.0 / (1.0 + np.exp(-(h2 @ p["w3"] + p["b3"])))
-        return alpha, (x, h1, h2)
-
-    def alpha(self) -> np.ndarray:
-        return self.forward()[0]
-
-    def step(self, dots: np.ndarray, curvature: Optional[np.ndarray] = None,
-             features: Optional[np.ndarray] = None) -> np.ndarray:
-        """One Adam step on the loss of the alpha-scaled model, whose gradient w.r.t. alpha
-        is ``dots`` at alpha = 1 (``dL/dalpha_l = <g_l, theta_l>``); with ``curvature``
-        (``d2L/dalpha_l^2`` estimates) the gradient of its second-order expansion at the
-        current alpha, ``dots + curvature * (alpha - 1)``. ``features``: this step's inputs
-        (they take effect for this step's forward pass). Returns the new alpha."""
-        p = self.params
-        if features is not None:
-            self.features = np.asarray(features, dtype=float)
-        alpha, (x, h1, h2) = self.forward()
-        d_alpha = dots if curvature is None else dots + curvature * (alpha - 1.0)
-        d_z3 = d_alpha * alpha * (1 - alpha)
-        grads = {"w3": np.outer(h2, d_z3), "b3": d_z3}
-        d_z2 = (p["w3"] @ d_z3) * (1 - h2 ** 2)
-        grads.update(w2=np.outer(h1, d_z2), b2=d_z2)
-        d_z1 = (p["w2"] @ d_z2) * (1 - h1 ** 2)
-        grads.update(w1=np.outer(x, d_z1), b1=d_z1,
-                     embedding=(p["w1"] @ d_z1)[:self.embed_dim])
-        self.t += 1
-        b1, b2, eps = 0.9, 0.999, 1e-8
-        for k, g in grads.items():
-            self.m[k] = b1 * self.m[k] + (1 - b1) * g
-            self.v[k] = b2 * self.v[k] + (1 - b2) * g * g
-            m_hat = self.m[k] / (1 - b1 ** self.t)
-            v_hat = self.v[k] / (1 - b2 ** self.t)
-            p[k] = p[k] - self.lr * m_hat / (np.sqrt(v_hat) + eps)
-        return self.alpha()
-
-    def state_dict(self) -> dict:
-        return {"params": {k: v.copy() for k, v in self.params.items()},
-                "m": {k: v.copy() for k, v in self.m.items()},
-                "v": {k: v.copy() for k, v in self.v.items()}, "t": self.t,
-                "features": self.features.copy()}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("params", "m", "v"):
-            for k, v in state[key].items():
-                if getattr(self, key)[k].shape != np.shape(v):
-                    raise ValueError(f"hypernet state {key}.{k} has shape {np.shape(v)}, "
-                                     f"expected {getattr(self, key)[k].shape}")
-        self.params = {k: _floats(v) for k, v in state["params"].items()}
-        self.m = {k: _floats(v) for k, v in state["m"].items()}
-        self.v = {k: _floats(v) for k, v in state["v"].items()}
-        self.t = int(state["t"])
-        self.features = _floats(state.get("features", self.features))
 
 
 class SelectPolicy:
@@ -340,8 +218,8 @@ class SelectPolicy:
                              f"optimizer has {self.num_layers}")
         if self.hypernet is not None:
             self.hypernet.load_state_dict(state["hypernet"])
-            self.prev_alpha = _floats(state["prev_alpha"])
-        self.ema = _floats(state["ema"])
+            self.prev_alpha = saved_floats(state["prev_alpha"])
+        self.ema = saved_floats(state["ema"])
         self.waited = list(state["waited"])
         self.step = int(state["step"])
         self.selected = list(state["selected"])

@@ -11,7 +11,7 @@ from typing import Any
 import tensorflow as tf
 
 from hvdsync.clipping import ClipConfig
-from hvdsync.keras.backend import norm_of
+from hvdsync.keras.ops import norm_of
 from hvdsync.keras.comm import coalesce
 
 

@@ -30,7 +30,8 @@ from hvdsync.delay import DelayConfig
 from hvdsync.keras.graph import (HostFlags, Traffic, eager_step, graph_runs, graph_step,
                                  in_xla_context)
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
-from hvdsync.keras.backend import KerasGradients, KerasOps, Slots
+from hvdsync.keras.backend import KerasGradients, Slots
+from hvdsync.keras.ops import KerasOps
 from hvdsync.keras.clipping import clip_layers
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.memory import VariableMemory

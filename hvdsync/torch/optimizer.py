@@ -32,7 +32,8 @@ from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
 from hvdsync.threshold import ThresholdConfig
 from hvdsync.torch import engine
-from hvdsync.torch.backend import TorchGradients, TorchOps
+from hvdsync.torch.backend import TorchGradients
+from hvdsync.torch.ops import TorchOps
 from hvdsync.torch.clipping import clip_layers
 from hvdsync.torch.comm import TorchCommunicator
 from hvdsync.torch.params import groups_to_names, parameter_names
