@@ -1,7 +1,6 @@
 """hvdsync's own state in a checkpoint: one format for both adapters (docs/checkpoints.md).
 
-torch puts it under ``optimizer.state_dict()["hvdsync"]``; Keras stores it beside the
-optimizer's variables in ``model.save()`` files (packed by :func:`pack_state`). Either way::
+torch keeps it in ``optimizer.state_dict()["hvdsync"]``, Keras in ``model.save()`` files::
 
     {"format": 1,
      "params": ["<shape> <dtype>", ...],   # the optimized parameters, in layer order
@@ -9,13 +8,10 @@ optimizer's variables in ``model.save()`` files (packed by :func:`pack_state`). 
      "techniques": {"clip": {...}, "threshold": {...}, ...},
      "per_rank": [{"threshold": {...}}, ...]}   # optional: every rank's own memory
 
-Each technique's entry is its ``state_dict()`` (:mod:`hvdsync.technique`): plain data and
-tensors (torch tensors in torch, numpy arrays once a Keras file is written), memory keyed by
-a parameter's position in layer order. The keys a technique lists in ``per_rank`` are that
-rank's own memory: restored only on the rank that wrote them, in a job of the same size --
-from ``per_rank`` when the checkpoint holds every rank's (``save_checkpoint`` /
-``save_model``), or from ``techniques`` when it is that rank's own ``state_dict()``. Anywhere
-else they are dropped on every rank (with a warning), never given to another rank.
+Each technique's entry is its ``state_dict()``: plain data and tensors, memory keyed by a
+parameter's position in layer order. The keys a technique lists in ``per_rank`` are restored
+only on the rank that wrote them, in a job of the same size; anywhere else they are dropped on
+every rank (with a warning), never given to another rank.
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
 """``clip=``: per-layer gradient clipping, pipelined with the layer sends (a transform).
 
-A *layer* is clipped as soon as backward has produced all its gradients and is then sent at
+A layer is clipped as soon as backward has produced all its gradients and is then sent at
 once, so clipping never waits for the whole backward pass or for communication (Horovod's
-documented pattern, ``synchronize(); clip_grad_norm_(); step()``, waits for both).
-
-Rules (any combination; the effective norm limit of a layer is the smallest active one):
-
-* ``value=(low, high)``: clamp every gradient element to ``[low, high]`` (applied first);
-* ``max_norm=c``: scale the layer's gradient so its L2 norm is at most ``c``;
-* ``ema=(beta, factor)``: limit ``factor`` times an exponential moving average of the
-  layer's gradient norm (momentum of the norm);
-* ``variance=(beta, k)``: limit ``mean + k * std`` of the layer's gradient norm, both running
-  (exponentially weighted) estimates;
-* ``ratio=r``: limit ``r * max(||theta_l||, eps)``, relative to the layer's parameter norm
-  (layer-wise adaptive gradient clipping, as in AGC).
-
-The adaptive limits start after ``warmup`` observed steps of a layer; only finite norms are
-observed, and the norm seen *before* clipping is what the running statistics track.
-
-Where clipping happens (``mode``):
-
-* ``"local"`` (default, the pipelined design): each rank clips its own gradient before sending
-  it, with limits from its own history. Clipping changes values only, never which collectives
-  run, so ranks need not agree on limits; the average of clipped gradients is sent.
-* ``"global"``: the averaged gradient is clipped after it arrives, layer by layer as each
-  layer's reduction completes. The averaged gradient is identical on every rank, so limits
-  and results are too (no control-plane collective needed).
-
-Non-finite gradients: a layer whose gradient holds NaN/Inf is left as it is (its norm is not
-observed) and counted as ``nonfinite``; the step it belongs to is skipped on every rank by
-hvdsync's one policy for non-finite gradients (docs/failures.md).
+recipe, ``synchronize(); clip_grad_norm_(); step()``, waits for both). Rules, any combination
+(a layer's limit is the smallest active one): ``value`` (clamp elements, first), ``max_norm``,
+``ema`` and ``variance`` (running statistics of the layer's norm, after ``warmup``) and
+``ratio`` (relative to the parameter norm, as AGC). ``mode="local"`` clips each rank's own
+gradient before it is sent (values change, never which collectives run); ``"global"`` clips
+the averaged gradient as each layer arrives (the same on every rank). A non-finite layer is
+left as it is and the step is skipped everywhere (docs/failures.md). docs/clip.md has each
+rule and what it costs.
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
-"""``delay=``'s outer synchronization: every K steps the ranks exchange the parameter change
-since their last synchronization (the *pseudo-gradient*), average it, and apply an *outer
-optimizer* to the last synchronized parameters -- DiLoCo (Douillard et al., 2023) -- optionally
-streamed: the model split into fragments that synchronize at staggered steps, each exchange
-overlapping the next ``overlap`` inner steps and merged when it lands (Streaming DiLoCo,
-Douillard et al., 2025), with a compressed exchange (fp16, bf16, int8 with a scale per chunk)
-and error feedback. docs/delay.md has the terms of the seed and of DiLoCo side by side.
-
-Per fragment ``f`` (a run of layers in layer order, balanced by bytes), on every rank:
-
-* ``anchor`` -- the fragment's parameters at its last synchronization (``theta_global``); the
-  same on every rank. At step ``t`` with ``t % K == offset_f`` the rank sends
-  ``delta = anchor - theta`` (plus its error-feedback residual, compressed) and trains on;
-* ``overlap`` (tau) steps later it takes the average ``mean(delta)`` (every rank has the same),
-  and applies the outer optimizer -- SGD with momentum ``mu`` (Nesterov by default) and
-  learning rate ``lr``::
-
-      m      = mu * m + mean(delta)
-      step   = mean(delta) + mu * m    (Nesterov; else m)
-      anchor = anchor - lr * step
-
-* then merges (Streaming DiLoCo's rule): ``theta = (1 - mix) * anchor + mix * theta``, where
-  ``theta`` has taken ``overlap`` more inner steps meanwhile. ``mix = 0`` replaces them by the
-  synchronized parameters (DiLoCo, and Streaming DiLoCo with ``overlap = 0``).
-
-``lr = 1, mu = 0`` is plain model averaging (post-local SGD); with ``K = 1`` and plain SGD
-inside it is synchronous data-parallel SGD. Which collectives run depends only on the step
-counter and the layer layout (the no-hang rule); a rank's timing only decides when a wait
-returns. A non-finite average (any rank's parameters blew up) is skipped on every rank: the
-fragment goes back to its anchor.
+"""``delay=``'s outer synchronization (DiLoCo, Streaming DiLoCo): every K steps the ranks
+average the parameter change since their last synchronization (the *pseudo-gradient*
+``anchor - theta``) and apply an outer optimizer -- SGD with momentum, Nesterov by default --
+to the last synchronized parameters (the *anchor*, the same on every rank), then merge:
+``theta = (1 - mix) * anchor + mix * theta``. Streamed, the model is split into fragments
+(runs of layers balanced by bytes) that synchronize at staggered steps, each exchange
+overlapping the next ``overlap`` inner steps, compressed (fp16, bf16, int8 with a scale per
+chunk) with error feedback. ``lr = 1, mu = 0`` is plain model averaging. Which collectives run
+depends only on the step counter and the layer layout (the no-hang rule); a non-finite average
+is skipped on every rank (the fragment goes back to its anchor). docs/delay.md has the terms.
 """
 
 from __future__ import annotations

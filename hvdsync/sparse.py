@@ -1,45 +1,16 @@
 """``sparse=``: sparse grouped allgather for row-sparse gradients (embeddings).
 
-Horovod sends each sparse gradient as it comes out of backward -- every lookup a row, so a
-row looked up 50 times in a batch travels 50 times -- as two allgathers (indices, values) per
-tensor, and never asks whether a dense allreduce would be cheaper. hvdsync, per step:
-
-1. sums each rank's duplicate rows locally, then shares in **one** small collective the
-   number of distinct rows of *every* sparse gradient of the step on every rank (plus, for
-   robustness, whether each parameter has a dense, sparse or no gradient on each rank: a rank
-   on which an embedding was not used takes part with zero rows instead of hanging);
-2. from those counts, which every rank has identically, picks per tensor the same route:
-
-   * ``"gather"``: indices and values packed into one tensor per gradient (indices carried
-     bit-for-bit in the value dtype) and all gradients of the step sent in **one** grouped
-     allgather. When every rank has the same count the gathered tensor has a fixed shape
-     (``ranks x rows``); otherwise ranks contribute different first dimensions (Horovod's
-     allgather carries uneven sizes natively, so nothing is padded either way);
-   * ``"dense"``: the gathered size would exceed the dense tensor's (``dense_ratio``, default
-     1: the allgather's output ``sum_r rows_r x row_bytes`` against the allreduce's ``S``;
-     with a ring the per-rank traffic is ``(N-1)/N`` of the former against ``2(N-1)/N`` of
-     the latter, and the sparse route must also sort what it receives, so the crossover sits
-     near a per-rank density of ``1/N``). The gradient is scattered into a dense buffer with
-     one extra "present" column and allreduced like any dense gradient; rows whose present
-     column is non-zero are the rows some rank touched, so the result has exactly the rows
-     the gather route would give;
-   * ``"none"``: no rank has a row; nothing is sent.
-3. sums duplicate rows across ranks (and divides by the number of ranks for ``Average``),
-   handing the optimizer a coalesced sparse gradient (``SparseAdam`` and ``SGD`` accept it).
-
-Rounds. Each Horovod collective that must finish before the next can start costs a round
-trip (negotiation plus transfer), which for small gradients costs more than the bytes.
-Counts first, then rows, is two rounds per step where Horovod's own path takes one. So by
-default (``one_round=True``) the counts of step ``t`` travel as the first tensor of step
-``t``'s grouped allgather, and each gradient takes the route that step ``t - 1``'s counts
-chose (shared, so identical on every rank); a wrong guess costs bytes, never correctness.
-Gradients with no history yet (the first step, a table first used later) take the
-counts-first path in a second round of that step. ``one_round=False`` always shares the
-counts first, in a collective of their own, and routes by the current step's counts.
-
-Enabled with ``sparse=True`` (or a :class:`SparseConfig`); without it sparse gradients take
-Horovod's own path, and ``sparse_as_dense=True`` keeps Horovod's meaning (the two are
-exclusive).
+Horovod sends each sparse gradient as backward made it (a row looked up 50 times travels 50
+times), as two allgathers per tensor. hvdsync, per step: sums duplicate rows locally; shares
+every sparse gradient's distinct-row count on every rank (counts first; a rank that did not
+use a table takes part with zero rows instead of hanging); and from those shared counts picks
+the same route per tensor on every rank -- ``"gather"`` (indices and values packed, every
+gradient of the step in one grouped allgather), ``"dense"`` (scattered into a dense buffer with
+a "present" column and allreduced, where that is smaller: ``dense_ratio``) or ``"none"``. With
+``one_round=True`` (default) the counts ride in the step's allgather and each gradient takes
+the route the last step's counts chose (a wrong guess costs bytes, never correctness). The
+result is a coalesced sparse gradient. docs/sparse.md has the routes and what they cost; the
+adapters' halves: hvdsync/torch/sparse.py, hvdsync/keras/sparse.py.
 """
 
 from __future__ import annotations

@@ -1,47 +1,16 @@
 """The technique interface: what every technique is asked, and when, in both adapters.
 
-A *technique* is one of hvdsync's options (``clip=``, ``threshold=``, ``select=``,
-``sparse=``, ``lowrank=``, ``delay=``) or the plain exchange itself. Each has one *role*:
-
-* a **transform** changes a layer's gradient in place of where it stands (``clip``);
-* a **decider** chooses which layers go this step and keeps what does not
-  (``threshold``, ``select``);
-* a **transport** moves a layer's gradient between ranks (the plain grouped allreduce,
-  ``sparse``, ``lowrank``, ``delay``). Each parameter goes by exactly one transport: the first whose
-  :meth:`Transport.owns` claims it, else the last one (the dense transport).
-
-:class:`hvdsync.pipeline.StepPipeline` calls the moments below in this order every step
-(docs/design.md walks one gradient through them)::
-
-    layer_ready(li, ks)        per layer, as soon as its local gradient is final
-      decision(li)             deciders: does this layer go this step? (planned last step)
-      on_skip(li, ks) / on_send_group(layers)
-      start(li, ks)            transports: start sending (or queue)
-    backward_done()            transports: every layer that backward makes ready is
-    holds(li)                  transports: a missing layer that can be filled only later
-    start_early()              transports: collectives that must run before those layers
-    flush()                    transports: send what was queued
-    share(local_bad)           deciders: start the control exchange for the next plan
-    after_wait(li)             per layer, once its reduced gradient has arrived
-    settle(data_ok)            deciders: finite everywhere? commit, plan the next step
-    before_optimizer_step()
-    end_step(ok)
-    after_optimizer_step()     after the wrapped optimizer's update
-
-Deciders decide **before the gradients exist**: step ``t``'s sends are planned at the end of
-step ``t - 1`` from values every rank shares, so each layer's send starts in backward the
-moment it is ready. A step whose gradients held NaN/Inf on any rank is skipped on every rank
-and commits nothing (``settle``; docs/failures.md).
-
-``ks`` are positions of parameters inside layer ``li``: the ones this technique handles.
-Outside a step: ``flush_replicas()``, ``state_dict()``/``load_state_dict()``, ``forget()``,
-``status()``.
-
-Techniques never hold tensors of the framework directly through the optimizer: they reach
-gradients, parameters and optimizer state through the adapter's :class:`Gradients` (fetched
-at the moment of use, so a ``load_state_dict`` of the wrapped optimizer is always seen) and
-do arithmetic through its :class:`TensorOps`; they move bytes through its
-:class:`Communicator`.
+A *technique* is one of hvdsync's options or the plain exchange itself, with one *role*: a
+**transform** changes a layer's gradient where it stands (``clip``); a **decider** chooses
+which layers go this step and keeps what does not (``threshold``, ``select``); a
+**transport** moves a layer's gradient between ranks (plain, ``sparse``, ``lowrank``,
+``delay``) -- each parameter by exactly one, the first whose :meth:`Transport.owns` claims it.
+:class:`hvdsync.pipeline.StepPipeline` calls the *moments* of the roles in one order every
+step; docs/design.md, "One lifecycle: roles and moments", has the table (eager and traced).
+Deciders plan step ``t`` at the end of step ``t - 1`` from values every rank shares, so each
+send starts in backward; a step non-finite on any rank is skipped on every rank. ``ks`` are
+positions of parameters inside layer ``li``. Techniques reach the framework only through the
+adapter's ports (:mod:`hvdsync.ports`).
 """
 
 from __future__ import annotations

@@ -1,40 +1,15 @@
 """``threshold=``: accumulation thresholds -- communicate a layer only when what it has
 accumulated is large enough (a decider).
 
-Each rank adds every step's gradient of a layer to a local accumulation. At the end of each
-step all ranks share, in **one** small control-plane allreduce (started with the step's data
-and waited on after it), every layer's *expected* accumulation at the next step -- the norm of
-what it holds after this step plus the norm of this step's gradient (the size of one more),
-averaged over ranks -- and with ``relative=True`` its parameter norm as of its last sync; from
-those identical numbers every rank takes the same plan for the **next** step, per layer:
-
-* **send** when the expected accumulation norm reaches the threshold (``threshold``, or
-  ``threshold * ||theta_l||`` with ``relative=True``), or when the layer has been skipped
-  ``max_skip`` steps in a row, or on every ``sync_every``-th step (all layers). The layer then
-  sends its accumulation plus that step's gradient (allreduced, averaged) and the model is
-  updated with it;
-* **skip** otherwise: nothing is sent and the layer is updated with this rank's own gradient.
-
-Deciding a step ahead makes the plan known before backward, so each planned layer's
-allreduce starts in backward the moment its gradient is ready, as Horovod's does; the
-"one more gradient" estimate keeps the decision close to the rule it replaces (send once
-``||accumulation + this step's gradient||`` reaches the threshold, which could only be
-decided after backward). Nothing is lost either way: every gradient is in exactly one send.
-Step 1 has no estimate yet: it sends only with a threshold of 0 (or ``sync_every=1``).
-
-``scope="global"`` takes one decision for the whole model from the norm of all layers'
-accumulations together.
-
-Reconciling local updates (why replicas agree after a sync): a layer's parameters and its
-optimizer state (momentum buffer, Adam moments, step count) are remembered at its last sync,
-when they were identical on every rank. Local-only updates are provisional: on the layer's
-next sync the parameters and optimizer state go back to that point and take **one**
-optimizer step with the rank-averaged *sum* of all gradients accumulated since -- the
-integrated accumulation. That step is the same computation on every rank, so afterwards the
-layer is identical everywhere. For plain SGD it equals applying every rank's every gradient
-(``theta - lr * sum_t mean_r g``), as synchronous SGD does; for momentum SGD and Adam the k
-accumulated steps count as one optimizer step with their summed gradient. A threshold of 0
-sends every layer every step: exactly Horovod's behaviour.
+Each rank adds every step's gradient of a layer to a local accumulation. At the end of a step
+one control-plane allreduce shares every layer's *expected* accumulation at the next step
+(the norm of what it holds plus the norm of one more gradient); from those identical numbers
+every rank takes the same send/skip plan for the next step, so each planned layer still starts
+in backward. A skipped layer takes a local step with this rank's gradient; when it next
+syncs, its parameters and optimizer state go back to their last sync (identical on every
+rank) and take one step with the rank-averaged sum of everything accumulated since, so the
+replicas agree again. Nothing is lost; a threshold of 0 equals Horovod. docs/threshold.md has
+the rules (``relative``, ``max_skip``, ``sync_every``, ``scope``) and what they cost.
 """
 
 from __future__ import annotations

@@ -6,14 +6,12 @@
 2. else a rank started by Horovod's launcher (``HOROVOD_RANK`` set) uses Horovod;
 3. else a rank started by ``torchrun`` (``TORCHELASTIC_RUN_ID``, or ``RANK`` and
    ``WORLD_SIZE``), or any process where Horovod is not installed, uses torch.distributed;
-4. else Horovod (a lone process with Horovod installed: a job of one, as before).
+4. else Horovod (a lone process with Horovod installed: a job of one).
 
-Both engines offer the same names (Horovod's torch API); the adapter calls :func:`ops` at the
-moment it needs one, never at import, so one import serves both. docs/backends.md.
-
-A thread may run on an engine of its own (:func:`on_this_thread`): the simulated ranks of
-:func:`hvdsync.testing.run_threads` (threads of one process, :mod:`hvdsync.torch.simulated`)
-use it for the core's in-process tests; it never changes the process's choice.
+Both engines offer the same names (Horovod's torch API); the adapter calls :func:`ops` when it
+needs one, never at import (docs/backends.md). A thread may run on an engine of its own
+(:func:`on_this_thread`: the simulated ranks of :func:`hvdsync.testing.run_threads`); it never
+changes the process's choice.
 """
 
 from __future__ import annotations
