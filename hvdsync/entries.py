@@ -1,26 +1,14 @@
 """Every rank enters hvdsync's collectives from the same place, or all of them say so.
 
-hvdsync's collectives are made from a few entry points: the training step, ``flush()`` and
-``save_checkpoint`` / ``save_model``. A call made on some ranks only (``if hvd.rank() == 0:
-opt.flush()``) meets the other ranks' next step: under Horovod the collectives' names differ
-and every rank waits forever; under torch.distributed, which pairs collectives by order, one
-rank's parameters could be summed with another's gradients. So each entry tells the other
-ranks what this rank is doing and its step, in a small control round of its own, the same on
-every rank whatever the entry. Ranks that entered differently all raise
-:class:`~hvdsync.agreement.RanksDisagree`, naming what each side called, within the round's
-time.
-
-* A step sends its tag with its first collective, so that Horovod takes both in one cycle,
-  and does not wait for it then: it is checked at the first wait for anything started after
-  it, or when :data:`IN_FLIGHT` rounds are out (local steps let ranks run apart). A step
-  that sends nothing (a local step of ``delay=``) sends no tag.
-* ``flush()`` sends and checks its tag as it begins, before it waits for anything (a flush
-  with nothing to exchange is no collective and sends none); a save always. Of two ranks
-  that entered apart, the one in ``flush()`` or the save starts nothing more, so no tensors
-  are paired wrongly.
-
-Cost: one allreduce of ``2 x ranks`` values per step that communicates, and per flush or
-save (docs/failures.md gives the measured ratio).
+hvdsync's collectives come from a few entry points: the training step, ``flush()`` and the
+saves. A call made on some ranks only (``if hvd.rank() == 0: opt.flush()``) would meet the
+other ranks' next step: a hang under Horovod, wrongly paired tensors under torch.distributed.
+So each entry tells the others what this rank is doing and its step, in a small control round
+(one allreduce of ``2 x ranks`` values), and ranks that entered differently all raise
+:class:`~hvdsync.agreement.RanksDisagree`, naming what each side called. A step sends its tag
+with its first collective and checks it at the first wait after it (or when
+:data:`IN_FLIGHT` are out); ``flush()`` and saves check theirs before waiting for anything.
+docs/failures.md, "A call made on some ranks only", has the costs measured.
 """
 
 from __future__ import annotations

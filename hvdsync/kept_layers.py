@@ -1,35 +1,17 @@
-"""A decider (``threshold=``, ``select=``) in a traced step: what a tracing adapter builds into
-the step function (Keras' compiled train function, :mod:`hvdsync.keras.graph`) in place of
-the decider's eager moments. Framework-neutral: tensors through :class:`TensorOps`, memory
-through mappings the adapter makes (device variables in Keras), collectives through callables
-the adapter passes in.
+"""A decider (``threshold=``, ``select=``) in a traced step: what a tracing adapter (Keras'
+compiled train function, :mod:`hvdsync.keras.graph`) builds in place of the decider's eager
+moments -- tensors through :class:`TensorOps`, memory through mappings the adapter makes
+(device variables), collectives through callables it passes in.
 
-Deciders plan each step one step ahead, so a traced step reads its plan from a device
-boolean per layer (the decider's ``plan`` host flag, :meth:`Decider.host_flags`) and wraps
-each layer's exchange in ``ops.cond(plan[li], send, keep)``: every rank takes the same branch
-and the send starts as soon as backward has produced the layer's gradient. No host call runs
-between the gradients and the update.
-
-What the decider keeps between steps lives in two memories, handed to it by
-:meth:`Decider.use_memory` so its eager code (checkpoints, ``status()``, ``forget()``,
-``flush()``) sees the same keys:
-
-* ``held``: what a kept-back layer holds per parameter (threshold's accumulation, select's
-  residual); present while the layer holds something, its empty value (zeros) otherwise;
-* ``copies``: per parameter, a :meth:`Gradients.snapshot` (the value and its optimizer state):
-  with :data:`LOCAL_STEP` the sync points (a kept-back layer's values at its last sync, put
-  back right before its next one), with :data:`WITHHELD` the withheld layers (copied before
-  the update, put back after it, so they do not move).
-
-A traced memory offers, besides the dict interface, ``read(key)`` (the value, or the empty one
-while absent), ``present(key)`` (a device boolean) and ``put(key, value, present)`` (present
-and holding ``value`` where the device boolean ``present`` holds, absent elsewhere).
-
-After the data, the step's statistics -- the decider's declared :attr:`Decider.control`
-layout, the eager pipeline's vector -- are averaged in one collective; the step counts only if
-they and the gradients to apply are finite on every rank (else nothing is committed and the
-optimizer does not step), and the next plan comes from them on the host
-(:meth:`Decider.plan_from`, in :meth:`KeptLayers.settle`).
+The plan of each step is a device boolean per layer (the decider's ``plan`` host flag), and
+each layer's exchange sits in ``ops.cond(plan[li], send, keep)``: every rank takes the same
+branch and the send starts as soon as backward has produced the layer. The decider's memory
+is two mappings handed to it by :meth:`Decider.use_memory`: ``held`` (what a kept-back layer
+holds: threshold's accumulation, select's residual) and ``copies`` (snapshots of values and
+optimizer state: :data:`LOCAL_STEP`'s sync points, :data:`WITHHELD`'s withheld layers).
+After the data the step's statistics are averaged in one collective; the step counts only if
+they and the gradients are finite on every rank, and the next plan comes from them on the
+host (:meth:`KeptLayers.settle`). docs/keras.md.
 """
 
 from __future__ import annotations
@@ -45,7 +27,11 @@ class KeptLayers:
     """One decider's step in traced form: its memory (installed in the decider in place of
     its dicts) and the pieces of the step an adapter puts together, in this order:
     :meth:`begin`, :meth:`exchange` per layer as backward produces it, :meth:`control`,
-    :meth:`commit` (before the update; what it returns, after), :meth:`settle` on the host."""
+    :meth:`commit` (before the update; what it returns, after), :meth:`settle` on the host.
+
+    A traced memory offers, besides the dict interface, ``read(key)`` (the value, or the empty
+    one while absent), ``present(key)`` (a device boolean) and ``put(key, value, present)``
+    (present and holding ``value`` where the device boolean ``present`` holds)."""
 
     def __init__(self, decider: Decider, grads: Gradients, ops: TensorOps, held: Any,
                  copies: Any):

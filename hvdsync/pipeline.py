@@ -1,26 +1,15 @@
 """One step of hvdsync, framework-neutral: which technique is asked what, and when.
 
 The adapters feed it: torch calls :meth:`StepPipeline.layer_ready` from its backward hooks
-(each layer as soon as its last gradient of the step exists) and :meth:`finish_backward`
-from ``synchronize()``; Keras calls both from its eager step. The pipeline never names a
-technique: it asks each one in the order of the rulebook (:mod:`hvdsync.rules`) for what its
-role does at that moment (:mod:`hvdsync.technique`). docs/design.md walks a gradient through.
-
-The no-hang rule holds here: which collectives run depends only on decisions every rank
-takes from shared values (deciders), on layouts every rank shares (transports), and on the
-fixed layer order -- never on a rank's own timing or values.
-
-On an engine that pairs collectives by the order they start (torch.distributed; Horovod
-pairs them by name) the *order* must be the same on every rank too, and backward may make
-layers ready in a different order on each rank (a layer used on one rank only, a branch):
-there the pipeline takes the layers in one fixed order, last layer first (the order backward
-usually produces them), holding a layer that is ready early until the ones before it are.
-
-Ready groups: layers are taken a *group* at a time -- consecutive ready layers until their
-gradients reach ``group_bytes`` (the rest at the end of backward) -- so that the techniques'
-tensor work is a few multi-tensor ops per group instead of a few ops per tensor (on a GPU
-every op is a kernel launch; docs/design.md, "Ready groups"). ``group_bytes=0``: every layer
-is its own group. A group's layers are sent in the order they were taken.
+and :meth:`finish_backward` from ``synchronize()``; Keras calls both from its eager step. It
+never names a technique: it asks each one, in the rulebook's order (:mod:`hvdsync.rules`),
+what its role does at that moment (:mod:`hvdsync.technique`). The no-hang rule holds here:
+which collectives run depends only on shared decisions, shared layouts and the fixed layer
+order, and where the engine pairs collectives by order (torch.distributed) layers are taken
+in one fixed order, last first, a layer ready early held until those before it are. Layers
+go a *ready group* at a time (``group_bytes`` of gradients; ``0``: each alone), so the
+techniques' tensor work is a few multi-tensor ops per group. docs/design.md walks a gradient
+through, with "Ready groups" and "The no-hang rule".
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Run a function on N real ranks -- Horovod's (``horovodrun --gloo``) or torch's
-(``torchrun``, hvdsync's torch backend) -- with a timeout.
-
-Used by hvdsync's tests and benchmarks; usable for your own::
+(``torchrun``) -- with a timeout; used by hvdsync's tests and benchmarks, usable for yours::
 
     from hvdsync.testing import run_ranks
 
-    def body(scale):                      # importable: module level of an importable module
+    def body(scale):                      # module level of an importable module
         import hvdsync.torch as hvd
         hvd.init()
         return hvd.rank() * scale
 
     assert run_ranks(body, np=3, args=(2,)) == [0, 2, 4]
 
-Each rank calls ``fn(*args, **kwargs)`` after nothing else (the body calls ``hvd.init()``
-itself); return values must be picklable and come back as a list indexed by rank. A rank
-that raises, a non-zero exit, or a job still running after ``timeout`` seconds (a hang: all
-ranks are killed) raises :class:`RanksFailed`, whose message holds every rank's output.
-
-Horovod's launcher runs as ``horovodrun`` does, less its check at every launch that Horovod
-has Gloo (a fork importing all of TensorFlow, ~5 s of CPU): that is asked once per calling
-process (docs/testing.md, "What a job costs").
-
-Whatever ends the call -- success, failure, timeout, an exception or Ctrl-C in the caller --
-no rank process is left behind: Horovod's launcher starts each rank in a session of its own
-(out of reach of a process-group kill), so the ranks are found by their command line and
-killed, and every wait is bounded.
+Results come back by rank; a rank that raises, a non-zero exit or a job past ``timeout``
+raises :class:`RanksFailed` with every rank's output, and no rank process is left behind.
 """
 
 from __future__ import annotations

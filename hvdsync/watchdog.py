@@ -1,24 +1,14 @@
 """A bound on every wait hvdsync makes for a collective, so a job cannot hang forever.
 
-Horovod waits for a collective until every rank has joined it. If a rank never does -- it
-died without the launcher noticing, it skipped a call the others made, the ranks were
-configured differently -- the others wait forever (Horovod's stall inspector only warns,
-and did not even warn with Gloo in our tests, docs/failures.md). hvdsync wraps each of its
-blocking waits in :func:`guard`; one background thread checks the waits in progress, and if
-one has lasted longer than ``HVDSYNC_TIMEOUT_SECONDS`` (default 900; ``0`` waits forever) it
-prints what was waited for, and why that usually happens, and ends the process with exit
-code 70. The launcher (``horovodrun``) then stops the other ranks: the job ends, with a
-message, instead of hanging.
-
-Before that, once a wait has lasted ``HVDSYNC_STALL_WARNING_SECONDS`` (default 60; ``0``
-off), the rank prints a stall report: what it waits for, since when, and what it was doing
-(the entry point and step, :mod:`hvdsync.entries`). Every waiting rank prints its own, so the
-rank missing from the reports is the one to look at (neither Horovod nor torch.distributed
-tells a waiting rank which peers have joined a collective). Horovod's stall inspector is the
-model; it did not report with Gloo in our tests (docs/failures.md).
-
-The cost on the hot path is an environment lookup and two dictionary writes per wait; the
-thread wakes every few seconds.
+If a rank never joins a collective -- it died unnoticed, skipped a call, was configured
+differently -- the others would wait forever. Each blocking wait of hvdsync runs inside
+:func:`guard`; one background thread watches them. After ``HVDSYNC_STALL_WARNING_SECONDS``
+(default 60; ``0``: off) the rank prints a stall report (what it waits for, since when, the
+entry point and step: :mod:`hvdsync.entries`), so the rank missing from the reports is the
+one to look at; after ``HVDSYNC_TIMEOUT_SECONDS`` (default 900; ``0``: forever) it prints
+what was waited for and why that usually happens, and exits with code 70, so the launcher
+ends the job. The hot path pays an environment lookup and two dictionary writes per wait.
+docs/failures.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
 """Horovod Elastic for Keras 3 with hvdsync's optimizer: ``model.fit`` goes on when ranks are
-lost or added (docs/elastic.md)::
-
-    import hvdsync.keras as hvd
-
-    hvd.init()
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), threshold=...),
-                  loss=...)
-    model(x[:1])                   # built: the state copies its variables
-    state = hvd.elastic.KerasState(model, epoch=0, batch=0)
-    callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=10),
-                 hvd.elastic.UpdateBatchStateCallback(state),
-                 hvd.elastic.UpdateEpochStateCallback(state)]
-
-    @hvd.elastic.run
-    def train(state):
-        state.model.fit(dataset, steps_per_epoch=..., epochs=epochs - state.epoch,
-                        callbacks=callbacks)
-
-    train(state)       # horovodrun -np 3 --min-np 2 --host-discovery-script ./hosts.sh ...
-
-The names and the recipe are Horovod's (``horovod.tensorflow.keras.elastic``), whose
-``KerasState`` does not run on Keras 3 (it calls ``optimizer.variables()``, a list there).
-What hvdsync's version adds, as :mod:`hvdsync.torch.elastic` does for torch:
-
-* :class:`KerasState` carries the model, its optimizer and the optimizer's technique state:
-  ``commit()`` keeps a copy (this rank's own memory included), a reset after a lost rank
-  restores it, and ``sync()`` -- after every reset, on every rank, those that just joined
-  included -- checks every rank is set up alike, then gives every rank rank 0's weights,
-  optimizer variables and shared technique state (per-rank memory is dropped, warned where
-  held), and drops the model's traced functions: a traced train step holds the rank count
-  it was traced for.
-* :func:`run` (:func:`hvdsync.elastic.run`) finishes or drops what the optimizers have in
-  flight before Horovod starts again, syncs after every reset (horovod#3494), and reads a
-  failed Horovod op in TensorFlow (an ``OpError`` naming Horovod) as a lost rank.
-* The callbacks keep Horovod's names and meaning, made for Keras 3: a commit is taken when
-  the next batch or epoch begins (or training ends), so the order of the callbacks in the
-  list does not matter; the first epoch after a reset is as short as the batches it still
-  has to run.
+lost or added. The names and recipe are Horovod's (``horovod.tensorflow.keras.elastic``:
+``run``, ``KerasState``, ``CommitStateCallback``, ``UpdateBatchStateCallback``,
+``UpdateEpochStateCallback``), whose ``KerasState`` does not run on Keras 3. What hvdsync's
+version adds: :class:`KerasState` carries the model, its optimizer and the optimizer's
+technique state (``commit()`` keeps this rank's own memory too; ``sync()``, after every reset
+on every rank, checks every rank is set up alike, then gives every rank rank 0's weights,
+optimizer variables and shared technique state, and drops traced functions, which hold the
+rank count they were traced for); :func:`run` finishes or drops what the optimizers have in
+flight before Horovod restarts, syncs after every reset (horovod#3494) and reads a failed
+Horovod op as a lost rank; a commit is taken when the next batch or epoch begins, so the
+callbacks' order does not matter. docs/elastic.md has the recipe.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""The compiled train function's side of hvdsync.keras: the plain graph path, and the bridge
-that runs the step pipeline eagerly inside it.
+"""The compiled train function's side of hvdsync.keras: the graph path, and the bridge that
+runs the step pipeline eagerly inside it.
 
-* **Graph path** (every technique declared ``traceable``: the plain exchange, ``clip=``,
-  a decider in its traced form (:mod:`hvdsync.kept_layers`), ``lowrank=``'s and
-  ``sparse=``'s traced rounds, and ``delay=``): Horovod's ops are
-  built into the train function, one grouped allreduce per layer, each fed only by its own
-  layer's (clipped) gradient, so the graph executor clips and sends a layer as soon as
-  backward has produced it. Statistics go to the host once per step through one
-  ``tf.numpy_function``. A step that updates locally (:attr:`StepPipeline.local_step`:
-  ``delay=``) builds in its transport's ``trace_local`` instead of the per-layer exchange;
-  that host call runs its moments after the update (and one before it, while
-  :class:`HostFlags` says so).
-* **Pipeline path** (every other technique): they keep memory across steps and decide from
-  values shared between ranks, so the step pipeline (:mod:`hvdsync.pipeline`) runs as Python
-  inside ``tf.py_function``: gradients go in, the gradients to apply come out; a second
-  ``tf.py_function`` after the update closes the step (``after_optimizer_step``).
+* **Graph path** (every technique ``traceable``: plain, ``clip=``, a decider's traced form
+  (:mod:`hvdsync.kept_layers`), ``lowrank=``'s and ``sparse=``'s traced rounds, ``delay=``):
+  Horovod's ops are built into the train function, one grouped allreduce per layer fed only
+  by that layer's gradient, so a layer is clipped and sent as soon as backward produced it;
+  statistics reach the host once per step through one ``tf.numpy_function``. A step that
+  updates locally (``delay=``) builds its transport's ``trace_local`` instead.
+* **Pipeline path** (every other combination): the step pipeline (:mod:`hvdsync.pipeline`)
+  runs as Python inside ``tf.py_function``; a second one after the update closes the step.
 """
 
 from __future__ import annotations

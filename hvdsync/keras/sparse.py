@@ -1,30 +1,16 @@
 """``sparse=`` for Keras ``IndexedSlices`` gradients: the sparse grouped allgather as a
 transport. The protocol -- layouts, shared counts, routes, one round or counts first -- is
-:class:`hvdsync.sparse.SparseProtocol`, the same as torch's; this file moves Keras' tensors.
+:class:`hvdsync.sparse.SparseProtocol`, the same as torch's; this file moves Keras' tensors:
+each row carries its index bit-cast into extra value columns, the gradients of a step go in
+one grouped allgather per value dtype (uneven counts in Horovod's uneven-size allgather), and
+the layout codes ride bit-cast as its first tensor (``one_round``).
 
-Per step each rank sums its duplicate rows; every variable's layout code (its distinct-row
-count, dense or absent) is shared with every rank, and from those (identical everywhere) each
-gradient takes the same route on every rank: ``gather`` (indices and values of all such
-gradients in **one** grouped allgather per value dtype; each row carries its index bit-cast
-into extra value columns; unequal counts use Horovod's uneven-size allgather), ``dense``
-(scattered into a dense buffer with a "present" column and allreduced, when gathering would
-cost more) or ``none`` (no rank has a row). Duplicate rows across ranks are summed (divided by
-the number of ranks for ``Average``). These variables go every step; deciders govern the dense
-ones.
-
-With ``one_round`` (the default) the codes travel bit-cast as the first tensor of the rows'
-allgather, and each gradient takes the route the last step's counts chose: one collective
-round per step; a variable with no history yet (the first step) waits for this step's codes
-(a second round). ``one_round=False`` shares the codes first, in an allgather of their own.
-
-**Compiled** (Keras' train function, alone or with ``clip=``): the same protocol traced
-(:meth:`SparseExchange.trace_exchange`). Each variable's route is a device boolean: the host
-writes last step's choice (``host_flags``: ``dense``), or, where the codes go first
-(``counts_first``: the first step, ``one_round=False``), a branch gathers them and picks the
-route on the device by :func:`hvdsync.sparse.choose_route`'s rule. Each row-sparse variable is
-one ``tf.cond(dense, allreduce, allgather)`` (a graph cannot group collectives whose routes
-are known at run time only), the codes riding with the first one; they reach the host in a
-variable, where the protocol takes them in after the step (``end_traced_step``), as eagerly.
+**Compiled** (Keras' train function, :meth:`SparseExchange.trace_exchange`): each variable's
+route is a device boolean -- the host writes last step's choice (``host_flags``), or, where
+the codes go first (the first step, ``one_round=False``), a branch gathers them and picks the
+route on the device by :func:`hvdsync.sparse.choose_route`'s rule -- and each row-sparse
+variable is one ``tf.cond(dense, allreduce, allgather)``; the codes reach the host in a
+variable, where the protocol takes them in after the step (``end_traced_step``).
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """Horovod's torch API on ``torch.distributed`` (c10d): hvdsync without a Horovod build.
 
-:mod:`hvdsync.torch.engine` routes Horovod's names here when the torch engine is active
-(``torchrun``, Horovod not installed, ``HVDSYNC_BACKEND=torch``). This module holds what touches
-c10d; :mod:`hvdsync.torch.c10d_derived` builds the rest from it (reducescatter, the autograd
-forms, the info functions), :mod:`hvdsync.torch.functions` the object and state broadcasts,
-:mod:`hvdsync.torch.c10d_sets` the process sets (c10d groups). docs/backends.md names them all.
-
-How Horovod's semantics map onto c10d:
-
-* **Order and names.** c10d pairs collectives by order. Before each collective a script starts,
-  the ranks compare a small descriptor of it (:mod:`hvdsync.torch.c10d_checks`); ranks that
-  differ, or a name still in flight, all raise ``HorovodInternalError``, as Horovod's
-  coordinator refuses them. hvdsync's own collectives (same order by construction) skip it.
-* **Asynchronous.** ``*_async`` calls start c10d works and return a :class:`Handle`;
-  :func:`synchronize` waits and finishes the result, :func:`poll` asks whether it completed.
-* **Fusion and averages.** A grouped allreduce packs one flat buffer per dtype. Averages are
-  sums scaled by ``postscale / size`` (``prescale`` before); integers scale as Horovod's, in
-  double precision truncated towards zero.
-* **Dtypes.** int16 travels as int32 (Gloo has none); bool reduces with Min and Max only.
-* **Uneven first dimensions** (allgather, alltoall): the sizes travel first, then the data.
-* **Failures.** A rank that dies closes its connections: the others' waits raise
-  ``HorovodInternalError``; a wait for a rank that hangs is bounded by :mod:`hvdsync.watchdog`.
+:mod:`hvdsync.torch.engine` routes Horovod's names here when the torch engine is active. This
+module holds what touches c10d; :mod:`hvdsync.torch.c10d_derived` builds the rest from it,
+:mod:`hvdsync.torch.functions` the object and state broadcasts, :mod:`hvdsync.torch.c10d_sets`
+the process sets. How Horovod's semantics map: before each collective a script starts the
+ranks compare a descriptor of it (:mod:`hvdsync.torch.c10d_checks`), so a mismatch raises
+``HorovodInternalError`` on every rank instead of pairing wrong tensors; ``*_async`` calls
+return a :class:`Handle`; a grouped allreduce packs one flat buffer per dtype and averages
+are scaled sums (integers as Horovod scales them); int16 travels as int32 and bool reduces
+with Min and Max only; uneven first dimensions send their sizes first; a rank that dies makes
+the others' waits raise ``HorovodInternalError``. docs/backends.md names every function.
 """
 
 from __future__ import annotations

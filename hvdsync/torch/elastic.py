@@ -1,39 +1,15 @@
-"""Horovod Elastic with hvdsync's optimizer: training goes on when ranks are lost or added
-(docs/elastic.md)::
+"""Horovod Elastic with hvdsync's optimizer: training goes on when ranks are lost or added.
 
-    import hvdsync.torch as hvd
-
-    hvd.init()
-    opt = hvd.DistributedOptimizer(..., threshold=...)
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
-
-    @hvd.elastic.run
-    def train(state):
-        while state.step < steps:
-            ...one step...
-            state.step += 1
-            if state.step % 10 == 0:
-                state.commit()
-
-    train(state)       # horovodrun -np 3 --min-np 2 --host-discovery-script ./hosts.sh ...
-
-The names are Horovod's (``run``, ``TorchState``, ``ElasticSampler``); what hvdsync adds:
-
-* ``TorchState`` (Horovod's own class: hvdsync registers how it handles hvdsync's optimizer,
-  so ``horovod.torch.elastic.TorchState`` works too) carries each optimizer's technique
-  state: ``commit()`` saves it with ``state_dict()`` (this rank's own memory included),
-  a reset after a lost rank restores it, and ``sync()`` -- after every reset, on every rank,
-  those that just joined included -- first checks that every rank is set up alike (the check
-  a fixed job runs at construction: a joining rank builds its optimizer while the others
-  wait in ``sync()``), then broadcasts rank 0's model, optimizer and shared technique state.
-  Per-rank memory (threshold's accumulations, select's residuals, lowrank's error
-  feedback...) cannot follow a changed world, so every rank drops its own at the next step,
-  warned where it held any -- as a checkpoint of another rank count does.
-* ``run`` resets Horovod as Horovod's does, after finishing (or dropping, where they fail)
-  every collective the state's hvdsync optimizers have in flight -- the step's and
-  ``delay=``'s outstanding exchanges -- and makes them read the new rank count; and it syncs
-  after every reset, so ranks removed below ``--min-np`` and then added back cannot
-  deadlock (horovod#3494, where the survivors skip the sync the newcomers wait in).
+The names are Horovod's (``run``, ``TorchState``, ``ElasticSampler``). What hvdsync adds:
+``TorchState`` (Horovod's class; hvdsync registers how it handles hvdsync's optimizer, so
+``horovod.torch.elastic.TorchState`` works too) carries each optimizer's technique state --
+``commit()`` keeps it with this rank's own memory, a reset restores it, and ``sync()``, after
+every reset on every rank, checks every rank is set up alike, then broadcasts rank 0's model,
+optimizer and shared technique state (per-rank memory cannot follow a changed world: it is
+dropped, with a warning). ``run`` finishes or drops every collective the optimizers have in
+flight before Horovod resets, makes them read the new rank count, and syncs after every
+reset so ranks removed below ``--min-np`` and added back cannot deadlock (horovod#3494).
+docs/elastic.md has the recipe.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Simulated ranks: N threads of one process that run the torch adapter as N ranks would.
 
-:func:`hvdsync.testing.run_threads` starts them; this module is what they talk to. It is the
-torch backend's own code (:mod:`hvdsync.torch.c10d`: Horovod's API, fusion, scaling, uneven
-allgathers, the order rule) over a process group made of threads instead of Gloo: so the core's
-lifecycle -- every technique and composition, sends and skips, memories, flush, checkpoints,
-non-finite values, ranks that disagree -- is tested in seconds, with no launcher. It is not a
-stand-in for real ranks: parity with Horovod and DDP, launchers, crashes and timing stay with
-:func:`hvdsync.testing.run_ranks` (docs/testing.md).
-
-How the simulation keeps the ranks apart and honest:
-
-* **One rank runs at a time.** A rank holds the world's turn while it computes and gives it up
-  only while it waits for a collective, so there is no data race and no oversubscription.
-* **Each rank has its own random state** (torch, numpy, :mod:`random`): saved when it gives up
-  the turn, restored when it takes it back, as separate processes would have.
-* **Collectives pair by order**, as c10d's do: the k-th collective of each rank meets the k-th
-  of the others; a different kind, shape, dtype, reduce op or root on one rank is an error
-  on every rank (naming what differed), never a silent mix.
-* **Results are exact and deterministic**: reductions sum in rank order.
-* **The network takes time**: a rank's first poll of a collective finds it in flight (a later
-  poll gives the other ranks the turn and sees it complete once they all started it).
-* **Nothing hangs**: a wait longer than the world's ``timeout`` raises (naming the collective
-  and the ranks that never started it), and a rank that raises ends every other rank's wait.
+:func:`hvdsync.testing.run_threads` starts them; this module is what they talk to: the torch
+backend's own code (:mod:`hvdsync.torch.c10d`) over a process group made of threads instead
+of Gloo, so the core's lifecycle -- every technique and composition, memories, flush,
+checkpoints, non-finite values, ranks that disagree -- is tested in seconds, with no launcher.
+It is not a stand-in for real ranks (parity, launchers, crashes and timing stay with
+:func:`hvdsync.testing.run_ranks`). One rank runs at a time; each keeps its own random state;
+collectives pair by order and are checked alike on every rank; sums are exact, in rank
+order; a first poll finds a collective in flight; and no wait outlasts the world's
+``timeout``. docs/testing.md, "How the simulation stays honest".
 """
 
 from __future__ import annotations
