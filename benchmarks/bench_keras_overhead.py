@@ -7,7 +7,7 @@ function against the plain graph path, and both against Horovod's ``DistributedG
 Each rank pins itself to one core (2 ranks on 2 cores, one TensorFlow thread each) and builds
 every method on its own copy of the same model (bench_keras' MLP, Adam) through ``model.fit``:
 Horovod's tape; hvdsync with nothing enabled (the plain graph path); ``clip`` with a limit
-never reached; ``threshold=0`` and ``select`` with every layer (the deciders, compiled: every
+never reached (and, by name, the same in global mode); ``threshold=0`` and ``select`` with every layer (the deciders, compiled: every
 layer sent every step; by name, ``select`` with the norm selector: no hypernet, so no dot
 product of each layer's gradient and weights); ``delay`` with staleness 0 (sends everything
 through the eager step pipeline, for scale); and, by name only (``--methods``),
@@ -51,6 +51,7 @@ METHODS: dict[str, Any] = {
     "horovod (tape) + shared layer statistics": ("tape", "layers, shared"),
     "hvdsync (plain path)": {},
     "clip (never clips)": dict(clip=dict(max_norm=1e9)),
+    "clip global (never clips)": dict(clip=dict(max_norm=1e9, mode="global")),
     "threshold=0": dict(threshold=0.0),
     "select (every layer)": dict(select=dict(k=1.0)),
     # the same without the hypernet: no dot product of each layer's gradient and weights

@@ -237,6 +237,26 @@ class LayerClip(Transform):
         """Layer ``li``'s limit for this step (``max_norm`` and the adaptive limits)."""
         return self.policy.norm_limit(li)
 
+    # -- a traced step (Keras' compiled train function): one layer at a time ------------------
+    traced_record = 2  # the pre-clip norm, and a factor below 1 where the layer was clipped
+
+    def applies(self, arrived: bool) -> bool:
+        return arrived == (self.config.mode == "global")
+
+    def trace_layer(self, li: int, tensors: list, params: list, arrived: bool,
+                    host_scalar: Callable[[Callable[[], float]], Any]) -> tuple[list, Any]:
+        c = self.config
+        if not self.applies(arrived) or not tensors:
+            return tensors, None
+        # an adaptive limit changes every step: read on the host as the step runs
+        adaptive = c.ema is not None or c.variance is not None
+        limit = host_scalar(lambda: self.norm_limit(li)) if adaptive else self.norm_limit(li)
+        clipped, record = self.clip_layers([tensors], [params], c, limit)
+        return clipped[0], record
+
+    def record_traced(self, records: list[tuple[int, list[float]]], ok: bool) -> None:
+        self.record_step([(li, norm, factor < 1.0) for li, (norm, factor) in records], ok)
+
     def record_step(self, records: Sequence[tuple[int, float, bool]], ok: bool) -> None:
         """Fold a step's ``(layer, pre-clip norm, clipped?)`` into the running statistics and
         the stats counters (a tracing adapter reads them on the host and calls this too);

@@ -178,10 +178,33 @@ class Technique:
 
 class Transform(Technique):
     role = TRANSFORM
+    #: how many float32 values a record of :meth:`trace_layer` holds
+    traced_record: int = 0
 
     def after_wait(self, layers: list[int]) -> None:
         """The reduced gradients of ``layers`` (every layer the step exchanged) have
         arrived."""
+
+    def applies(self, arrived: bool) -> bool:
+        """Whether :meth:`trace_layer` changes a layer at that moment (``arrived``: once its
+        average has arrived, else before it is sent)."""
+        return False
+
+    def trace_layer(self, li: int, tensors: list, params: list, arrived: bool,
+                    host_scalar: Callable[[Callable[[], float]], Any]) -> tuple[list, Any]:
+        """A traced step (built per layer, in place of :meth:`group_ready` and
+        :meth:`after_wait`): layer ``li``'s gradients ``tensors`` through this transform
+        where it applies -- ``arrived=False`` before the layer is sent, ``True`` once its
+        average has arrived -- and a device record of :attr:`traced_record` float32 values
+        (``None``: it does nothing at that moment). ``params``: the layer's parameter values;
+        ``host_scalar(fn)``: a float32 device scalar that ``fn()`` gives on the host as the
+        step runs. Default: nothing."""
+        return tensors, None
+
+    def record_traced(self, records: list[tuple[int, list[float]]], ok: bool) -> None:
+        """On the host after a traced step: ``(layer, record)`` for each layer where
+        :meth:`trace_layer` ran (an average's only where the layer was sent); ``ok``: the
+        step was finite everywhere."""
 
 
 #: The per-layer statistics a decider's control vector can carry (:attr:`Decider.control`),

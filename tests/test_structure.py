@@ -24,7 +24,7 @@ KNOWN = {
     "function": {"keras/graph.py:_graph_step"},
     "file": {"keras/graph.py"},
     "docstring": set(),
-    "technique": {"keras/graph.py", "keras/sparse.py", "torch/sparse.py"},
+    "technique": {"keras/sparse.py", "torch/sparse.py"},
 }
 
 

@@ -21,8 +21,6 @@ import tensorflow as tf
 from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.mpi_ops import Average
 
-from hvdsync.clipping import LayerClip
-from hvdsync.keras.clipping import clip_layer
 from hvdsync.keras.comm import KerasCommunicator, payload_bytes
 from hvdsync.kept_layers import KeptLayers
 from hvdsync.pipeline import StepPipeline
@@ -138,13 +136,15 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 layers: list[tuple[int, list[int]]], grads: list, variables: list,
                 apply: Callable[[list, list], None], flags: HostFlags, traffic: Traffic,
                 kept: Optional[KeptLayers]) -> None:
-    clip = pipeline.by_name.get("clip")
+    transforms = list(enumerate(pipeline.transforms))
+    before = [(ti, t) for ti, t in transforms if t.applies(arrived=False)]
+    after = [(ti, t) for ti, t in transforms if t.applies(arrived=True)]
     local = pipeline.local_step  # its step updates with this rank's gradient (delay=)
     stats, layer_names = pipeline.stats, pipeline.layer_names
     grads = list(grads)
-    records: dict[int, tf.Tensor] = {}  # per clipped layer: its norm and whether it clipped
+    #: the transforms' records, by (transform, layer, whether after the average arrived)
+    records: dict[tuple[int, int, bool], tf.Tensor] = {}
     sent, collectives, dense = {}, {}, []
-    mode = clip.config.mode if clip is not None else None
     plan = None
     groups: list[tuple[Technique, list[int]]] = []
     pipeline.grads.begin_step(variables, grads)  # the step's gradients, as techniques see them
@@ -184,20 +184,27 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     held_norms, bads, steps, params_of = [], [], [], {}  # (steps: a decider's layers)
     local_layers: list[tuple[int, list[int], list]] = []
 
-    def global_clip(li: int, reduced: list, params: list) -> tuple[list, list]:
-        if mode != "global":
-            return reduced, []
-        reduced, norm, was = clip_layer(reduced, params, clip.config, _limit(clip, li))
-        return reduced, [norm, tf.cast(was, tf.float32)]
+    def after_arrival(li: int, reduced: list, params: list) -> tuple[list, list]:
+        """The transforms that apply to an average (global-mode clip); their records."""
+        extras = []
+        for _, t in after:
+            reduced, record = t.trace_layer(li, reduced, params, True, _host_scalar)
+            extras += [tf.reshape(record, [t.traced_record])]
+        return reduced, extras
+
+    def keep(li: int, extras: list) -> None:
+        for (ti, _), record in zip(after, extras):
+            records[(ti, li, True)] = record
     for li, positions in layers:
         layer = [grads[p] for p in positions]
         if local is not None:
             layer = [_dense(g, comm, local.name) for g in layer]
         params = params_of[li] = [variables[p].value for p in positions]
         dense.append(tf.add_n([_bytes(comm, g, wire=False) for g in layer]))
-        if mode == "local":
-            layer, norm, was = clip_layer(layer, params, clip.config, _limit(clip, li))
-            records[li] = tf.stack([norm, tf.cast(was, tf.float32)])
+        for ti, t in before:
+            layer, record = t.trace_layer(li, layer, params, False, _host_scalar)
+            if record is not None:
+                records[(ti, li, False)] = tf.reshape(record, [t.traced_record])
         if li in grouped:  # its transport's rounds, below
             for k, g in enumerate(layer):
                 pipeline.grads.set(li, k, g)
@@ -228,28 +235,27 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             if kept is not None:  # (a branch's outputs keep the shapes both branches give)
                 for r, x in zip(reduced, xs):
                     r.set_shape(x.shape)
-            reduced, extras = global_clip(li, reduced, params)
+            reduced, extras = after_arrival(li, reduced, params)
             return reduced, extras + (t.staged(one, built=True) if t is not None else [])
         if kept is None:
             reduced, extras = send(layer)
         else:
             layer = [_dense(g, comm, decider) for g in layer]
             ks = one[0][1]
-            n_clip = 2 if mode == "global" else 0
+            n_after = len(after)
             reduced, held, bad, extras = kept.exchange(
                 li, ks, layer, plan_of[li], send,
-                lambda t=transport, one=one: [kept.ops.zero()] * n_clip + (
+                lambda t=transport, one=one: [tf.zeros([u.traced_record]) for _, u in after] + (
                     t.staged(one, built=False) if t is not None else []))
             if transport is not None:  # written after the step where the plan sent it
-                transport.restage(one, extras[n_clip:], plan_of[li])
-                extras = extras[:n_clip]
+                transport.restage(one, extras[n_after:], plan_of[li])
+                extras = extras[:n_after]
                 for k, g in enumerate(layer):  # (the local gradients again, outside)
                     pipeline.grads.set(li, k, g)
             held_norms.append(held)
             bads.append(bad)
             steps.append((li, ks, layer))
-        if mode == "global":
-            records[li] = tf.stack(extras)
+        keep(li, extras)
         for p, r in zip(positions, reduced):
             grads[p] = r
         if transport is not None:  # counted where its rounds ran (traffic)
@@ -263,9 +269,8 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             _counted(comm, traffic, group[0]), _plain(comm, traffic, layer_names),
             flags.of(t), _count(comm, traffic))
         for li in group:
-            reduced, extras = global_clip(li, delivered[li], params_of[li])
-            if mode == "global":
-                records[li] = tf.stack(extras)
+            reduced, extras = after_arrival(li, delivered[li], params_of[li])
+            keep(li, extras)
             for p, r in zip(positions_of[li], reduced):
                 grads[p] = r
     local_bad, before = tf.constant(0.0), tf.constant(False)
@@ -299,9 +304,9 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         put_back = kept.commit(steps, plan_of, ok)
         _apply_if(ok, apply, grads, variables)
         put_back()
-    clipped = sorted(records)
-    record = (tf.stack([records[li] for li in clipped]) if records
-              else tf.zeros([0, 2], tf.float32))
+    recorded = sorted(records)
+    record = (tf.concat([records[key] for key in recorded], 0) if records
+              else tf.zeros([0], tf.float32))
     order = [li for li, _ in layers]
     names = [layer_names[li] for li in order]
     sends = plan if plan is not None else tf.ones([len(layer_names)], tf.bool)
@@ -333,10 +338,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 stats.sent(name, int(nbytes) if comm.size > 1 else 0, int(n))
         if kept is not None and comm.size > 1:
             stats.control(shared.nbytes)
-        if clip is not None:
-            clip.record_step([(li, float(n), bool(w)) for li, (n, w)
-                              in zip(clipped, np.asarray(record).reshape(-1, 2))
-                              if mode == "local" or sends[li]], bool(ok))
+        _record_transforms(pipeline.transforms, recorded, record, sends, bool(ok))
         if kept is not None:
             kept.settle(bool(ok), shared.tolist(), own.tolist())
         for t in exchangers:
@@ -427,14 +429,25 @@ def _dense(g, comm: KerasCommunicator, technique: str):
     return tf.convert_to_tensor(g)
 
 
-def _limit(clip: LayerClip, li: int) -> tf.Tensor:
-    """``max_norm`` and the adaptive limits of layer ``li`` as of the last step."""
-    c = clip.config
-    if c.ema is None and c.variance is None:
-        return tf.constant(c.max_norm if c.max_norm is not None else np.inf, tf.float32)
-    limit = tf.numpy_function(lambda: np.float32(clip.norm_limit(li)), [], tf.float32,
-                              stateful=True)
-    return tf.reshape(limit, [])
+def _host_scalar(fn: Callable[[], float]) -> tf.Tensor:
+    """A float32 scalar that ``fn()`` gives on the host as the step runs."""
+    return tf.reshape(tf.numpy_function(lambda: np.float32(fn()), [], tf.float32,
+                                        stateful=True), [])
+
+
+def _record_transforms(transforms: list, recorded: list[tuple[int, int, bool]],
+                       flat: np.ndarray, sends: list, ok: bool) -> None:
+    """Hand each transform its records of the step (``flat``: every record in ``recorded``'s
+    order); an average's only where the layer was sent."""
+    by: dict[int, list] = {}
+    at = 0
+    for ti, li, arrived in recorded:
+        size = transforms[ti].traced_record
+        if not arrived or sends[li]:
+            by.setdefault(ti, []).append((li, [float(x) for x in flat[at:at + size]]))
+        at += size
+    for ti, records in by.items():
+        transforms[ti].record_traced(records, ok)
 
 
 def _bytes(comm: KerasCommunicator, g, wire: bool) -> tf.Tensor:
@@ -511,10 +524,10 @@ def _flatten(grads: list, shapes: list) -> tuple[list, list]:
     flat, spec = [], []
     for g, shape in zip(grads, shapes):
         if isinstance(g, tf.IndexedSlices):
-            spec.append(("sparse", tuple(int(d) for d in shape)))
+            spec.append(("slices", tuple(int(d) for d in shape)))
             flat += [g.values, g.indices]
         else:
-            spec.append(("dense", None))
+            spec.append(("tensor", None))
             flat.append(g)
     return flat, spec
 
@@ -522,7 +535,7 @@ def _flatten(grads: list, shapes: list) -> tuple[list, list]:
 def _unflatten(flat: list, spec: list) -> list:
     out, i = [], 0
     for kind, shape in spec:
-        if kind == "sparse":
+        if kind == "slices":
             out.append(tf.IndexedSlices(flat[i], flat[i + 1], tf.constant(shape, tf.int64)))
             i += 2
         else:
