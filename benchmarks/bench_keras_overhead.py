@@ -7,9 +7,9 @@ function against the plain graph path, and both against Horovod's ``DistributedG
 Each rank pins itself to one core (2 ranks on 2 cores, one TensorFlow thread each) and builds
 every method on its own copy of the same model (bench_keras' MLP, Adam) through ``model.fit``:
 Horovod's tape; hvdsync with nothing enabled (the plain graph path); ``clip`` with a limit
-never reached (and, by name, the same in global mode); ``threshold=0`` and ``select`` with every layer (the deciders, compiled: every
-layer sent every step; by name, ``select`` with the norm selector: no hypernet, so no dot
-product of each layer's gradient and weights); ``delay`` with staleness 0 (sends everything
+never reached (by name, in global mode too); ``threshold=0`` and ``select`` with every layer
+(the deciders, compiled: every layer sent every step; by name, ``select`` with the norm
+selector: no hypernet, so no dot product of each layer's gradient and weights); ``delay`` with staleness 0 (sends everything
 through the eager step pipeline, for scale); and, by name only (``--methods``),
 ``delay="diloco"`` and ``delay="streaming"``: local steps, what an inner step costs in Keras
 -- compiled, through the eager step pipeline (``HVDSYNC_KERAS_PIPELINE=1``), and the wrapped
