@@ -9,8 +9,8 @@ every method on its own copy of the same model (bench_keras' MLP, Adam) through 
 Horovod's tape; hvdsync with nothing enabled (the plain graph path); ``clip`` with a limit
 never reached (by name, in global mode too); ``threshold=0`` and ``select`` with every layer
 (the deciders, compiled: every layer sent every step; by name, ``select`` with the norm
-selector: no hypernet, so no dot product of each layer's gradient and weights); ``delay`` with staleness 0 (sends everything
-through the eager step pipeline, for scale); and, by name only (``--methods``),
+selector: no hypernet, so no dot product of each layer's gradient and weights); ``delay``
+with staleness 0 (sends everything through the eager step pipeline, for scale); and, by name only (``--methods``),
 ``delay="diloco"`` and ``delay="streaming"``: local steps, what an inner step costs in Keras
 -- compiled, through the eager step pipeline (``HVDSYNC_KERAS_PIPELINE=1``), and the wrapped
 optimizer alone (no exchange at all); ``lowrank=4`` alone, inside ``delay=`` and beside
