@@ -9,27 +9,25 @@ every method on its own copy of the same model (bench_keras' MLP, Adam) through 
 Horovod's tape; hvdsync with nothing enabled (the plain graph path); ``clip`` with a limit
 never reached (by name, in global mode too); ``threshold=0`` and ``select`` with every layer
 (the deciders, compiled: every layer sent every step; by name, ``select`` with the norm
-selector: no hypernet, so no dot product of each layer's gradient and weights); ``delay``
-with staleness 0 (sends everything through the eager step pipeline, for scale); and, by name only (``--methods``),
-``delay="diloco"`` and ``delay="streaming"``: local steps, what an inner step costs in Keras
--- compiled, through the eager step pipeline (``HVDSYNC_KERAS_PIPELINE=1``), and the wrapped
-optimizer alone (no exchange at all); ``lowrank=4`` alone, inside ``delay=`` and beside
-``threshold=0`` (each compiled, and through the eager step pipeline), compressing. With
+selector: no hypernet, so no dot product of each layer's gradient and weights); ``delay`` with
+staleness 0 (sends everything through the eager step pipeline, for scale); and, by name only
+(``--methods``), ``delay="diloco"`` and ``delay="streaming"``: local steps, what an inner step
+costs in Keras -- compiled, through the eager step pipeline (``HVDSYNC_KERAS_PIPELINE=1``), and
+the wrapped optimizer alone (no exchange at all); ``lowrank=4`` alone, inside ``delay=`` and
+beside ``threshold=0`` (each compiled, and through the eager step pipeline), compressing. With
 ``--vocab V``: an embedding of ``V`` rows (row-sparse gradients: Zipf-distributed token bags)
-before the MLP, and, by name,
-``sparse=True`` compiled and through the eager step pipeline (Horovod's tape and the plain path
-send the embedding's rows by Horovod's own allgathers). And, by name, the floor of a
-decider's own work: Horovod's tape plus each layer's gradient norm every step (per layer,
-packed, or allreduced as a decider's control round; ``benchmarks.keras_peers.STATISTICS``).
-Rounds interleave the methods (the order rotates every round); each
-method trains ``--steps`` steps per round after a warm-up ``fit`` (tracing), timed from the
-end of its first step to the end of its last; the warm-up ``fit`` (2 steps, with
-``BroadcastGlobalVariablesCallback``) is timed too, the slowest rank's: what tracing the
-train function costs each method. A round's time per step is the slowest rank's; the figure
-is the ratio to the plain path's (and to Horovod's) time per step *in the same round*,
-averaged over rounds, with a 95 % interval (Student t).
-Results: ``benchmarks/results/keras_overhead_np<N>[_<rate>mbit].{json,md}`` (or ``--name``).
-"""
+before the MLP, and, by name, ``sparse=True`` compiled and through the eager step pipeline
+(Horovod's tape and the plain path send the embedding's rows by Horovod's own allgathers). And,
+by name, the floor of a decider's own work: Horovod's tape plus each layer's gradient norm
+every step (per layer, packed, or allreduced as a decider's control round;
+``benchmarks.keras_peers.STATISTICS``). Rounds interleave the methods (the order rotates every
+round); each method trains ``--steps`` steps per round after a warm-up ``fit`` (tracing), timed
+from the end of its first step to the end of its last; the warm-up ``fit`` (2 steps, with
+``BroadcastGlobalVariablesCallback``) is timed too, the slowest rank's: what tracing the train
+function costs each method. A round's time per step is the slowest rank's; the figure is the
+ratio to the plain path's (and to Horovod's) time per step *in the same round*, averaged over
+rounds, with a 95 % interval (Student t). Results:
+``benchmarks/results/keras_overhead_np<N>[_<rate>mbit].{json,md}`` (or ``--name``). """
 
 from __future__ import annotations
 
