@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Optional, Union
 
 #: How parameters are grouped into layers. ``None``: by module (the name up to the last dot, so
 #: ``fc1.weight`` and ``fc1.bias`` form layer ``fc1``); a callable or mapping from parameter
@@ -26,6 +26,26 @@ class Layer:
     name: str
     index: int
     param_names: tuple[str, ...]
+
+
+def groups_by_name(groups: Any, kind: str, name_of: Callable[[Any], Optional[str]],
+                   top: tuple[type, ...] = (list, tuple)) -> Grouping:
+    """Horovod's ``groups`` -- an int, or (a ``top`` of) lists of the framework's ``kind``
+    objects -- as a name-based grouping; ``name_of(x)``: ``x``'s name (``None``: left out),
+    raising ``ValueError`` for what is no parameter of the optimizer."""
+    if groups is None:
+        return None
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        return groups
+    if isinstance(groups, top):
+        out = []
+        for group in groups:
+            if not isinstance(group, (list, tuple)):
+                raise ValueError(f"groups should be a positive int or a list of lists of {kind}")
+            out.append([n for n in map(name_of, group) if n is not None])
+        return out
+    raise ValueError(f"groups should be a positive int or a list of lists of {kind}, "
+                     f"got {groups!r}")
 
 
 def module_of(param_name: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hvdsync.layers import Grouping
+from hvdsync.layers import Grouping, groups_by_name
 
 
 def keras_layer_of(path: str) -> str:
@@ -26,21 +26,11 @@ def relative_names(names: list[str]) -> list[str]:
 
 
 def groups_to_names(groups: Any) -> Grouping:
-    if groups is None:
-        return None
-    if isinstance(groups, int) and not isinstance(groups, bool):
-        return groups
-    if isinstance(groups, (list, tuple)):
-        out = []
-        for group in groups:
-            if not isinstance(group, (list, tuple)):
-                raise ValueError("groups should be a positive int or a list of lists of "
-                                 "variables")
-            for v in group:
-                if not hasattr(v, "path"):
-                    raise ValueError(f"groups must consist of Keras variables, got "
-                                     f"{type(v).__name__}")
-            out.append([v.path for v in group])
-        return out
-    raise ValueError(f"groups should be a positive int or a list of lists of variables, got "
-                     f"{groups!r}")
+    """Horovod's ``groups`` (int, or lists of Keras variables) as a name-based grouping."""
+    return groups_by_name(groups, "variables", _path_of)
+
+
+def _path_of(v: Any) -> str:
+    if not hasattr(v, "path"):
+        raise ValueError(f"groups must consist of Keras variables, got {type(v).__name__}")
+    return v.path

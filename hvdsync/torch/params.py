@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from hvdsync.layers import Grouping
+from hvdsync.layers import Grouping, groups_by_name
 
 
 def parameter_names(params: list[torch.Tensor],
@@ -44,23 +44,11 @@ def parameter_names(params: list[torch.Tensor],
 
 def groups_to_names(groups: Any, names: dict[torch.Tensor, str]) -> Grouping:
     """Horovod's ``groups`` (int, or lists of tensors) as a name-based grouping."""
-    if groups is None:
-        return None
-    if isinstance(groups, int) and not isinstance(groups, bool):
-        return groups
-    if isinstance(groups, list):
-        out = []
-        for group in groups:
-            if not isinstance(group, (list, tuple)):
-                raise ValueError("groups should be a positive int or a list of lists of "
-                                 "torch.Tensor")
-            for p in group:
-                if not isinstance(p, torch.Tensor):
-                    raise ValueError("groups must consist of torch.Tensor")
-                if p not in names:
-                    raise ValueError("groups contains a tensor that the optimizer does not "
-                                     f"optimize (shape {tuple(p.shape)})")
-            out.append([names[p] for p in group if p.requires_grad])
-        return out
-    raise ValueError(f"groups should be a positive int or a list of lists of torch.Tensor, "
-                     f"got {groups!r}")
+    def name_of(p: Any) -> Optional[str]:
+        if not isinstance(p, torch.Tensor):
+            raise ValueError("groups must consist of torch.Tensor")
+        if p not in names:
+            raise ValueError("groups contains a tensor that the optimizer does not optimize "
+                             f"(shape {tuple(p.shape)})")
+        return names[p] if p.requires_grad else None
+    return groups_by_name(groups, "torch.Tensor", name_of, top=(list,))
