@@ -137,8 +137,8 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                 apply: Callable[[list, list], None], flags: HostFlags, traffic: Traffic,
                 kept: Optional[KeptLayers]) -> None:
     transforms = list(enumerate(pipeline.transforms))
-    before = [(ti, t) for ti, t in transforms if t.applies(arrived=False)]
-    after = [(ti, t) for ti, t in transforms if t.applies(arrived=True)]
+    on_send = [(ti, t) for ti, t in transforms if t.applies(arrived=False)]
+    on_average = [(ti, t) for ti, t in transforms if t.applies(arrived=True)]
     local = pipeline.local_step  # its step updates with this rank's gradient (delay=)
     stats, layer_names = pipeline.stats, pipeline.layer_names
     grads = list(grads)
@@ -187,13 +187,16 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     def after_arrival(li: int, reduced: list, params: list) -> tuple[list, list]:
         """The transforms that apply to an average (global-mode clip); their records."""
         extras = []
-        for _, t in after:
+        for _, t in on_average:
             reduced, record = t.trace_layer(li, reduced, params, True, _host_scalar)
             extras += [tf.reshape(record, [t.traced_record])]
         return reduced, extras
 
+    def no_records() -> list:  # a kept layer's (no average arrived)
+        return [tf.zeros([t.traced_record]) for _, t in on_average]
+
     def keep(li: int, extras: list) -> None:
-        for (ti, _), record in zip(after, extras):
+        for (ti, _), record in zip(on_average, extras):
             records[(ti, li, True)] = record
     for li, positions in layers:
         layer = [grads[p] for p in positions]
@@ -201,7 +204,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             layer = [_dense(g, comm, local.name) for g in layer]
         params = params_of[li] = [variables[p].value for p in positions]
         dense.append(tf.add_n([_bytes(comm, g, wire=False) for g in layer]))
-        for ti, t in before:
+        for ti, t in on_send:
             layer, record = t.trace_layer(li, layer, params, False, _host_scalar)
             if record is not None:
                 records[(ti, li, False)] = tf.reshape(record, [t.traced_record])
@@ -242,10 +245,10 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
         else:
             layer = [_dense(g, comm, decider) for g in layer]
             ks = one[0][1]
-            n_after = len(after)
+            n_after = len(on_average)
             reduced, held, bad, extras = kept.exchange(
                 li, ks, layer, plan_of[li], send,
-                lambda t=transport, one=one: [tf.zeros([u.traced_record]) for _, u in after] + (
+                lambda t=transport, one=one: no_records() + (
                     t.staged(one, built=False) if t is not None else []))
             if transport is not None:  # written after the step where the plan sent it
                 transport.restage(one, extras[n_after:], plan_of[li])
