@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
-from hvdsync.lowrank import LowRankBase, round_label, two_rounds
+from hvdsync.lowrank import LowRankBase, LowRankConfig, round_label, two_rounds
 from hvdsync.lowrank_delay import DelayedLowRank
 from hvdsync.pending import Pending
+from hvdsync.ports import Communicator, Gradients, TensorOps
 
 
 class _Round:
@@ -28,8 +29,9 @@ class _Round:
 class LowRankCompression(LowRankBase):
     """Owns the compressible matrices after warm-up; per bucket: P round, then Q round."""
 
-    def __init__(self, *args: Any):
-        super().__init__(*args)
+    def __init__(self, config: LowRankConfig, grads: Gradients, ops: TensorOps,
+                 comm: Communicator, layer_names: list[str]):
+        super().__init__(config, grads, ops, comm, layer_names)
         #: a traced step's memory updates, for trace_commit: (keys, Q, E, whether compressing)
         self._traced: list[tuple[list, list, list, Any]] = []
         self._bucket_of: Optional[dict[int, int]] = None  # see _buckets
