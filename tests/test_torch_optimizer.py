@@ -82,6 +82,28 @@ def test_double_wrap_refused():
         hvd.DistributedOptimizer(opt, named_parameters=m.named_parameters())
 
 
+def test_a_second_wrap_of_the_same_parameters_takes_them_over():
+    """Rebuilding the optimizer (to load a checkpoint, say) hands the parameters to the new
+    wrapper: the earlier one's hooks are removed -- both would fire on one backward, and the
+    earlier one would then say to raise backward_passes_per_step, which is wrong -- and it
+    refuses to step, naming why, rather than update with this rank's gradients alone."""
+    m = MLP()
+    first = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters())
+    second = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters())
+    before = copy.deepcopy(m.state_dict())
+    for _ in range(2):  # the first wrapper's hooks would count the second backward
+        second.zero_grad()
+        m(torch.randn(8, 12)).square().mean().backward()
+        second.step()
+    assert any(not torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert first._hook_handles == [] and second.stats.total.step == 2
+    with pytest.raises(RuntimeError, match="no longer synchronizes: a newer DistributedOptimizer"):
+        first.step()
+    second.close()
+    with pytest.raises(RuntimeError, match="no longer synchronizes: it was closed"):
+        second.step()
+
+
 # -- drop-in behaviour -----------------------------------------------------------------------
 def test_reexports_horovod_torch_api():
     """Horovod's names: its constants and classes as they are; the calls routed to the active

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -105,12 +106,28 @@ class _DistributedOptimizer(SyncAPI):
             self._agree()
         self._synchronized = False
         self._should_synchronize = True
+        self._closed: Optional[str] = None
         self._reset_step_counters()
         self._hook_handles = []
+        _take_over(self._hooked)
         if process_set.included():
             for i, p in enumerate(self._hooked):
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(
                     functools.partial(self._on_grad, i)))
+                p._hvdsync_owner = weakref.ref(self)
+
+    def close(self, why: str = "it was closed") -> None:
+        """Stop synchronizing: remove the per-parameter hooks. A later ``synchronize()`` or
+        ``step()`` raises, naming ``why`` (it would update with this rank's gradients alone).
+        Wrapping the same parameters again closes the earlier wrapper. With ``delay=``,
+        :meth:`flush` first."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        self._closed = why
+        for p in self._hooked:
+            if getattr(p, "_hvdsync_owner", lambda: None)() is self:
+                del p._hvdsync_owner
 
     def _reset_step_counters(self) -> None:
         self._passes_left = [self.backward_passes_per_step] * len(self._hooked)
@@ -133,6 +150,10 @@ class _DistributedOptimizer(SyncAPI):
     # -- Horovod's public API ---------------------------------------------------------------
     def synchronize(self) -> None:
         """Finish every layer's reduction; afterwards ``p.grad`` holds the reduced gradients."""
+        if self._closed is not None:
+            raise RuntimeError(f"hvdsync: this DistributedOptimizer no longer synchronizes: "
+                               f"{self._closed}; step the optimizer that wraps its parameters "
+                               "now (this one would update with this rank's gradients alone)")
         if not self.process_set.included():
             self._synchronized = True
             return
@@ -355,6 +376,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                           gradient_predivide_factor, groups, sparse_as_dense, process_set,
                           layers, configs, scaler, group_bytes)
     return wrapped
+
+
+def _take_over(params: list[torch.Tensor]) -> None:
+    """A wrapper that synchronizes these parameters already hands them over (rebuilding the
+    optimizer to load a checkpoint): its hooks would fire too, counting every backward
+    twice."""
+    earlier = {id(o): o for p in params
+               if (o := getattr(p, "_hvdsync_owner", lambda: None)()) is not None}
+    for wrapper in earlier.values():
+        wrapper.close("a newer DistributedOptimizer wraps its parameters")
 
 
 def _check_wrappable(optimizer: Any, scaler: Any) -> None:
