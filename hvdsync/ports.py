@@ -125,7 +125,8 @@ class TensorOps(Protocol):
         """``acc + alpha * x``, in place where the framework allows (the caller owns ``acc``)."""
     def zeros_like(self, t: Any) -> Any: ...
     def assign(self, target: Any, value: Any) -> None:
-        """Write ``value`` into a parameter (or state tensor) of :meth:`Gradients.replica_tensors`."""
+        """Write ``value`` into a parameter (or state tensor) of
+        :meth:`Gradients.replica_tensors`."""
     def cast(self, t: Any, dtype: Optional[str] = None, like: Any = None) -> Any:
         """``t`` as ``dtype`` (a name: ``"float16"``), or as ``like``'s dtype."""
     def encode(self, tensors: Sequence[Any], codec: str, chunk: int) -> list:

@@ -1,8 +1,9 @@
 """The house rules, checked on hvdsync/'s source (issue 68): no function over 80 lines, no
 file over 500, module docstrings of at most 15 lines (the long form lives in docs/), no
 import circle among hvdsync's modules, and no technique named or its config read in the
-adapters (hvdsync/torch, hvdsync/keras): they run techniques through the interfaces only. ``KNOWN`` lists what is still to mend; an entry that no longer breaks its
-rule fails the test too, so the list only shrinks."""
+adapters (hvdsync/torch, hvdsync/keras): they run techniques through the interfaces only.
+``KNOWN`` lists what is still to mend; an entry that no longer breaks its rule fails the test
+too, so the list only shrinks."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ ROOT = pathlib.Path(hvdsync.__file__).parent
 MODULES = sorted(ROOT.rglob("*.py"))
 MAX_FUNCTION_LINES, MAX_FILE_LINES, MAX_DOCSTRING_LINES = 80, 500, 15
 
-#: still to mend (issue 68): Keras' traced step is built outside the step pipeline, the
-#: sparse exchange is written in each adapter, and these modules' docstrings are long forms
+#: still to mend (issue 68): Keras' traced step is built outside the step pipeline, and the
+#: sparse exchange is written in each adapter
 KNOWN = {
     "function": {"keras/graph.py:_graph_step"},
     "file": {"keras/graph.py"},
