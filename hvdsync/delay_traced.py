@@ -14,9 +14,10 @@ import numpy as np
 from hvdsync.carried import CarriedCompressor
 from hvdsync.delay_policy import DelayConfig, DelayPolicy
 from hvdsync.ports import Gradients, TensorOps
+from hvdsync.traced import TracedLocalStep
 
 
-class TracedDelay:
+class TracedDelay(TracedLocalStep):
     """The traced-step moments of :class:`hvdsync.delay.DelayedGradients`, on its state and
     its ``_zeroed`` / ``_count_nonfinite``, which the eager step uses too."""
 

@@ -131,11 +131,6 @@ class DelayedLowRank(LowRankBase):
         if ok:  # a skipped step does not count (warm-up ends as if it never happened)
             self.step += 1
 
-    end_traced_step = end_step
-
-    def trace_commit(self, ok: Any) -> None:
-        """Nothing: delay's traced step writes the memory (:meth:`trace_in_delay`)."""
-
     # -- eager ------------------------------------------------------------------------------
     def exchange(self, li: int, ks: list[int], grads: list, step: int, lag: int,
                  name: str) -> Pending:

@@ -12,6 +12,7 @@ from hvdsync.lowrank import LowRankBase, LowRankConfig, round_label, two_rounds
 from hvdsync.lowrank_delay import DelayedLowRank
 from hvdsync.pending import Pending
 from hvdsync.ports import Communicator, Gradients, TensorOps
+from hvdsync.traced import TracedRounds
 
 
 class _Round:
@@ -26,7 +27,7 @@ class _Round:
         self.result: Optional[Pending] = None  # the Q round, then the gradients delivered
 
 
-class LowRankCompression(LowRankBase):
+class LowRankCompression(LowRankBase, TracedRounds):
     """Owns the compressible matrices after warm-up; per bucket: P round, then Q round."""
 
     def __init__(self, config: LowRankConfig, grads: Gradients, ops: TensorOps,

@@ -69,7 +69,8 @@ class StepPipeline:
             raise ValueError("a transport that updates locally must be the step's only one "
                              "(but for those it carries)")
         #: the transport of a step that updates locally (:attr:`Transport.updates_locally`),
-        #: or None. A tracing adapter builds such a step as: its :meth:`Transport.trace_local`
+        #: or None. A tracing adapter builds such a step as: its ``trace_local``
+        #: (:class:`hvdsync.traced.TracedLocalStep`)
         #: on every layer (graph ops: the gradients to apply), then on the host
         #: :meth:`before_local_update` (before the update where the transport needs it there,
         #: else after it), the update, :meth:`end_local_step`, the step's statistics closed,
@@ -372,11 +373,12 @@ class StepPipeline:
     # -- a traced step that updates locally (delay= in Keras' compiled function) -------------
     def before_local_update(self) -> None:
         """Host, before the update of a traced step that updates locally -- or, where
-        :meth:`Transport.host_before_update` says it need not, after the update."""
+        its ``host_before_update`` (:class:`hvdsync.traced.TracedLocalStep`) says it need
+        not, after the update."""
         self.local_step.before_optimizer_step()
 
     def end_local_step(self, bad: int) -> None:
-        """Host, after that update: ``bad``, the step's :meth:`Transport.trace_local` count."""
+        """Host, after that update: ``bad``, the count of the step's ``trace_local``."""
         t = self.local_step
         t.end_local_step(bad)
         self.local_nonfinite = t.local_nonfinite

@@ -17,6 +17,7 @@ from hvdsync.carried import Carryable, CarriedCompressor
 from hvdsync.pending import Pending
 from hvdsync.ports import Communicator, Gradients, TensorOps
 from hvdsync.technique import Decider, Technique, Transform, Transport
+from hvdsync.traced import TracedLocalStep
 
 #: the core's modules (technique.py, ports.py and pending.py define the interfaces; testing.py is
 #: the test harness)
@@ -35,7 +36,7 @@ RECEIVERS = {
     "carryable": (Carryable,),
 }
 #: in the pipeline only, where ``t`` is always a technique
-PIPELINE_RECEIVERS = {"t": (Technique, Transform, Transport)}
+PIPELINE_RECEIVERS = {"t": (Technique, Transform, Transport, TracedLocalStep)}
 
 
 def declared(interface: type) -> set[str]:

@@ -25,6 +25,7 @@ from hvdsync.keras.comm import KerasCommunicator, payload_bytes
 from hvdsync.kept_layers import KeptLayers
 from hvdsync.pipeline import StepPipeline
 from hvdsync.technique import Technique
+from hvdsync.traced import TracedRounds
 
 
 def graph_runs(techniques: list[Technique]) -> bool:
@@ -121,7 +122,7 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     (global); then ``apply(grads, variables)`` and record the step's statistics. With a
     decider (``kept``, its traced form), each layer's reduce runs only where the step's plan
     sends it, and the decider's memory and control round are built around. A
-    transport with rounds of its own (:meth:`hvdsync.technique.Transport.traced_groups`:
+    transport with rounds of its own (:meth:`hvdsync.traced.TracedRounds.traced_groups`:
     ``lowrank=``) builds its layers' exchange itself; what it sent is counted in ``traffic``
     (bytes and collectives per layer, a variable: which branch ran is known at run time).
     ``restored``: set when a checkpoint was restored; the step then first runs the
@@ -148,7 +149,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     plan = None
     groups: list[tuple[Technique, list[int]]] = []
     pipeline.grads.begin_step(variables, grads)  # the step's gradients, as techniques see them
-    groups = [(t, group) for t in pipeline.transports
+    groups = [(t, group) for t in pipeline.transports if isinstance(t, TracedRounds)
               for group in t.traced_groups(one_layer_each=kept is not None and t.decidable)]
     if len({li for _, group in groups for li in group}) < sum(len(g) for _, g in groups):
         raise NotImplementedError(

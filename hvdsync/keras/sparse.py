@@ -26,11 +26,12 @@ from hvdsync.keras.comm import KerasCommunicator, coalesce, payload_bytes
 from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseProtocol, SparseTransport
 from hvdsync.stats import SyncStats
 from hvdsync.pending import Pending
+from hvdsync.traced import TracedRounds
 
 _INDEX_BYTES = 8  # int64 row indices
 
 
-class SparseExchange(SparseTransport):
+class SparseExchange(SparseTransport, TracedRounds):
     """Moves the sparse (``IndexedSlices``) gradients of one step, as the torch adapter's
     exchange does: the protocol's decisions are :class:`hvdsync.sparse.SparseProtocol`'s."""
 
