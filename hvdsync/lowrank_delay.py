@@ -93,19 +93,17 @@ class _Exchange(Pending):
         """Folded in: each matrix's residual joins ``E``."""
         self.wait()
         self.owner.settled(self)
-        err, ops = self.owner.err, self.owner.ops
         for key, r in zip(self.keys, self._residuals):
-            err[key] = ops.add(err[key], r) if key in err else r
+            _add_into(self.owner.ops, self.owner.err, key, r)
 
     def discard(self) -> None:
         """Dropped before use (a flush averages the replicas instead): the ``E`` it took
         comes back."""
         self.wait()
         self.owner.settled(self)
-        err, ops = self.owner.err, self.owner.ops
         for key, e in zip(self.keys, self.taken):
             if e is not None:
-                err[key] = ops.add(err[key], e) if key in err else e
+                _add_into(self.owner.ops, self.owner.err, key, e)
 
 
 class DelayedLowRank(LowRankBase):
@@ -271,16 +269,21 @@ class DelayedLowRank(LowRankBase):
         super().drop_per_rank()
         self._live.clear()
         if self._ring is not None:
-            self._ring.clear(keep=tuple(f"q{i}" for i in range(self._lag)))
+            self._ring.clear(keep=self._ring.q_names)
 
     def _owed(self) -> dict[str, Any]:
         """:attr:`err` and what the exchanges in flight took of it (they give it back if
         dropped)."""
         if self._ring is not None:
             return self._ring.owed()
-        ops, owed = self.ops, dict(self.err)
+        owed = dict(self.err)
         for exchange in self._live:
             for key, e in zip(exchange.keys, exchange.taken):
                 if e is not None:
-                    owed[key] = ops.add(owed[key], e) if key in owed else e
+                    _add_into(self.ops, owed, key, e)
         return owed
+
+
+def _add_into(ops: TensorOps, memory: Any, key: str, x: Any) -> None:
+    """``memory[key] += x`` (``x`` itself where it holds nothing for ``key``)."""
+    memory[key] = ops.add(memory[key], x) if key in memory else x

@@ -66,6 +66,8 @@ class TracedRing:
 
     def __init__(self, owner: Any, memory: dict[str, Any], lag: int, keys: list[str]):
         self.owner, self.memory, self.lag, self.keys = owner, memory, lag, keys
+        #: the ring of Qs (shared by every rank; the other memories are this rank's)
+        self.q_names = [f"q{i}" for i in range(lag)]
 
     def build(self, layers: list[tuple[int, list[int]]], held: Optional[list[list]],
               own: list[list], reduce: Callable[[int, str, list], list],
@@ -195,7 +197,7 @@ class TracedRing:
                 slot[key] = q.wait()[0]
         for key, total in self.owed().items():
             mem["err"][key] = total
-        self.clear(keep=[name for name in mem if name.startswith("q") or name == "err"])
+        self.clear(keep=[*self.q_names, "err"])
 
     def owed(self) -> dict[str, Any]:
         """By key, ``E`` plus what the exchanges in flight took of it."""

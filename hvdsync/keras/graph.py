@@ -196,7 +196,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     def no_records() -> list:  # a kept layer's (no average arrived)
         return [tf.zeros([t.traced_record]) for _, t in on_average]
 
-    def keep(li: int, extras: list) -> None:
+    def record_average(li: int, extras: list) -> None:
         for (ti, _), record in zip(on_average, extras):
             records[(ti, li, True)] = record
     for li, positions in layers:
@@ -259,7 +259,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             held_norms.append(held)
             bads.append(bad)
             steps.append((li, ks, layer))
-        keep(li, extras)
+        record_average(li, extras)
         for p, r in zip(positions, reduced):
             grads[p] = r
         if transport is not None:  # counted where its rounds ran (traffic)
@@ -274,7 +274,7 @@ def _graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
             flags.of(t), _count(comm, traffic))
         for li in group:
             reduced, extras = after_arrival(li, delivered[li], params_of[li])
-            keep(li, extras)
+            record_average(li, extras)
             for p, r in zip(positions_of[li], reduced):
                 grads[p] = r
     local_bad, before = tf.constant(0.0), tf.constant(False)

@@ -126,7 +126,7 @@ class _DistributedOptimizer(SyncAPI):
         self._hook_handles = []
         self._closed = why
         for p in self._hooked:
-            if getattr(p, "_hvdsync_owner", lambda: None)() is self:
+            if _owner(p) is self:
                 del p._hvdsync_owner
 
     def _reset_step_counters(self) -> None:
@@ -378,12 +378,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     return wrapped
 
 
+def _owner(p: torch.Tensor) -> Any:
+    """The live hvdsync wrapper whose hooks synchronize ``p``, if any."""
+    ref = getattr(p, "_hvdsync_owner", None)
+    return ref() if ref is not None else None
+
+
 def _take_over(params: list[torch.Tensor]) -> None:
     """A wrapper that synchronizes these parameters already hands them over (rebuilding the
     optimizer to load a checkpoint): its hooks would fire too, counting every backward
     twice."""
     earlier = {id(o): o for p in params
-               if (o := getattr(p, "_hvdsync_owner", lambda: None)()) is not None}
+               if (o := _owner(p)) is not None}
     for wrapper in earlier.values():
         wrapper.close("a newer DistributedOptimizer wraps its parameters")
 
