@@ -10,7 +10,7 @@ a "present" column and allreduced, where that is smaller: ``dense_ratio``) or ``
 ``one_round=True`` (default) the counts ride in the step's allgather and each gradient takes
 the route the last step's counts chose (a wrong guess costs bytes, never correctness). The
 result is a coalesced sparse gradient. docs/sparse.md has the routes and what they cost; the
-adapters' halves: hvdsync/torch/sparse.py, hvdsync/keras/sparse.py.
+exchange that moves the rows: hvdsync/sparse_exchange.py.
 """
 
 from __future__ import annotations

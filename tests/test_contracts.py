@@ -15,7 +15,7 @@ import pytest
 from hvdsync import technique
 from hvdsync.carried import Carryable, CarriedCompressor
 from hvdsync.pending import Pending
-from hvdsync.ports import Communicator, Gradients, TensorOps
+from hvdsync.ports import Communicator, Gradients, RowSparse, TensorOps
 from hvdsync.technique import Decider, Technique, Transform, Transport
 from hvdsync.traced import TracedLocalStep
 
@@ -29,6 +29,7 @@ RECEIVERS = {
     "self.comm": (Communicator,), "comm": (Communicator,), "self.owner.comm": (Communicator,),
     "self.ops": (TensorOps,), "ops": (TensorOps,), "self.owner.ops": (TensorOps,),
     "self.grads": (Gradients,), "self.owner.grads": (Gradients,),
+    "self.rows": (RowSparse,),  # sparse='s primitives
     "self.decider": (Decider,),
     "layer.pending": (Pending,), "pending": (Pending,), "p": (Pending,),
     # what delay= calls on the technique it carries (lowrank=)

@@ -19,13 +19,12 @@ ROOT = pathlib.Path(hvdsync.__file__).parent
 MODULES = sorted(ROOT.rglob("*.py"))
 MAX_FUNCTION_LINES, MAX_FILE_LINES, MAX_DOCSTRING_LINES = 80, 500, 15
 
-#: still to mend (issue 68): Keras' traced step is built outside the step pipeline, and the
-#: sparse exchange is written in each adapter
+#: still to mend (issue 68): Keras' traced step is built outside the step pipeline
 KNOWN = {
     "function": {"keras/graph.py:_graph_step"},
     "file": {"keras/graph.py"},
     "docstring": set(),
-    "technique": {"keras/sparse.py", "torch/sparse.py"},
+    "technique": set(),
 }
 
 

@@ -297,6 +297,18 @@ class KerasCommunicator:
         return Pending(future.result, future.done, sum(payload_bytes(t) for t in tensors),
                        len(tensors), what=f"the allgather {name!r}")
 
+    @property
+    def averages(self) -> bool:
+        return self.op == Average
+
+    def gather_rows(self, name: str, tensors: list) -> Pending:
+        """:meth:`allgather`, done on return (``sparse=``'s rows)."""
+        return Pending.resolved(self.allgather(tensors, name))
+
+    def sum_rows(self, name: str, tensors: list) -> Pending:
+        """:meth:`sum`, done on return (``sparse=``'s dense route)."""
+        return Pending.resolved(self.sum(tensors, name))
+
     def allgather(self, tensors: list, name: str) -> list:
         """Eager grouped allgather (the sparse exchange's rows and counts)."""
         if self.size == 1:

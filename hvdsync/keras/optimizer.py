@@ -36,7 +36,7 @@ from hvdsync.keras.clipping import clip_layers
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.memory import VariableMemory
 from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
-from hvdsync.keras.sparse import SparseExchange
+from hvdsync.keras.sparse import TracedSparseExchange
 from hvdsync.keras.state import KerasCheckpointing
 from hvdsync.kept_layers import KeptLayers
 from hvdsync.layers import Grouping, Layer, build_layers
@@ -91,7 +91,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
                                   update=self._update_uncounted)
         hv.techniques = build_techniques(
             hv.configs, grads=hv.grads, ops=KerasOps(), comm=hv.comm, clip_layers=clip_layers,
-            sparse_exchange=lambda c: SparseExchange(c, hv.grads, hv.comm, hv.stats),
+            sparse_exchange=lambda c: TracedSparseExchange(c, hv.grads, hv.comm, hv.stats),
             layer_names=names, stats=hv.stats, traces=True)
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)
         # HVDSYNC_KERAS_PIPELINE=1: every step through the eager step pipeline (to compare)

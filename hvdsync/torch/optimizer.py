@@ -38,8 +38,8 @@ from hvdsync.torch.ops import TorchOps
 from hvdsync.torch.clipping import clip_layers
 from hvdsync.torch.comm import TorchCommunicator
 from hvdsync.torch.params import groups_to_names, parameter_names
+from hvdsync.torch.rows import row_exchange
 from hvdsync.torch.saving import tensors_only
-from hvdsync.torch.sparse import SparseExchange
 
 _HOROVOD_ARGS = ("named_parameters", "compression", "backward_passes_per_step", "op",
                  "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense",
@@ -82,7 +82,7 @@ class _DistributedOptimizer(SyncAPI):
                                               sparse_as_dense, process_set, self.stats)
         self._techniques = build_techniques(
             configs, grads=self._grads, ops=TorchOps(), comm=comm, clip_layers=clip_layers,
-            sparse_exchange=lambda c: SparseExchange(c, self._grads, comm, self.stats),
+            sparse_exchange=lambda c: row_exchange(c, self._grads, comm, self.stats),
             layer_names=layer_names, stats=self.stats)
         self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, TorchOps(),
                                       self.stats, comm, group_bytes=group_bytes)
