@@ -59,9 +59,9 @@ class Gradients(Protocol):
     def after_optimizer_step(self) -> None: ...
 
 
-class TensorOps(Protocol):
-    """The arithmetic techniques need, on the adapter's tensors (device scalars stay on the
-    device until :meth:`to_host`, read once per step)."""
+class Arithmetic(Protocol):
+    """Elementwise arithmetic on the adapter's tensors, and the step's few host reads
+    (device scalars stay on the device until :meth:`to_host`, read once per step)."""
 
     def add(self, a: Any, b: Any) -> Any:
         """``a + b`` as a new tensor."""
@@ -81,6 +81,16 @@ class TensorOps(Protocol):
         """Copies of ``tensors`` (one multi-tensor op where the framework has one)."""
     def accumulate_all(self, accs: Sequence[Any], xs: Sequence[Any], sign: int = 1) -> list:
         """:meth:`accumulate` pairwise over two lists, at once."""
+    def zero(self) -> Any: ...
+    def to_host(self, scalars: Sequence[Any]) -> list[float]:
+        """Device scalars as floats, in one read."""
+    def nbytes(self, t: Any) -> int: ...
+    def dtype_key(self, t: Any) -> str: ...
+
+
+class LayerStatistics(Protocol):
+    """Per-layer numbers in a few multi-tensor ops (clip=, the deciders' scores)."""
+
     def norm(self, tensors: Sequence[Any]) -> Any:
         """L2 norm of all ``tensors`` together (0 for none), a device scalar."""
     def dot(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
@@ -98,12 +108,11 @@ class TensorOps(Protocol):
         vector: :func:`control_dtype`)."""
     def read(self, vectors: Sequence[Any]) -> list[list[float]]:
         """Device vectors as lists of floats, in one read."""
-    def zero(self) -> Any: ...
-    def to_host(self, scalars: Sequence[Any]) -> list[float]:
-        """Device scalars as floats, in one read."""
-    def nbytes(self, t: Any) -> int: ...
-    def dtype_key(self, t: Any) -> str: ...
-    # low-rank factors (lowrank=): the adapter says how a tensor is viewed as a matrix
+
+
+class Factors(Protocol):
+    """Low-rank factors (lowrank=): the adapter says how a tensor is viewed as a matrix."""
+
     def matrix_shape(self, t: Any) -> Optional[tuple[int, int]]:
         """``(rows, cols)`` of ``t`` as a matrix; ``None`` for vectors and scalars."""
     def matrix(self, t: Any) -> Any: ...
@@ -120,7 +129,11 @@ class TensorOps(Protocol):
         """An orthonormal basis of ``p``'s columns (QR's Q, same shape); deterministic."""
     def from_host(self, values: Any, like: Any) -> Any:
         """``values`` (a numpy array) as a tensor with ``like``'s dtype and device."""
-    # the outer synchronization (delay=, hvdsync/outer.py)
+
+
+class OuterArithmetic(Protocol):
+    """The outer synchronization's arithmetic (delay=, hvdsync/outer.py)."""
+
     def add_scaled(self, acc: Any, x: Any, alpha: float) -> Any:
         """``acc + alpha * x``, in place where the framework allows (the caller owns ``acc``)."""
     def zeros_like(self, t: Any) -> Any: ...
@@ -150,6 +163,11 @@ class TensorOps(Protocol):
         """:meth:`assign` pairwise."""
     def part(self, gathered: Any, rank: int, size: int) -> Any:
         """Rank ``rank``'s piece of a 1-d allgather result of ``size`` equal pieces."""
+
+
+class Branching(Protocol):
+    """What a step that may be traced (Keras' compiled step) branches and fuses with."""
+
     def cond(self, flag: Any, yes: Callable[[], Any], no: Callable[[], Any]) -> Any:
         """``yes()`` where the device boolean ``flag`` holds, else ``no()`` (both give the same
         structure of tensors): a Python ``if`` where the step runs eagerly, a branch of the
@@ -168,6 +186,11 @@ class TensorOps(Protocol):
         (Keras, eager: 50-150 us an op), as it is where ops are cheap (torch). Wrap once,
         call often: a compiled form is kept per call structure. Worth it for dozens of ops a
         call (a traced call's argument handling costs ~0.3 ms in Keras), not for a few."""
+
+
+class TensorOps(Arithmetic, LayerStatistics, Factors, OuterArithmetic, Branching, Protocol):
+    """All the arithmetic techniques need, by role: a technique calls it as ``ops``; an
+    adapter implements each role its techniques use."""
 
 
 class RowSparse(Protocol):

@@ -14,11 +14,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 from hvdsync.clipping import ClipConfig, ClipLayers, LayerClip
-from hvdsync.config import check_bool, check_reduce_op, positive_float, positive_int
+from hvdsync.config import (check_bool, check_reduce_op, positive_float, positive_int,
+                            reject_unknown_kwargs)
 from hvdsync.delay import DelayConfig, DelayedGradients
+from hvdsync.layers import Grouping
 from hvdsync.lowrank import LowRankConfig
 from hvdsync.lowrank_pipeline import LowRankCompression
 from hvdsync.plain import PlainAllreduce
@@ -89,10 +91,33 @@ _OP_WHY = {
 }
 
 
-def given(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The technique keywords among a factory's arguments (its ``locals()``), as given: the
-    factories spell each keyword once, in their signatures."""
-    return {name: arguments[name] for name in TECHNIQUES}
+class TechniqueKeywords(TypedDict, total=False):
+    """What both adapters' ``DistributedOptimizer`` take beside Horovod's arguments.
+
+    ``layers``: hvdsync's grouping of parameters into layers, sent and decided on together
+    (by module or Keras layer, or a callable / mapping: :data:`hvdsync.layers.Grouping`).
+    ``clip``, ``threshold``, ``select``, ``sparse``, ``lowrank``, ``delay``: the techniques
+    (docs/<name>.md), each a config object (``hvd.ClipConfig`` ...), a dict of its fields or
+    a number (its main field); which combine: this module's rulebook.
+    """
+
+    layers: Grouping
+    clip: ClipConfig | dict | float | None
+    threshold: ThresholdConfig | dict | float | None
+    select: SelectConfig | dict | float | None
+    sparse: SparseConfig | dict | bool | float | None
+    lowrank: LowRankConfig | dict | int | None
+    delay: DelayConfig | dict | bool | int | None
+
+
+def given(keywords: dict[str, Any], others: tuple[str, ...],
+          where: str) -> tuple[Grouping, dict[str, Any]]:
+    """``(layers, {technique: value})`` from a factory's :class:`TechniqueKeywords`; any other
+    name raises ``TypeError`` with a suggestion among these and ``others`` (its arguments)."""
+    known = ("layers",) + TECHNIQUES
+    reject_unknown_kwargs({k: v for k, v in keywords.items() if k not in known},
+                          others + known, where)
+    return keywords.get("layers"), {name: keywords.get(name) for name in TECHNIQUES}
 
 
 def coerce(**given: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import keras
 import tensorflow as tf
@@ -22,11 +22,12 @@ from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.mpi_ops import Average, ProcessSet, global_process_set
 
+if TYPE_CHECKING:  # (typing.Unpack is Python 3.11's)
+    from typing_extensions import Unpack
+
 from hvdsync import agreement, checkpoint, elastic, rules
 from hvdsync.api import SyncAPI
-from hvdsync.clipping import ClipConfig
-from hvdsync.config import check_bool, reject_unknown_kwargs
-from hvdsync.delay import DelayConfig
+from hvdsync.config import check_bool
 from hvdsync.keras.graph import (HostFlags, Traffic, eager_step, graph_runs, graph_step,
                                  in_xla_context)
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
@@ -39,14 +40,10 @@ from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
 from hvdsync.keras.sparse import TracedSparseExchange
 from hvdsync.keras.state import KerasCheckpointing
 from hvdsync.kept_layers import KeptLayers
-from hvdsync.layers import Grouping, Layer, build_layers
-from hvdsync.lowrank import LowRankConfig
+from hvdsync.layers import Layer, build_layers
 from hvdsync.pipeline import StepPipeline
 from hvdsync.rules import build_techniques
-from hvdsync.select import SelectConfig
-from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
-from hvdsync.threshold import ThresholdConfig
 
 _HOROVOD_ARGS = ("name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
                  "gradient_predivide_factor", "op", "backward_passes_per_step",
@@ -249,15 +246,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
                          groups: Any = None,
                          process_set: ProcessSet = global_process_set,
                          scale_local_gradients: bool = True,
-                         *,
-                         layers: Grouping = None,
-                         clip: ClipConfig | dict | float | None = None,
-                         threshold: ThresholdConfig | dict | float | None = None,
-                         select: SelectConfig | dict | float | None = None,
-                         sparse: SparseConfig | dict | bool | float | None = None,
-                         lowrank: LowRankConfig | dict | int | None = None,
-                         delay: DelayConfig | dict | bool | int | None = None,
-                         **unknown: Any) -> keras.optimizers.Optimizer:
+                         **keywords: Unpack[rules.TechniqueKeywords],
+                         ) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so its updates use gradients reduced across Horovod ranks.
 
     Horovod's arguments with the same meaning (``device_dense``/``device_sparse`` stay ``""``,
@@ -276,12 +266,11 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
         num_groups, groups: Horovod's grouping (an int: contiguous chunks; lists of variables
             reduced together); not with ``layers``.
         process_set: reduce over this Horovod process set only.
-        layers: hvdsync's grouping into layers: by Keras layer, or a callable / mapping.
-        clip, threshold, select, sparse, lowrank, delay: as :func:`hvdsync.torch`'s.
+        layers, clip, threshold, select, sparse, lowrank, delay: hvdsync's grouping into
+            layers (by Keras layer, or a callable / mapping) and its techniques
+            (:class:`hvdsync.rules.TechniqueKeywords`).
     """
-    techniques = rules.given(locals())
-    reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers",) + rules.TECHNIQUES,
-                          "DistributedOptimizer")
+    layers, techniques = rules.given(keywords, _HOROVOD_ARGS, "DistributedOptimizer")
     if isinstance(optimizer, LossScaleOptimizer):  # wrap what it wraps; it decides for all
         inner = DistributedOptimizer(
             optimizer.inner_optimizer, name, device_dense, device_sparse, compression,

@@ -15,23 +15,20 @@ import warnings
 import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+if TYPE_CHECKING:  # (typing.Unpack is Python 3.11's)
+    from typing_extensions import Unpack
+
 from hvdsync import agreement, checkpoint, elastic, rules
 from hvdsync.api import SyncAPI
-from hvdsync.clipping import ClipConfig
-from hvdsync.config import non_negative_float, positive_int, reject_unknown_kwargs
-from hvdsync.delay import DelayConfig
+from hvdsync.config import non_negative_float, positive_int
 from hvdsync.layers import Grouping, Layer, build_layers
-from hvdsync.lowrank import LowRankConfig
 from hvdsync.pipeline import DEFAULT_GROUP_BYTES, StepPipeline
 from hvdsync.rules import build_techniques
-from hvdsync.select import SelectConfig
-from hvdsync.sparse import SparseConfig
 from hvdsync.stats import SyncStats
-from hvdsync.threshold import ThresholdConfig
 from hvdsync.torch import engine
 from hvdsync.torch.backend import TorchGradients
 from hvdsync.torch.ops import TorchOps
@@ -307,16 +304,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          sparse_as_dense: bool = False,
                          process_set: Any = None,
                          *,
-                         layers: Grouping = None,
-                         clip: ClipConfig | dict | float | None = None,
-                         threshold: ThresholdConfig | dict | float | None = None,
-                         select: SelectConfig | dict | float | None = None,
-                         sparse: SparseConfig | dict | bool | float | None = None,
-                         lowrank: LowRankConfig | dict | int | None = None,
-                         delay: DelayConfig | dict | bool | int | None = None,
                          scaler: Any = None,
                          group_mb: float = DEFAULT_GROUP_BYTES / 2**20,
-                         **unknown: Any) -> torch.optim.Optimizer:
+                         **keywords: Unpack[rules.TechniqueKeywords]) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across the ranks (on Horovod
     or torch.distributed: :mod:`hvdsync.torch.engine`).
 
@@ -337,12 +327,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             int (contiguous chunks) or lists of parameters reduced together; not with ``layers``.
         sparse_as_dense: reduce sparse gradients as dense tensors.
         process_set: reduce over this process set only (default: every rank).
-        layers: hvdsync's grouping of parameters into layers (sent and decided on together):
-            by module, or a callable / mapping (:data:`hvdsync.layers.Grouping`).
-        clip, threshold, select, sparse, lowrank, delay: the techniques (docs/<name>.md), each
-            a config object (``hvd.ClipConfig`` ...), a dict of its fields or a number (its
-            main field); which combine: :mod:`hvdsync.rules`. With ``delay=`` call
-            :meth:`flush` before evaluating or saving.
+        layers, clip, threshold, select, sparse, lowrank, delay: hvdsync's grouping into
+            layers and its techniques (:class:`hvdsync.rules.TechniqueKeywords`). With
+            ``delay=`` call :meth:`flush` before evaluating or saving.
         scaler: the ``torch.amp.GradScaler`` of mixed precision: the techniques see unscaled
             gradients; ``synchronize()`` leaves them scaled (docs/mixed_precision.md).
         group_mb: the size of a *ready group* in MiB (default 25, DDP's bucket size):
@@ -350,9 +337,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             few multi-tensor ops per group (docs/design.md, "Ready groups"); ``0``: every
             layer alone, sent the moment it is ready.
     """
-    techniques = rules.given(locals())
-    reject_unknown_kwargs(unknown, _HOROVOD_ARGS + ("layers", "scaler", "group_mb")
-                          + rules.TECHNIQUES, "DistributedOptimizer")
+    layers, techniques = rules.given(keywords, _HOROVOD_ARGS + ("scaler", "group_mb"),
+                                     "DistributedOptimizer")
     group_bytes = int(non_negative_float("group_mb", group_mb) * 2**20)
     _check_wrappable(optimizer, scaler)
     ops = engine.ops()

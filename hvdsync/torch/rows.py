@@ -57,7 +57,8 @@ class TorchRows:
     def empty(like: torch.Tensor, sparse_dim: int) -> torch.Tensor:
         return torch.sparse_coo_tensor(
             torch.empty(sparse_dim, 0, dtype=torch.int64, device=like.device),
-            like.new_empty((0, *like.shape[sparse_dim:])), like.shape, is_coalesced=True)
+            like.new_empty((0, *like.shape[sparse_dim:])), like.shape, is_coalesced=True,
+            check_invariants=False)
 
     @staticmethod
     def as_rows(g: torch.Tensor, sparse_dim: int) -> torch.Tensor:
@@ -96,7 +97,8 @@ class TorchRows:
         if divide_by != 1:
             values = values / divide_by
         indices = torch.stack(torch.unravel_index(present, shape[:sparse_dim]))
-        return torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True)
+        return torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True,
+                                       check_invariants=False)  # (rows from nonzero: sorted)
 
     @staticmethod
     def codes(codes: Sequence[int], like: Any) -> torch.Tensor:
