@@ -19,10 +19,10 @@ ROOT = pathlib.Path(hvdsync.__file__).parent
 MODULES = sorted(ROOT.rglob("*.py"))
 MAX_FUNCTION_LINES, MAX_FILE_LINES, MAX_DOCSTRING_LINES = 80, 500, 15
 
-#: still to mend (issue 68): Keras' traced step is built outside the step pipeline
+#: still to mend: a rule's exceptions, each to be taken off once mended (empty: none)
 KNOWN = {
-    "function": {"keras/graph.py:_graph_step"},
-    "file": {"keras/graph.py"},
+    "function": set(),
+    "file": set(),
     "docstring": set(),
     "technique": set(),
 }

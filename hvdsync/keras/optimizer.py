@@ -28,8 +28,7 @@ if TYPE_CHECKING:  # (typing.Unpack is Python 3.11's)
 from hvdsync import agreement, checkpoint, elastic, rules
 from hvdsync.api import SyncAPI
 from hvdsync.config import check_bool
-from hvdsync.keras.graph import (HostFlags, Traffic, eager_step, graph_runs, graph_step,
-                                 in_xla_context)
+from hvdsync.keras.graph import eager_step, graph_runs, graph_step, in_xla_context
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
 from hvdsync.keras.backend import KerasGradients, Slots
 from hvdsync.keras.ops import KerasOps
@@ -38,6 +37,7 @@ from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.memory import VariableMemory
 from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
 from hvdsync.keras.sparse import TracedSparseExchange
+from hvdsync.keras.traced_step import HostFlags, Traffic
 from hvdsync.keras.state import KerasCheckpointing
 from hvdsync.kept_layers import KeptLayers
 from hvdsync.layers import Layer, build_layers
