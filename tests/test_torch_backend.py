@@ -61,9 +61,10 @@ def api_semantics() -> dict:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     out["params"] = model.weight.flatten().tolist()
     if out["backend"] == "torch":  # the tensors c10d held are kept until it let go of them
-        from hvdsync.torch import c10d
-        out["lent"] = len(c10d._lent) > 0 and all(t._use_count() >= 1 for t in c10d._lent)
-        out["lent_returned"] = c10d._await_returns() and not c10d._lent
+        from hvdsync.torch import c10d_runtime as rt
+        lent = rt.PROCESS.lent
+        out["lent"] = len(lent) > 0 and all(t._use_count() >= 1 for t in lent)
+        out["lent_returned"] = rt._await_returns() and not lent
     opt = torch.optim.Adam(model.parameters(), lr=0.1 * (r + 1))
     if r == 0:
         model(torch.ones(1, 2)).sum().backward()

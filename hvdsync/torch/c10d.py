@@ -14,11 +14,9 @@ the others' waits raise ``HorovodInternalError``. docs/backends.md names every f
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -30,6 +28,7 @@ from hvdsync.torch import c10d_checks as checks
 from hvdsync.torch.c10d_sets import (ProcessSet, add_process_set, forget_process_sets,  # noqa: F401
                                      global_process_set, group_of as _group,
                                      remove_process_set)
+from hvdsync.torch.c10d_runtime import current, lend
 from hvdsync.torch.compression import Compression  # noqa: F401  (part of the API)
 
 # Horovod's reduce-op constants, with Horovod's values (a script may compare them)
@@ -45,36 +44,6 @@ class HorovodInternalError(RuntimeError):
     that left the job, a name still in flight."""
 
 
-# -- tensors lent to c10d ---------------------------------------------------------------------
-# Gloo's worker thread drops a finished work a moment after wait() has returned. If a tensor the
-# work holds has no Python reference left by then, dropping it needs the GIL, and a thread that
-# asks for the GIL while the interpreter shuts down is ended mid-destructor: the process aborts
-# ("terminate called without an active exception"). So c10d only ever gets aliases (their own
-# reference count, same storage) that stay referenced here until c10d has let go of them, and
-# at exit we wait (a moment, bounded) for that before the interpreter tears down.
-_lent: list[torch.Tensor] = []
-
-
-def _lend(tensor: torch.Tensor) -> torch.Tensor:
-    """An alias of ``tensor`` for c10d (same storage), kept until c10d has dropped it."""
-    _lent[:] = [t for t in _lent if t._use_count() > 1]
-    alias = tensor.detach()
-    _lent.append(alias)
-    return alias
-
-
-@atexit.register
-def _await_returns(limit_s: float = 2.0) -> bool:
-    """Wait until c10d has dropped every lent tensor (bounded: a collective that never
-    finished keeps its own); whether it had. Runs at exit."""
-    deadline = time.monotonic() + limit_s
-    while any(t._use_count() > 1 for t in _lent) and time.monotonic() < deadline:
-        time.sleep(0.001)  # releases the GIL that Gloo's threads need to drop their works
-    returned = all(t._use_count() == 1 for t in _lent)
-    _lent.clear()
-    return returned
-
-
 # -- the job ----------------------------------------------------------------------------------
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Join the job: the process group ``torchrun`` describes (``RANK``, ``WORLD_SIZE``,
@@ -82,6 +51,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     process (no launcher) is a job of one rank, as with Horovod. An existing default process
     group (the script called ``init_process_group`` itself) is used as it is.
     ``process_sets``: :class:`ProcessSet` objects (or rank lists) to add at once."""
+    if not current().joins:  # (a thread's own runtime is in its world from the start)
+        return
     if comm is not None:
         raise ValueError("the torch engine takes no MPI communicator (comm=): Horovod's MPI "
                          "build does (HVDSYNC_BACKEND=horovod)")
@@ -117,28 +88,30 @@ def _attempt_store(timeout: timedelta) -> dict[str, Any]:
 
 
 def shutdown() -> None:
+    if not current().joins:
+        return
     forget_process_sets()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def is_initialized() -> bool:
-    return dist.is_initialized()
+    return current().api.is_initialized()
 
 
 def _need_init() -> None:
-    if not dist.is_initialized():
+    if not current().api.is_initialized():
         raise ValueError("hvdsync (torch backend) has not been initialized; use hvd.init().")
 
 
 def size() -> int:
     _need_init()
-    return dist.get_world_size()
+    return current().api.get_world_size()
 
 
 def rank() -> int:
     _need_init()
-    return dist.get_rank()
+    return current().api.get_rank()
 
 
 def local_rank() -> int:
@@ -164,7 +137,7 @@ def barrier(process_set: Any = global_process_set) -> None:
     group = _group(process_set)
     _agree("barrier", [], None, process_set)
     with watchdog.guard("hvd.barrier()"):
-        dist.barrier(group=group)
+        current().api.barrier(group=group)
 
 
 def _set_ranks(process_set: Any) -> list[int]:
@@ -214,8 +187,6 @@ def synchronize(handle: Handle) -> Any:
 
 
 # -- the descriptor check (c10d_checks) -------------------------------------------------------
-_in_flight: dict[str, Handle] = {}  # a script's named collectives not yet synchronized
-
 
 def _agree(kind: str, tensors: list, name: Optional[str], process_set: Any, op: Any = None,
            root: Optional[int] = None, scales: tuple = (1.0, 1.0), uneven: bool = False) -> None:
@@ -224,8 +195,8 @@ def _agree(kind: str, tensors: list, name: Optional[str], process_set: Any, op: 
     if not checks.wanted(name):
         return
     group = _group(process_set)
-    n = dist.get_world_size(group)
-    previous = _in_flight.get(name) if name is not None else None
+    n = current().api.get_world_size(group)
+    previous = current().in_flight.get(name) if name is not None else None
     duplicate = previous is not None and not previous.done  # until synchronized: no race
     desc = checks.readable(kind, tensors, name, op, root, scales, uneven, duplicate)
     if n == 1:
@@ -242,9 +213,10 @@ def _agree(kind: str, tensors: list, name: Optional[str], process_set: Any, op: 
 
 def _track(name: Optional[str], handle: Handle) -> Handle:
     if name is not None and checks.wanted(name):
-        for done in [k for k, h in _in_flight.items() if h.done]:
-            del _in_flight[done]
-        _in_flight[name] = handle
+        in_flight = current().in_flight  # a script's named collectives not yet synchronized
+        for done in [k for k, h in in_flight.items() if h.done]:
+            del in_flight[done]
+        in_flight[name] = handle
     return handle
 
 
@@ -255,9 +227,9 @@ def _wait(work: Any) -> None:
 def _gather_ints(mine: torch.Tensor, group: Any, what: str) -> list[list[int]]:
     """Every rank's ``mine`` (int64 vector, equal lengths), blocking (``what``: for the
     watchdog): per rank, a list. The descriptors, and uneven collectives' sizes."""
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    everyone = [torch.empty_like(mine) for _ in range(current().api.get_world_size(group))]
     with watchdog.guard(what):
-        _wait(dist.all_gather([_lend(g) for g in everyone], _lend(mine), group=group,
+        _wait(current().api.all_gather([lend(g) for g in everyone], lend(mine), group=group,
                               async_op=True))
     return torch.stack(everyone).tolist()
 
@@ -296,8 +268,8 @@ def _reduce(flat: torch.Tensor, op: Any, prescale: float, postscale: float,
     ``outputs`` (``flat`` split by numel, copied where it is not the output) with Horovod's
     pre/post scaling."""
     _scale(flat, prescale)
-    n = dist.get_world_size(group)
-    work = (dist.all_reduce(_lend(flat), op=_C10D_OPS[op], group=group, async_op=True)
+    n = current().api.get_world_size(group)
+    work = (current().api.all_reduce(lend(flat), op=_C10D_OPS[op], group=group, async_op=True)
             if n > 1 else None)
     post = postscale / n if op == Average else postscale
 
@@ -373,13 +345,13 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = N
         if t.dim() == 0:
             raise ValueError("allgather needs tensors with at least one dimension")
     _agree("allgather", tensors, name, process_set, uneven=True)
-    n = dist.get_world_size(group)
+    n = current().api.get_world_size(group)
     if n == 1:
         out = [t.clone() for t in tensors]
         return Handle([], lambda: out)
     mine = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
     rows = _gather_ints(mine, group, f"the sizes of the allgather {name!r}")
-    me = dist.get_rank(group)
+    me = current().api.get_rank(group)
     works, unpack = [], []
     for dtype, idx in _by_dtype(tensors).items():
         per_row = [math.prod(tensors[i].shape[1:]) for i in idx]  # values per first-dim row
@@ -390,7 +362,7 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = N
         if lengths[me]:
             send[:lengths[me]].copy_(torch.cat([tensors[i].reshape(-1) for i in idx]))
         recv = [torch.empty(longest, dtype=wire) for _ in range(n)]
-        works.append(dist.all_gather([_lend(r) for r in recv], _lend(send), group=group,
+        works.append(current().api.all_gather([lend(r) for r in recv], lend(send), group=group,
                                      async_op=True))
         unpack.append((idx, per_row, recv))
 
@@ -423,12 +395,12 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     if root_rank not in _set_ranks(process_set):
         raise ValueError(f"root_rank {root_rank} is not in {process_set!r}")
     _agree("broadcast", [tensor], name, process_set, root=root_rank)
-    if dist.get_world_size(group) == 1:
+    if current().api.get_world_size(group) == 1:
         return Handle([], lambda: tensor)
     wire = _WIRE.get(tensor.dtype)
     buf = tensor if wire is None and tensor.is_contiguous() else tensor.detach().to(
         wire or tensor.dtype, memory_format=torch.contiguous_format)
-    work = dist.broadcast(_lend(buf), src=root_rank, group=group, async_op=True)
+    work = current().api.broadcast(lend(buf), src=root_rank, group=group, async_op=True)
 
     def finish() -> torch.Tensor:
         if buf is not tensor:
@@ -448,7 +420,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
     _agree("alltoall", [tensor], name, process_set, uneven=True)
-    n = dist.get_world_size(group)
+    n = current().api.get_world_size(group)
     if splits is None:
         if tensor.shape[0] % n:
             raise ValueError(f"alltoall without splits needs a first dimension divisible by "
@@ -460,12 +432,12 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
             raise ValueError(f"alltoall splits must be {n} counts >= 0 summing to the first "
                              f"dimension {tensor.shape[0]}; got {sent}")
     wire = _WIRE.get(tensor.dtype, tensor.dtype)
-    me = dist.get_rank(group)
+    me = current().api.get_rank(group)
     received = [row[me] for row in _gather_ints(torch.tensor(sent, dtype=torch.int64), group,
                                                  f"the splits of the alltoall {name!r}")]
     out = torch.empty((sum(received), *tensor.shape[1:]), dtype=wire)
     send = tensor.to(wire).contiguous()
-    work = dist.all_to_all_single(_lend(out), _lend(send), received, sent, group=group,
+    work = current().api.all_to_all_single(lend(out), lend(send), received, sent, group=group,
                                   async_op=True) if n > 1 else None
     if work is None:
         out.copy_(send)

@@ -13,13 +13,10 @@ order; a first poll finds a collective in flight; and no wait outlasts the world
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 import threading
 import traceback
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any, Optional
 
 import numpy as np
@@ -27,6 +24,7 @@ import torch
 import torch.distributed as _real_dist
 
 from hvdsync.rank_errors import RanksFailed, SimulationError
+from hvdsync.torch.c10d_runtime import Runtime, running_on
 
 NAME = "simulated"
 
@@ -156,7 +154,7 @@ class World:
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = None
             ) -> list[Any]:
         """``fn(*args, **kwargs)`` on every simulated rank; the results in rank order."""
-        from hvdsync.torch import engine
+        from hvdsync.torch import c10d, engine
         kwargs = kwargs or {}
         results: list[Any] = [None] * self.size
         errors: dict[int, str] = {}
@@ -165,7 +163,7 @@ class World:
 
         def body(r: int) -> None:
             _CURRENT.world, _CURRENT.rank = self, r
-            with engine.on_this_thread(NAME, OPS):
+            with engine.on_this_thread(NAME, c10d), running_on(RUNTIME):
                 self.take_turn()
                 try:
                     results[r] = fn(*args, **kwargs)
@@ -290,22 +288,8 @@ class _Current(threading.local):
 _CURRENT = _Current()
 
 
-def _backend_over(dist: _Dist) -> ModuleType:
-    """A private copy of :mod:`hvdsync.torch.c10d` whose ``dist`` is ``dist``."""
-    name = __name__ + "._backend"
-    origin = importlib.util.find_spec("hvdsync.torch.c10d").origin
-    spec = importlib.util.spec_from_file_location(name, origin)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    module.dist = dist
-    module.init = lambda *a, **k: None  # a simulated rank is in its world from the start
-    module.shutdown = lambda: None
-    return module
-
-
-#: Horovod's torch API for simulated ranks (the torch backend's code over :class:`_Dist`)
-OPS = _backend_over(_Dist())
+#: the simulated ranks' runtime of :mod:`hvdsync.torch.c10d` (its code, over :class:`_Dist`)
+RUNTIME = Runtime(_Dist(), joins=False)
 
 
 def run(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: Optional[dict] = None,
