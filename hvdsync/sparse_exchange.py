@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from hvdsync.pending import Pending
-from hvdsync.ports import Gradients, RowSparse
+from hvdsync.ports import Communicator, Gradients, RowSparse
 from hvdsync.sparse import ABSENT, DENSE, SparseConfig, SparseProtocol, SparseTransport
 from hvdsync.stats import SyncStats
 
@@ -53,7 +53,7 @@ class SparseExchange(SparseTransport):
     # outside the decider's branches (they are not decidable), and beside lowrank='s rounds
     traced_with = ("clip", "plain", "threshold", "select", "lowrank")
 
-    def __init__(self, config: SparseConfig, grads: Gradients, comm: Any, rows: RowSparse,
+    def __init__(self, config: SparseConfig, grads: Gradients, comm: Communicator, rows: RowSparse,
                  stats: SyncStats, names: Sequence[str], shapes: Sequence[Sequence[int]],
                  wire_itemsize: Sequence[int], layers: int):
         self.config, self.grads, self.comm, self.rows, self.stats = (
@@ -85,13 +85,13 @@ class SparseExchange(SparseTransport):
         self._queue += [(li, k) for k in ks]
 
     def fill(self, li: int, k: int):
-        i = int(self.grads.key(li, k))
-        return self._empty(li, k) if self.protocol.is_sparse(i) else None
+        return self._empty(li, k) if self.protocol.is_sparse(int(self.grads.key(li, k))) \
+            else None
 
     def _empty(self, li: int, k: int):
         """No rows, for a rank on which a parameter was not used while others have rows."""
-        i = int(self.grads.key(li, k))
-        return self.rows.empty(self.grads.value(li, k), self.protocol.sparse_dim(i))
+        return self.rows.empty(self.grads.value(li, k),
+                               self.protocol.sparse_dim(int(self.grads.key(li, k))))
 
     def backward_done(self) -> None:
         """Every parameter's layout code; counts first: share them now (one collective)."""
@@ -140,10 +140,11 @@ class SparseExchange(SparseTransport):
             g = self.grads.get(li, k)
             if g is None:
                 self.grads.set(li, k, self._empty(li, k))
-            elif not self.grads.is_row_sparse(li, k):  # dense here, sparse elsewhere: the
+            elif not self.grads.is_row_sparse(li, k):  # dense here, sparse elsewhere: it
+                # goes as rows, and absorbing the codes raises on every rank alike
                 self.grads.set(li, k, self.rows.as_rows(g, self.protocol.sparse_dim(i)))
         routes = ["dense" if self.protocol.predicted[i] == "dense" else "gather"
-                  for i in positions]  # (absorbing the codes raises on the mixed layout)
+                  for i in positions]
         self._done = set(positions)
         return self._send(positions, routes, header=self.protocol.codes)
 

@@ -62,8 +62,7 @@ class TracedSparseExchange(SparseExchange, TracedRounds):
                   if any(g.is_row_sparse(li, k) for k in range(g.size(li)))]
         self._traced = [int(g.key(li, k)) for li in layers for k in range(g.size(li))
                         if g.is_row_sparse(li, k)]
-        self._at = {int(g.key(li, k)): (li, k) for li in range(len(g.layer_vars))
-                    for k in range(g.size(li))}  # the step's variables
+        self._at = {i: (li, k) for i, li, k in self._each()}  # the step's variables
         # the lookups before anything merged them (a local clip sums duplicates first)
         self._lookups = {i: tf.cast(tf.shape(g.get(*self._at[i]).indices)[0], tf.int64)
                          for i in self._traced}
@@ -78,16 +77,13 @@ class TracedSparseExchange(SparseExchange, TracedRounds):
         divide_by = comm.size if comm.averages else 1
         merged, duplicates = {}, {}
         codes = [tf.constant(ABSENT, tf.int64), tf.constant(0, tf.int64)] * n
-        for li in range(len(g.layer_vars)):  # every variable of the step, as eagerly
-            for k in range(g.size(li)):
-                i = int(g.key(li, k))
-                codes[2 * i] = tf.constant(DENSE, tf.int64)
-                if g.is_row_sparse(li, k):
-                    raw = g.get(li, k)
-                    merged[i] = coalesce(raw)
-                    rows = tf.cast(tf.shape(merged[i].indices)[0], tf.int64)
-                    duplicates[i] = self._lookups[i] - rows
-                    codes[2 * i], codes[2 * i + 1] = rows, tf.constant(1, tf.int64)
+        for i, li, k in self._each():  # every variable of the step, as eagerly
+            codes[2 * i] = tf.constant(DENSE, tf.int64)
+            if g.is_row_sparse(li, k):
+                merged[i] = coalesce(g.get(li, k))
+                rows = tf.cast(tf.shape(merged[i].indices)[0], tf.int64)
+                duplicates[i] = self._lookups[i] - rows
+                codes[2 * i], codes[2 * i + 1] = rows, tf.constant(1, tf.int64)
         codes = tf.stack(codes)
         dense = tf.cond(flags["counts_first"], lambda: self._routes_from(self._gathered(
             comm.allgather([tf.reshape(codes, [1, -1])], "hvdsync.sparse.layouts")[0])),

@@ -129,8 +129,15 @@ class TracedStep:
         self.held_norms, self.bads, self.steps = [], [], []  # (steps: a decider's layers)
         self.params_of: dict[int, list] = {}
         self.local_layers: list[tuple[int, list[int], list]] = []
+        # set by begin(): the transports' groups, the layers in them, the layers a decider's
+        # plan sends by a transport's rounds (lowrank= beside threshold=), who exchanges
+        self.groups: list[tuple[Technique, list[int]]] = []
+        self.grouped: set[int] = set()
+        self.decided: dict[int, Technique] = {}
+        self.exchangers: list[Technique] = []
 
     def build(self) -> None:
+        """The whole step, moment by moment."""
         self.begin()
         for li, positions in self.layers:
             self.layer_ready(li, positions)
@@ -138,6 +145,8 @@ class TracedStep:
         self.end(*self.commit())
 
     def begin(self) -> None:
+        """The step's gradients as the techniques see them, the transports' groups, the
+        decider's plan and every technique's host flags."""
         pipeline, kept = self.pipeline, self.kept
         pipeline.grads.begin_step(self.variables, self.grads)  # as techniques see them
         groups = [(t, group) for t in pipeline.transports if isinstance(t, TracedRounds)
@@ -150,7 +159,6 @@ class TracedStep:
                 "through the step pipeline")
         # beside a decider, a decidable transport's layers (lowrank=) go where the plan says,
         # one layer's rounds in the branch that sends it; the others' groups (sparse=) every step
-        self.decided: dict[int, Technique] = {}
         if kept is not None:
             self.decided = {li: t for t, group in groups if t.decidable for li in group}
             if len(self.decided) < sum(len(g) for t, g in groups if t.decidable):

@@ -17,13 +17,14 @@ import torch.distributed as dist
 
 
 class Runtime:
-    """What :mod:`hvdsync.torch.c10d`'s collectives run on: ``api``, the part of ``torch.distributed`` they
-    call (``is_initialized``, ``get_rank``, ``get_world_size``, ``all_reduce``,
-    ``all_gather``, ``broadcast``, ``barrier``, ``all_to_all_single``), and what they keep
-    while they run: the tensors lent to it, a script's named collectives in flight. The
-    process runs on torch.distributed (:data:`PROCESS`); a thread may run on a runtime of its
-    own (:func:`running_on`: the simulated ranks of :mod:`hvdsync.torch.simulated`), which
-    ``init()`` and ``shutdown()`` leave as it is (``joins=False``)."""
+    """What :mod:`hvdsync.torch.c10d`'s collectives run on: ``api``, the part of
+    ``torch.distributed`` they call (``is_initialized``, ``get_rank``, ``get_world_size``,
+    ``all_reduce``, ``all_gather``, ``broadcast``, ``barrier``, ``all_to_all_single``), and
+    what they keep while they run: the tensors lent to it, a script's named collectives in
+    flight. The process runs on torch.distributed (:data:`PROCESS`); a thread may run on a
+    runtime of its own (:func:`running_on`: the simulated ranks of
+    :mod:`hvdsync.torch.simulated`), which ``init()`` and ``shutdown()`` leave as it is
+    (``joins=False``)."""
 
     def __init__(self, api: Any, joins: bool = True):
         self.api = api
