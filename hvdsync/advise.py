@@ -78,6 +78,24 @@ GPU_CLUSTER = Constants(link_efficiency=0.8, collective_s=3.0e-5, fusion_bytes=6
 #: (``clip=`` is for training stability, not speed; the peers are shown for comparison)
 CANDIDATES = ("horovod", "horovod fp16", "hvdsync threshold", "hvdsync select",
               "hvdsync sparse", "hvdsync lowrank", "hvdsync delay", "hvdsync streaming")
+#: how to turn each choice on: the keyword the bench bed ran it with (benchmarks/bench_suite.py)
+KEYWORDS = {
+    "horovod": "", "horovod fp16": "compression=hvd.Compression.fp16",
+    "hvdsync threshold": "threshold=dict(threshold=0.05, relative=True, max_skip=8)",
+    "hvdsync select": "select=dict(k=0.5)", "hvdsync sparse": "sparse=True",
+    "hvdsync lowrank": "lowrank=dict(rank=2, warmup_steps=10)",
+    "hvdsync delay": "delay=dict(staleness=4, average_every=32)",
+    "hvdsync streaming": 'delay="streaming"',
+}
+
+
+def line_to_paste(technique: str) -> str:
+    """The wrapper line that turns ``technique`` on (torch; Keras takes the same keyword)."""
+    keyword = KEYWORDS[technique]
+    return ("opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters()"
+            + (f", {keyword})" if keyword else ")"))
+
+
 #: a technique is recommended over Horovod (or its fp16) only if it predicts at least this
 #: much less time to target: below it, model error and seeds' spread decide
 MARGIN = 0.9
@@ -143,11 +161,58 @@ def _load(spec: str) -> Any:
         raise ValueError(f"--model {spec!r}: {e}") from e
 
 
+def _embeddings(model: Any) -> list[tuple[str, int, bool]]:
+    """``(layer name as perfmodel names it, table rows, whether its gradient is row-sparse)``
+    of each embedding of a torch module or Keras model."""
+    if hasattr(model, "named_modules"):  # torch: row-sparse only with sparse=True
+        import torch
+        kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+        return [(name, m.num_embeddings, bool(m.sparse)) for name, m in model.named_modules()
+                if isinstance(m, kinds)]
+    import keras  # Keras: an Embedding's gradient is IndexedSlices
+    return [(layer.embeddings.path.rsplit("/", 1)[0], int(layer.input_dim), True)
+            for layer in model._flatten_layers(include_self=False)
+            if isinstance(layer, keras.layers.Embedding)]
+
+
+def embedding_rows(model: Any, given: Optional[str], input_shape: Optional[tuple[int, ...]]
+                   ) -> tuple[dict[str, int], list[str]]:
+    """Rows one rank's batch touches per step in each row-sparse embedding (what ``sparse=``
+    sends): ``given`` (``ROWS`` for every embedding, or ``NAME=ROWS,...``), else at most one
+    row per lookup of a batch of ``input_shape``; and notes for the reader."""
+    found = _embeddings(model)
+    notes = [f"{name}: an embedding with sparse=False has dense gradients; build it with "
+             "sparse=True for sparse= to apply" for name, _, sparse in found if not sparse]
+    tables = {name: rows for name, rows, sparse in found if sparse}
+    if not tables:
+        return {}, notes
+    if given:
+        if "=" not in given:
+            return {name: min(int(given), rows) for name, rows in tables.items()}, notes
+        out = {}
+        for part in given.split(","):
+            name, _, rows = part.partition("=")
+            if name.strip() not in tables:
+                raise ValueError(f"--embedding-rows names {name.strip()!r}; the model's "
+                                 f"row-sparse embeddings are {sorted(tables)}")
+            out[name.strip()] = int(rows)
+        return out, notes
+    if input_shape is None:
+        return {}, notes + ["the model has row-sparse embeddings: give --embedding-rows (rows "
+                            "a rank's batch touches per step) or --input-shape to weigh sparse="]
+    lookups = math.prod(input_shape)
+    notes.append(f"embedding rows estimated as at most one per lookup ({lookups} a batch): "
+                 "repeated tokens touch fewer; --embedding-rows sets them")
+    return {name: min(lookups, rows) for name, rows in tables.items()}, notes
+
+
 def sizes_from_module(model: Any, input_shape: Optional[tuple[int, ...]], measure: bool,
-                      compute_s: Optional[float]) -> ModelSizes:
+                      compute_s: Optional[float], rows: Optional[dict[str, int]] = None
+                      ) -> ModelSizes:
     """A torch module's (or Keras model's) sizes; its compute per step timed on random
-    inputs of ``input_shape`` (``measure``) or given."""
-    layers = perfmodel.layers_of(model)
+    inputs of ``input_shape`` (``measure``) or given; ``rows``: per embedding, the rows a
+    rank's batch touches (:func:`embedding_rows`)."""
+    layers = perfmodel.layers_of(model, rows)
     adapter = "torch" if hasattr(model, "named_parameters") else "keras"
     if measure:
         if input_shape is None:
@@ -210,7 +275,31 @@ def advise(model: ModelSizes, cluster: Cluster, family: str = "transformer",
         reason += (f" ({peer['prediction'].technique} is predicted faster still, "
                    f"{peer['time_to_target']:.2f}x, outside Horovod)")
     return dict(rows=rows, recommended=best["prediction"].technique, reason=reason,
-                horovod_step_s=base.step_s)
+                horovod_step_s=base.step_s, passed_over=_passed_over(rows, best, family))
+
+
+def _passed_over(rows: list[dict], best: dict, family: str) -> list[str]:
+    """Why each row with a faster predicted step than the recommendation's is not it."""
+    out = []
+    for r in rows:
+        p = r["prediction"]
+        if r is best or p.step_s >= best["prediction"].step_s:
+            continue
+        if p.technique.startswith("ddp"):
+            why = "a DDP peer, not a drop-in for Horovod's optimizer"
+        elif p.technique not in CANDIDATES:
+            why = "not a communication technique (nothing on, or clip= for stability)"
+        elif r["time_to_target"] is None:
+            why = f"its steps to target for the {family} family: {r['source']}"
+        elif r["time_to_target"] >= best["time_to_target"]:
+            why = (f"needs {max(r['steps_factor'], 1.0):.2f}x the steps ({r['source']}): "
+                   f"{r['time_to_target']:.2f}x Horovod's time to target")
+        else:
+            why = (f"{r['time_to_target']:.2f}x Horovod's time to target, not under {MARGIN:.0%} "
+                   f"of {best['prediction'].technique}'s {best['time_to_target']:.2f}x: "
+                   "within the model's error")
+        out.append(f"{p.technique} ({p.step_s * 1e3:.1f} ms a step): {why}")
+    return out
 
 
 def _human(nbytes: float) -> str:
@@ -276,6 +365,16 @@ def _shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def _rows(text: str) -> str:
+    """``ROWS`` or ``NAME=ROWS,...`` with positive integer rows."""
+    for part in text.split(","):
+        rows = part.partition("=")[2] if "=" in part else part
+        if not rows.strip().isdigit() or int(rows) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give ROWS or NAME=ROWS,... (positive integers)")
+    return text
+
+
 def _description() -> str:
     """The module doc's first paragraph, whole (argparse shows it under usage)."""
     text = " ".join(__doc__.split("::")[0].split()).replace("``", "")
@@ -294,6 +393,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--input-shape", type=_shape,
                     help="with --model --measure: a batch's shape, e.g. 64,32")
     ap.add_argument("--measure", action="store_true", help="time one local step of --model")
+    ap.add_argument("--embedding-rows", type=_rows,
+                    help="with --model: rows a rank's batch touches per step in each "
+                         "row-sparse embedding (ROWS, or NAME=ROWS,...); default: estimated "
+                         "from --input-shape")
     ap.add_argument("--family", choices=list(MEASURED_STEPS), default=None,
                     help="which measured steps-to-target factors apply (default: the preset's, "
                          "else transformer)")
@@ -324,7 +427,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def _advise(args: argparse.Namespace) -> None:
-    family = args.family
+    family, notes = args.family, []
     if args.preset:
         p = presets(args.tokens, args.images)[args.preset]
         compute = p.flops_per_step / (args.device_tflops * 1e12)
@@ -332,8 +435,12 @@ def _advise(args: argparse.Namespace) -> None:
         family = family or p.family
         title = p.what
     elif args.model:
-        sizes = sizes_from_module(_load(args.model), args.input_shape, args.measure,
-                                  None if args.compute_ms is None else args.compute_ms / 1e3)
+        model = _load(args.model)
+        rows, notes = embedding_rows(model, args.embedding_rows, args.input_shape)
+        sizes = sizes_from_module(model, args.input_shape, args.measure,
+                                  None if args.compute_ms is None else args.compute_ms / 1e3,
+                                  rows)
+        family = family or ("embedding" if rows else None)  # (sparse= measured there only)
         title = args.model
     else:
         if args.compute_ms is None:
@@ -357,9 +464,14 @@ def _advise(args: argparse.Namespace) -> None:
           f"{args.bandwidth:g} Gbit/s between nodes; constants: "
           f"{'assumed GPU cluster' if constants is GPU_CLUSTER else 'fitted on the bench bed'}")
     print(format_table(result))
+    for note in notes:
+        print(f"note: {note}")
     print(f"\nrecommended: {result['recommended']} -- {result['reason']}")
+    for line in result["passed_over"]:
+        print(f"  passed over: {line}")
     print("(predictions: docs/at-scale.md; steps-to-target factors are measured on the bench "
           f"bed for the {family} family, not predicted)")
+    print(f"\nto turn it on:\n    {line_to_paste(result['recommended'])}")
 
 
 if __name__ == "__main__":

@@ -221,6 +221,7 @@ def build_techniques(configs: dict[str, Any], *, grads: Gradients, ops: TensorOp
         "plain": lambda _: PlainAllreduce(grads, comm, layer_names),
     }
     techniques = [make[name](configs.get(name)) for name in pipeline_order(configs)]
+    stats.describe(enabled(configs), lambda: comm.size)
     for t in list(techniques):  # compositions the techniques declare (Technique.carries)
         for name in t.carries:
             at = [i for i, other in enumerate(techniques) if other.name == name]

@@ -11,7 +11,7 @@ Techniques add their own named counters with :meth:`SyncStats.count` (e.g. ``cli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,9 @@ class SyncStats:
 
     def __init__(self, layer_names: Sequence[str], backend: str = "horovod"):
         self.backend = backend
+        #: the techniques' keywords on and the ranks, for :meth:`summary` (:meth:`describe`)
+        self.techniques: list[str] = []
+        self._world_size: Callable[[], int] = lambda: 1
         self.layers: dict[str, LayerCounters] = {n: LayerCounters() for n in layer_names}
         self.total = StepRecord()
         self.last = StepRecord()
@@ -115,27 +118,101 @@ class SyncStats:
             "layers": {k: dict(v.__dict__) for k, v in self.layers.items()},
         }
 
+    def describe(self, techniques: Sequence[str], world_size: Callable[[], int]) -> None:
+        """What :meth:`summary` names: the techniques on (their keywords) and the ranks now."""
+        self.techniques = list(techniques)
+        self._world_size = world_size
+
     def summary(self, max_layers: int = 20) -> str:
-        """A human-readable table of totals and per-layer counts."""
-        t = self.total
+        """A table for people: what ran, what was sent against plain Horovod's dense bytes,
+        ``delay=``'s local steps and synchronizations, every counter with what it means, and
+        the layers."""
+        t, size = self.total, self._world_size()
         steps = max(t.step, 1)
-        ratio = f"{t.bytes_sent / t.bytes_dense:.3f}" if t.bytes_dense else "n/a"
-        lines = [
-            f"hvdsync ({self.backend}): {t.step} steps, {human_bytes(t.bytes_sent)} sent "
-            f"({human_bytes(t.bytes_sent / steps)}/step, {ratio} of dense), "
-            f"{t.collectives / steps:.1f} collectives/step, "
-            f"layers sent {t.layers_sent} / skipped {t.layers_skipped}",
-        ]
+        on = ", ".join(f"{name}=" for name in self.techniques) or "nothing (plain averaging)"
+        rows = [("steps", f"{t.step}")]
+        dense = f"plain Horovod's {human_bytes(t.bytes_dense)} (dense, uncompressed)"
+        if size == 1:
+            rows.append(("bytes sent", f"nothing exchanged on one rank; {dense}"))
+        else:
+            ratio = f" = {t.bytes_sent / t.bytes_dense:.3f} of" if t.bytes_dense else ", against"
+            rows += [("bytes sent", f"{human_bytes(t.bytes_sent)} "
+                                    f"({human_bytes(t.bytes_sent / steps)} a step){ratio} {dense}"),
+                     ("collectives", f"{t.collectives / steps:.1f} a step")]
+        if t.layers_sent or t.layers_skipped:
+            rows.append(("layers", f"sent {t.layers_sent}, kept back {t.layers_skipped} "
+                                   "(layer-steps)"))
+        if "delay" in self.techniques:
+            rows.append(("delay=", _delay_line(t)))
+        lines = [f"hvdsync on {self.backend}, {size} rank{'s' * (size != 1)}; techniques: {on}"]
+        lines += _aligned(rows, right=())
         if t.counters:
-            lines.append("  counters: " + ", ".join(f"{k}={v:g}" for k, v in t.counters.items()))
-        width = max((len(n) for n in self.layers), default=5)
-        lines.append(f"  {'layer':<{width}}  {'sent':>6}  {'skipped':>7}  {'bytes':>9}")
-        for name, lc in list(self.layers.items())[:max_layers]:
-            lines.append(f"  {name:<{width}}  {lc.sent:>6}  {lc.skipped:>7}  "
-                         f"{human_bytes(lc.bytes_sent):>9}")
+            lines.append("counters (this rank, every step):")
+            lines += _aligned([(k, f"{v:g}", meaning(k)) for k, v in sorted(t.counters.items())])
+        lines.append("per layer:")
+        lines += _aligned([("layer", "sent", "kept back", "bytes sent")] + [
+            (name, f"{lc.sent}", f"{lc.skipped}", human_bytes(lc.bytes_sent))
+            for name, lc in list(self.layers.items())[:max_layers]], right=(1, 2, 3))
         if len(self.layers) > max_layers:
             lines.append(f"  ... {len(self.layers) - max_layers} more layers")
         return "\n".join(lines)
+
+
+#: what each technique counter counts (``staleness_<n>``: see :func:`meaning`)
+COUNTERS = {
+    "clipped": "layers whose gradient norm was above clip='s limit (scaled down)",
+    "nonfinite": "layers with a NaN/Inf gradient on this rank",
+    "nonfinite_steps": "steps skipped on every rank: a NaN/Inf gradient on some rank",
+    "ready_groups": "groups of layers clipped, measured and sent together (group_mb)",
+    "residual_norm": "select=: norm of what this rank's kept-back layers hold, summed",
+    "sparse_gather": "sparse gradients sent as their rows (grouped allgather)",
+    "sparse_dense": "sparse gradients sent dense (fewer bytes than their rows)",
+    "sparse_none": "sparse gradients with no row on any rank (nothing sent)",
+    "sparse_gather_equal": "row gathers whose counts were equal on every rank",
+    "sparse_duplicate_rows": "rows summed locally before sending (repeated lookups)",
+    "averaged": "delay=: parameter averagings across ranks",
+    "waited": "delay=: steps that waited for a global gradient",
+    "wait_s": "delay=: seconds those waits took",
+    "outstanding": "delay=: global gradients still in flight, summed over steps",
+    "discarded": "delay=: global gradients dropped (a reset, a rank that joined)",
+    "outer_started": "delay=: outer synchronizations started",
+    "outer_merged": "delay=: outer synchronizations merged into the model",
+    "outer_bytes": "delay=: bytes those outer synchronizations sent",
+    "outer_nonfinite": "delay=: outer synchronizations dropped for a NaN/Inf",
+    "entry_tags": "checks that every rank is in the same call (a step, flush, save)",
+}
+
+
+def meaning(counter: str) -> str:
+    """What ``counter`` counts, for people."""
+    if counter.startswith("staleness_"):
+        return f"delay=: global gradients applied {counter[len('staleness_'):]} steps late"
+    return COUNTERS.get(counter, "")
+
+
+def _delay_line(t: StepRecord) -> str:
+    c = t.counters
+    parts = [f"{t.step} local steps"]
+    if c.get("averaged"):
+        parts.append(f"{c['averaged']:g} parameter averagings")
+    if c.get("outer_started"):
+        parts.append(f"{c['outer_started']:g} outer synchronizations "
+                     f"({c.get('outer_merged', 0):g} merged)")
+    return ", ".join(parts)
+
+
+def _aligned(rows: Sequence[tuple[str, ...]], right: tuple[int, ...] = (1,)) -> list[str]:
+    """Rows as indented columns: each as wide as its widest cell; ``right``-aligned columns
+    (numbers) but the last, which runs on."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(r, widths))]
+        if len(r) > 1 and (len(r) - 1) not in right:
+            cells[-1] = r[-1]  # (the last column runs on: no padding)
+        out.append(("  " + "  ".join(cells)).rstrip())
+    return out
 
 
 def human_bytes(n: float) -> str:

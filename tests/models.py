@@ -35,6 +35,18 @@ class MLP(nn.Module):
         return self.out(h)
 
 
+def sparse_embedding(sparse: bool = True) -> nn.Module:
+    """``python -m hvdsync.advise --model tests.models:sparse_embedding``: a 200k-row table
+    (row-sparse gradients) and a small head."""
+    return nn.Sequential(nn.EmbeddingBag(200_000, 64, mode="mean", sparse=sparse),
+                         nn.Linear(64, 10))
+
+
+def dense_embedding() -> nn.Module:
+    """The same, built without ``sparse=True``: its gradient is dense."""
+    return sparse_embedding(sparse=False)
+
+
 def teacher_batches(rank: int, steps: int, batch: int = 16, d_in: int = 12, d_out: int = 4,
                     seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-rank batches labelled by a fixed random teacher (learnable, different on each rank)."""

@@ -5,6 +5,7 @@ and the advisor on presets, on sizes alone and on a demo model (docs/at-scale.md
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -255,7 +256,47 @@ def test_python_m_hvdsync_advise_runs_offline_in_seconds(args):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "recommended:" in out.stdout and "horovod" in out.stdout
+    # every answer ends with the line that turns the choice on
+    assert out.stdout.splitlines()[-1].startswith("    opt = hvd.DistributedOptimizer(opt, "), \
+        out.stdout
     assert time.monotonic() - start < 60
+
+
+SPARSE = ["--model", "tests.models:sparse_embedding", "--compute-ms", "20", "--ranks", "8",
+          "--bandwidth", "0.1"]
+
+
+@pytest.mark.parametrize("rows", [["--input-shape", "64,32"], ["--embedding-rows", "500"],
+                                  ["--embedding-rows", "0=500"]])
+def test_the_advisor_recommends_sparse_for_a_large_sparse_embedding(capsys, rows):
+    """A 200k-row nn.EmbeddingBag(sparse=True) at 100 Mbit/s: its rows (given, or estimated
+    from a batch's shape) make sparse= the answer, with the line to paste."""
+    advise.main(SPARSE + rows)
+    out = capsys.readouterr().out
+    assert "recommended: hvdsync sparse" in out, out
+    assert out.splitlines()[-1].endswith("named_parameters=model.named_parameters(), "
+                                         "sparse=True)"), out
+
+
+def test_the_advisor_says_why_sparse_cannot_apply(capsys):
+    advise.main(["--model", "tests.models:dense_embedding"] + SPARSE[2:]
+                + ["--input-shape", "64,32"])
+    out = capsys.readouterr().out
+    assert "note: 0: an embedding with sparse=False has dense gradients" in out, out
+    assert "recommended: hvdsync sparse" not in out
+    advise.main(SPARSE)  # no rows given and no batch shape: it says what to give
+    assert "give --embedding-rows" in capsys.readouterr().out
+
+
+def test_the_advisor_says_why_a_faster_row_was_passed_over(capsys):
+    advise.main(["--preset", "gpt-125m", "--ranks", "64", "--ranks-per-node", "8",
+                 "--bandwidth", "100"])
+    out = capsys.readouterr().out
+    recommended = re.search(r"^recommended: (.+?) --", out, re.M).group(1)
+    passed = re.findall(r"^  passed over: (.+?) \(", out, re.M)
+    assert passed and recommended not in passed, out
+    assert "ddp+powersgd" in passed and all(": " in line for line in out.splitlines()
+                                            if line.startswith("  passed over:"))
 
 
 def test_fewer_steps_than_horovod_on_one_workload_is_not_credited():
@@ -285,6 +326,9 @@ BASE = ["--params", "25e6", "--layers", "54", "--compute-ms", "120", "--ranks", 
     ("model:nosuch.module:f", "--model"), ("model:examples.torch.train_teacher:nosuch",
                                            "--model"),
     ("model:examples.torch.train_teacher:student --input-shape 64,x", "--input-shape"),
+    ("model:tests.models:sparse_embedding --embedding-rows 0", "--embedding-rows"),
+    ("model:tests.models:sparse_embedding --embedding-rows emb=5 --compute-ms 20",
+     "--embedding-rows"),
 ])
 def test_the_advisor_answers_bad_input_in_one_line(capsys, bad, flag):
     if isinstance(bad, str):  # a --model case: no --params

@@ -63,6 +63,7 @@ def _counted_names() -> set[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr == "count" and node.args
+                    and ast.unparse(node.func.value).endswith("stats")
                     and isinstance(node.args[0], ast.Constant)
                     and isinstance(node.args[0].value, str)):
                 names.add(node.args[0].value)
