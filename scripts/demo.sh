@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--torch-only" ]; then
   shift
   bash scripts/setup.sh --torch-only
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # (torchrun's default, said in a warning)
   exec .venv/bin/torchrun --standalone --nproc-per-node 2 -m examples.torch.compare "$@"
 fi
 bash scripts/setup.sh

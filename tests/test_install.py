@@ -47,6 +47,11 @@ def test_torch_only_setup_and_demo_from_scratch(tmp_path):
         capture_output=True, text=True, check=True).stdout.split()
     assert absent == ["None", "None"], absent
     assert "2 ranks on torch.distributed" in out, out[-3000:]
+    # quiet: the table and what to read next, no warning or log line around them
+    noise = [line for line in out.splitlines() if not line.startswith("[setup]")
+             and re.search(r"Warning|^W\d{4} |tensorflow|absl", line)]
+    assert not noise, noise
+    assert "Next: which technique for your model and network" in out, out[-3000:]
     rows = {}
     for method in ("DDP (baseline)", "hvdsync, nothing on", "clip", "threshold", "select",
                    "lowrank", "delay", "local steps"):

@@ -72,6 +72,8 @@ def main() -> None:
                         for j, (c, w) in enumerate(zip(row, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    print("\nNext: which technique for your model and network -- the README's table, and "
+          "python -m hvdsync.advise (docs/at-scale.md); each technique: docs/<name>.md")
 
 
 if __name__ == "__main__":
