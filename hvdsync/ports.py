@@ -223,7 +223,9 @@ class RowSparse(Protocol):
                      divide_by: int) -> Any:
         """The rows of a summed :meth:`scatter` that some rank had, ``/ divide_by``."""
     def codes(self, codes: Sequence[int], like: Any) -> Any:
-        """``[1, w]``: the int64 ``codes``, bit-cast into ``like``'s dtype (``None``: int64)."""
+        """``[1, w]``: the int64 ``codes``, to travel first in a grouped allgather of tensors
+        like ``like`` (``None``: alone): bit-cast into its dtype where a group takes one
+        dtype (Keras), as int64 where it may mix them (torch)."""
     def codes_of(self, gathered: Any, size: int) -> list[list[int]]:
         """Every rank's codes from a gathered :meth:`codes`."""
     def dtype_key(self, t: Any) -> str: ...

@@ -102,12 +102,12 @@ class TorchRows:
 
     @staticmethod
     def codes(codes: Sequence[int], like: Any) -> torch.Tensor:
-        t = torch.tensor([list(codes)], dtype=torch.int64)
-        return t if like is None else _bitcast(t.to(like.device), like.dtype)
+        # int64 as they are: a grouped allgather of torch's engines takes mixed dtypes
+        return torch.tensor([list(codes)], dtype=torch.int64)
 
     @staticmethod
     def codes_of(gathered: torch.Tensor, size: int) -> list[list[int]]:
-        return _bitcast(gathered.reshape(size, -1), torch.int64).tolist()
+        return gathered.reshape(size, -1).tolist()
 
     @staticmethod
     def dtype_key(t: torch.Tensor) -> str:
