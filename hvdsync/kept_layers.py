@@ -74,8 +74,8 @@ class KeptLayers:
         keys = self._keys(li, ks)
         zero = ops.zero()
         # what the layer holds joins its gradient only while it holds something: a step
-        # that sends every layer pays no pass over each layer to add zeros (docs/keras.md,
-        # "Two passes less")
+        # that sends every layer pays no pass over each layer to add zeros (the Keras lab
+        # notes, benchmarks/results/keras_lab_notes.md: "Two passes less")
         with_held = ops.cond(
             self.held.present(keys[0]),
             lambda: [ops.add(g, ops.cast(self.held.read(key), like=g))

@@ -230,7 +230,8 @@ class LowRankCompression(LowRankBase, TracedRounds):
     # The eager step's rounds, built into the step: ``Q`` and ``E`` live in the adapter's
     # device variables, and warm-up is a branch on a flag the host writes (host_flags). The
     # memory's next values are staged and written once, after every exchange (trace_commit):
-    # an assignment inside a branch with collectives made the step slower (docs/keras.md).
+    # an assignment inside a branch with collectives made the step slower
+    # (benchmarks/results/keras_lab_notes.md).
     # Beside a decider each layer's rounds sit in the branch that sends it, so every layer
     # gets its own rounds whatever ``bucket_bytes`` says (a bucket only shares collectives:
     # the numbers are the eager step's); what they staged leaves that branch (staged,

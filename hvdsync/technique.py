@@ -39,7 +39,8 @@ def control_dtype(ops: "TensorOps", tensors: Iterable[Any]) -> str:
     """The precision a decider's control vector travels in: float64 beside float64
     gradients, else float32 -- the data's, so that Horovod fuses the vector with the step's
     data into one collective instead of running it as a round of its own after them (about a
-    tenth of a decider's step on loopback: docs/keras.md, "A decider's floor"). Its statistics
+    tenth of a decider's step on loopback: benchmarks/results/keras_lab_notes.md, "A
+    decider's floor"). Its statistics
     are float32 values either way; a float32 average of them rounds once more."""
     return "float64" if any(ops.dtype_key(t) == "float64" for t in tensors) else "float32"
 

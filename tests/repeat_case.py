@@ -9,8 +9,8 @@ finished alike::
 
     python -m tests.repeat_case tests.test_keras_techniques delay_flush --fits 50 --jobs 5
 
-(the check of docs/keras.md, "Host flags": before the fix 8 hangs in ~350 fits, after it
-none in 250). Not part of the suite: minutes of real ranks for one case.
+(the check of benchmarks/results/keras_lab_notes.md, "Host flags": before the fix 8 hangs in
+~350 fits, after it none in 250). Not part of the suite: minutes of real ranks for one case.
 """
 
 from __future__ import annotations

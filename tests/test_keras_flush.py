@@ -74,7 +74,8 @@ def test_flush_callback_leaves_identical_replicas(request, shared_job, np_, case
 def test_a_float32_models_control_vector_is_float32(runs):
     """A decider's control vector travels in the gradients' precision (here float32: one
     value per layer, then the non-finite flag), so Horovod fuses it with the data
-    (docs/keras.md, "The control vector in the gradients' precision"); a step that sends no
+    (benchmarks/results/keras_lab_notes.md, "The control vector in the gradients'
+    precision"); a step that sends no
     layer sends that alone."""
     for r in runs["threshold"]:
         assert r["quiet"] and set(r["quiet"]) == {4 * (r["layers"] + 1)}, r["quiet"]

@@ -29,7 +29,8 @@ def _hvdsync_optimizer(model):
 def _broadcast(variables: list, root_rank: int, prefix: str, process_set) -> None:
     """``variables`` set to ``root_rank``'s values: one broadcast per dtype of all of them
     flattened -- an eager collective waits for a negotiation cycle of its own, so one per
-    variable took a 30-layer MLP's model and optimizer 0.33-0.46 s (docs/keras.md). Shapes
+    variable took a 30-layer MLP's model and optimizer 0.33-0.46 s
+    (benchmarks/results/keras_lab_notes.md). Shapes
     the ranks disagree on fail in Horovod (a different total) or in the optimizer's agreement
     check at its build (hvdsync.keras.optimizer), as before."""
     if process_set.size() == 1 or not variables:

@@ -90,7 +90,7 @@ class HostFlags:
         after the call (:meth:`assign_in_graph`). Not an eager assign from inside the host
         call: that one left, in about one 10-step fit in 40, one rank taking the other
         branch of a flag in the next step -- a collective on one rank only, a hang
-        (docs/keras.md, "Host flags")."""
+        (benchmarks/results/keras_lab_notes.md, "Host flags")."""
         self._written = self._now()
         return [np.asarray(self._written[name], bool) for name in self.variables]
 
@@ -343,7 +343,8 @@ class TracedStep:
                    else tf.zeros([0, 2], tf.int64))
         with tf.control_dependencies(done + host_reads):
             # numpy in and out, not py_function's eager tensors: 0.1-0.25 ms less a step (the
-            # plain path 2.5-3.5 % of a small MLP's step: docs/keras.md, "The step's host call")
+            # plain path 2.5-3.5 % of a small MLP's step: benchmarks/results/keras_lab_notes.md,
+            # "The step's host call")
             _, *following = tf.numpy_function(
                 self.on_host_end, [sent, calls, tf.stack(self.dense), record, self.ok, sends,
                                    self.shared, self.own, self.local_bad, self.before, counted],
