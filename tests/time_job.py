@@ -8,8 +8,8 @@ the job's wall time, the ranks' CPU (user and system), and the slowest cases::
     python -m tests.time_job keras tests.test_keras_compiled tests.test_keras_compositions
     python -m tests.time_job torch tests.test_torch_parity --env HOROVOD_CYCLE_TIME=20
 
-(benchmarks/results/suite_timings.md, "Horovod's cycle time, measured"). ``--json FILE`` writes every case's
-seconds (its slowest rank's). Not part of the suite: minutes of real ranks.
+(benchmarks/results/suite_timings.md, "Horovod's cycle time, measured"). ``--json FILE``
+writes every case's seconds (its slowest rank's). Not part of the suite: minutes of real ranks.
 """
 
 from __future__ import annotations
