@@ -7,6 +7,7 @@ codes bit-cast into a value dtype) and two grouped collectives of its communicat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -163,8 +164,12 @@ class SparseExchange(SparseTransport):
         shape, esize = self.shapes[i], self.itemsize[i]
         seen = i in self.protocol.layout or i in self.protocol.known
         s = (self.protocol.sparse_dim(i) if seen else 0) or 1  # (an embedding's, until seen)
-        row = _prod(shape[s:])
-        return (row + index_columns(s, esize)) * esize, _prod(shape) * esize
+        row = math.prod(shape[s:])
+        return (row + index_columns(s, esize)) * esize, math.prod(shape) * esize
+
+    def divisor(self) -> int:
+        """What the ranks' sum is divided by: the ranks for an average, else 1."""
+        return self.comm.size if self.comm.averages else 1
 
     def _route(self, i: int) -> str:
         """This step's route for parameter ``i`` from the shared counts."""
@@ -240,7 +245,7 @@ class SparseExchange(SparseTransport):
         gathered = self.comm.gather_rows(name, first + [packed for _, packed, _ in group])
         if header is not None:
             self._absorb(gathered, header, own_collective=False)
-        divide_by = self.comm.size if self.comm.averages else 1
+        divide_by = self.divisor()
 
         def finisher(j: int, i: int, ctx: Any):
             def finish() -> None:
@@ -257,7 +262,7 @@ class SparseExchange(SparseTransport):
         scattered = [self.rows.scatter(self.grads.get(*self._at[i]), self.shapes[i])
                      for i in positions]
         summed = self.comm.sum_rows("hvdsync.sparse.dense", [b for b, _ in scattered])
-        divide_by = self.comm.size if self.comm.averages else 1
+        divide_by = self.divisor()
 
         def finisher(j: int, i: int, ctx: Any):
             def finish() -> None:
@@ -276,10 +281,3 @@ class SparseExchange(SparseTransport):
             s.finishers.append(finish)
             s.nbytes += self.rows.nbytes(sent)
         sends[self._at[items[0][0]][0]].collectives += 1
-
-
-def _prod(dims: Sequence[int]) -> int:
-    out = 1
-    for d in dims:
-        out *= int(d)
-    return out

@@ -74,7 +74,7 @@ class TracedSparseExchange(SparseExchange, TracedRounds):
         collective; the codes every rank sent and the rows handed on go to variables for
         :meth:`end_traced_step`."""
         g, comm, n = self.grads, self.comm, len(self.shapes)
-        divide_by = comm.size if comm.averages else 1
+        divide_by = self.divisor()
         merged, duplicates = {}, {}
         codes = [tf.constant(ABSENT, tf.int64), tf.constant(0, tf.int64)] * n
         for i, li, k in self._each():  # every variable of the step, as eagerly
