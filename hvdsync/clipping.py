@@ -45,7 +45,20 @@ def _pair(name: str, x: Any) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class ClipConfig:
-    """Per-layer clipping rules; see the module docstring. Validated at construction."""
+    """Per-layer clipping rules (docs/clip.md), validated at construction. A layer's limit is
+    the smallest active one; ``clip=1.0`` is ``ClipConfig(max_norm=1.0)``.
+
+    Args:
+        value: ``(low, high)``: clamp every element, before the norm rules.
+        max_norm: limit the layer's L2 norm.
+        ema: ``(beta, factor)``: limit ``factor`` times the running mean of the layer's norm.
+        variance: ``(beta, k)``: limit ``mean + k * std`` of the layer's norm.
+        ratio: limit ``ratio * max(norm of the layer's parameters, eps)`` (AGC-style).
+        warmup: steps a layer is observed before ``ema`` and ``variance`` apply.
+        eps: the floor of the parameter norm for ``ratio``.
+        mode: ``"local"``: each rank clips its own gradient before sending it; ``"global"``:
+            clip the averaged gradient as each layer arrives.
+    """
 
     value: Optional[tuple[float, float]] = None
     max_norm: Optional[float] = None

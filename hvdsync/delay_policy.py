@@ -26,7 +26,7 @@ def _int_at_least(name: str, value: Any, low: int) -> None:
 @dataclass(frozen=True)
 class DelayConfig:
     """Local updates with stale global gradients and/or an outer synchronization every K
-    steps; see the module docstring and :mod:`hvdsync.outer`.
+    steps (docs/delay.md).
 
     Args:
         staleness: the most steps a global gradient may lag the step that folds it in
@@ -38,8 +38,10 @@ class DelayConfig:
         exchange_gradients: send every step's gradient and fold the stale global gradient
             in. ``False``: a step sends nothing but the outer synchronization (local SGD,
             DiLoCo).
-        outer_lr, outer_momentum, nesterov: the outer optimizer on the pseudo-gradient
-            (``1, 0``: plain model averaging; DiLoCo: ``0.7, 0.9, True``).
+        outer_lr: the outer optimizer's learning rate on the pseudo-gradient (``1`` with
+            ``outer_momentum=0``: plain model averaging; DiLoCo: ``0.7``).
+        outer_momentum: its momentum (DiLoCo: ``0.9``).
+        nesterov: whether that momentum is Nesterov's (DiLoCo: ``True``).
         fragments: the model in this many runs of layers (balanced by bytes), synchronized at
             staggered steps (Streaming DiLoCo); at most one per layer (a model with fewer
             layers gets one fragment per layer).

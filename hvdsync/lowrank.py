@@ -29,16 +29,18 @@ from hvdsync.technique import Transport, refill
 
 @dataclass(frozen=True)
 class LowRankConfig:
-    """Low-rank compression of weight matrices; see the module docstring.
+    """Low-rank compression of weight matrices (docs/lowrank.md).
 
-    ``rank``: columns of the factors (higher: closer to the plain average, more bytes).
-    ``warmup_steps``: steps sent plain before compression starts. ``min_compression``: a
-    matrix is compressed only when its factors are at least this many times smaller than it
-    (``0``: every matrix, whatever the rank). ``seed``: of the first ``Q`` (the same on every
-    rank). ``bucket_bytes``: consecutive layers (in backward order) share their P and Q
-    rounds until their factors reach this many bytes -- fewer collectives, each a little
-    later; ``0``: every layer has its own rounds (as in Keras' compiled step beside a
-    decider, whose branches send one layer each).
+    Args:
+        rank: columns of the factors (higher: closer to the plain average, more bytes).
+        warmup_steps: steps sent plain before compression starts.
+        min_compression: a matrix is compressed only when its factors are at least this many
+            times smaller than it (``0``: every matrix, whatever the rank).
+        seed: of the first ``Q`` (the same on every rank).
+        bucket_bytes: consecutive layers (in backward order) share their P and Q rounds until
+            their factors reach this many bytes -- fewer collectives, each a little later;
+            ``0``: every layer has its own rounds (as in Keras' compiled step beside a
+            decider, whose branches send one layer each).
     """
 
     rank: int = 4

@@ -8,8 +8,8 @@ which collectives run depends only on shared decisions, shared layouts and the f
 order, and where the engine pairs collectives by order (torch.distributed) layers are taken
 in one fixed order, last first, a layer ready early held until those before it are. Layers
 go a *ready group* at a time (``group_bytes`` of gradients; ``0``: each alone), so the
-techniques' tensor work is a few multi-tensor ops per group. docs/design.md walks a gradient
-through, with "Ready groups" and "The no-hang rule".
+techniques' tensor work is a few multi-tensor ops per group. docs/walk.md walks a gradient
+through; docs/design.md has "Ready groups" and "The no-hang rule".
 """
 
 from __future__ import annotations

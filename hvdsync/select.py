@@ -35,16 +35,22 @@ INPUTS = ("embedding", "statistics")
 
 @dataclass(frozen=True)
 class SelectConfig:
-    """Which layers to push each step; see the module docstring.
+    """Which layers to push each step (docs/select.md).
 
-    ``k``: layers pushed per step, an int >= 1 or a fraction in (0, 1] of the layers (rounded
-    up; 0.25 when neither ``k`` nor ``budget`` is given). ``budget``: instead of ``k``, the
-    dense gradient bytes pushed per step on average, an int >= 1 or a fraction in (0, 1] of
-    the model's. ``objective``, ``inputs``: the hypernet's (see the module docstring).
-    ``max_wait``: a layer is pushed at least every ``max_wait + 1`` steps (``None``: no
-    bound). ``ema``, ``embed_dim``, ``hidden``, ``lr``: the hypernet's score smoothing, input
-    embedding size, hidden width and Adam learning rate. ``seed`` initialises the hypernet and
-    the random selector.
+    Args:
+        k: layers pushed per step, an int >= 1 or a fraction in (0, 1] of the layers (rounded
+            up; 0.25 when neither ``k`` nor ``budget`` is given).
+        budget: instead of ``k``, the dense gradient bytes pushed per step on average, an
+            int >= 1 or a fraction in (0, 1] of the model's.
+        selector: ``"hypernet"`` (learned), ``"norm"``, ``"random"`` or ``"round_robin"``.
+        max_wait: a layer is pushed at least every ``max_wait + 1`` steps (``None``: no bound).
+        ema: the hypernet's score smoothing.
+        embed_dim: the hypernet's input embedding size.
+        hidden: the hypernet's hidden width.
+        lr: the hypernet's Adam learning rate.
+        seed: initialises the hypernet and the random selector.
+        objective: what the hypernet learns (docs/select.md).
+        inputs: what the hypernet reads (docs/select.md).
     """
 
     k: Union[int, float, None] = None

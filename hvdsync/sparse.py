@@ -34,14 +34,16 @@ ROUTES = ("none", "gather", "dense")
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """How row-sparse gradients travel; see the module docstring.
+    """How row-sparse gradients travel (docs/sparse.md).
 
-    ``dense_ratio``: switch a gradient to a dense allreduce when its gathered bytes would
-    exceed ``dense_ratio`` times its dense bytes. ``0`` always sends dense, ``math.inf``
-    never does. ``one_round``: share the counts in the same grouped allgather as the rows,
-    routing each gradient by the previous step's counts (one collective round per step, as
-    Horovod's own path); ``False``: counts first in a collective of their own, routes from
-    this step's counts (two rounds).
+    Args:
+        dense_ratio: switch a gradient to a dense allreduce when its gathered bytes would
+            exceed ``dense_ratio`` times its dense bytes. ``0`` always sends dense,
+            ``math.inf`` never does.
+        one_round: share the counts in the same grouped allgather as the rows, routing each
+            gradient by the previous step's counts (one collective round per step, as
+            Horovod's own path); ``False``: counts first in a collective of their own, routes
+            from this step's counts (two rounds).
     """
 
     dense_ratio: float = 1.0

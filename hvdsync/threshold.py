@@ -36,7 +36,17 @@ def _optional_positive_int(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class ThresholdConfig:
-    """When to communicate an accumulated layer; see the module docstring."""
+    """When to communicate an accumulated layer (docs/threshold.md); ``threshold=0.6`` is
+    ``ThresholdConfig(0.6)``.
+
+    Args:
+        threshold: a layer is sent at the next step once the rank-averaged norm of what it
+            will have accumulated reaches this; ``0`` sends every step (Horovod).
+        relative: compare against ``threshold`` times the layer's parameter norm.
+        scope: ``"layer"`` (a decision per layer) or ``"global"`` (one for the whole model).
+        max_skip: send a layer after at most this many skipped steps (``None``: no bound).
+        sync_every: send every layer every this many steps (``None``: never forced).
+    """
 
     threshold: float
     relative: bool = False

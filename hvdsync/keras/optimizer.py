@@ -257,17 +257,25 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
     ``delay_status`` and ``sparse_routes``.
 
     Args:
-        optimizer, name: the Keras optimizer to wrap (built or not); a new name for it.
-        compression, op: ``hvd.Compression.none`` or ``.fp16``; ``hvd.Average`` or ``hvd.Sum``.
+        optimizer: the Keras optimizer to wrap (built or not).
+        name: a new name for it.
+        device_dense: Horovod's; only ``""``.
+        device_sparse: Horovod's; only ``""``.
+        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
+        op: ``hvd.Average`` or ``hvd.Sum``.
         sparse_as_dense: reduce ``IndexedSlices`` gradients (embeddings) as dense tensors.
         gradient_predivide_factor: with Average, scale by 1/f before and f/size after the sum.
         backward_passes_per_step: batches accumulated locally before one exchange and update
             (summed, as Horovod; averaged with ``average_aggregated_gradients=True``).
-        num_groups, groups: Horovod's grouping (an int: contiguous chunks; lists of variables
-            reduced together); not with ``layers``.
+        num_groups: Horovod's deprecated form of ``groups=int``.
+        groups: Horovod's grouping (an int: contiguous chunks; lists of variables reduced
+            together); not with ``layers``.
         process_set: reduce over this Horovod process set only.
-        layers, clip, threshold, select, sparse, lowrank, delay: hvdsync's grouping into
-            layers (by Keras layer, or a callable / mapping) and its techniques
+        average_aggregated_gradients: average the accumulated batches instead of summing.
+        scale_local_gradients: Horovod's; only ``True``.
+        **keywords: hvdsync's ``layers=`` (by Keras layer, or a callable / mapping) and its
+            techniques ``clip=``, ``threshold=``, ``select=``, ``sparse=``, ``lowrank=``,
+            ``delay=``, each a config, a dict of its fields or a shorthand
             (:class:`hvdsync.rules.TechniqueKeywords`).
     """
     layers, techniques = rules.given(keywords, _HOROVOD_ARGS, "DistributedOptimizer")

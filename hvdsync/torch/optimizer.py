@@ -320,16 +320,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         optimizer: the torch optimizer to wrap.
         named_parameters: ``model.named_parameters()``; names identify collectives and group
             parameters into layers. Without it every parameter is its own layer.
-        compression, op: ``hvd.Compression.none`` or ``.fp16``; ``hvd.Average`` or ``hvd.Sum``.
+        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
+        op: ``hvd.Average`` or ``hvd.Sum``.
         backward_passes_per_step: backward passes accumulated locally before a reduction.
         gradient_predivide_factor: with Average, scale by 1/f before and f/size after the sum.
-        num_groups, groups: Horovod's grouping (``num_groups``: deprecated ``groups=int``): an
-            int (contiguous chunks) or lists of parameters reduced together; not with ``layers``.
+        num_groups: Horovod's deprecated form of ``groups=int``.
+        groups: Horovod's grouping: an int (contiguous chunks) or lists of parameters reduced
+            together; not with ``layers``.
         sparse_as_dense: reduce sparse gradients as dense tensors.
         process_set: reduce over this process set only (default: every rank).
-        layers, clip, threshold, select, sparse, lowrank, delay: hvdsync's grouping into
-            layers and its techniques (:class:`hvdsync.rules.TechniqueKeywords`). With
-            ``delay=`` call :meth:`flush` before evaluating or saving.
+        **keywords: hvdsync's ``layers=`` (its grouping of parameters into layers) and its
+            techniques ``clip=``, ``threshold=``, ``select=``, ``sparse=``, ``lowrank=``,
+            ``delay=``, each a config, a dict of its fields or a shorthand
+            (:class:`hvdsync.rules.TechniqueKeywords`). With ``delay=`` call ``flush()``
+            before evaluating or saving.
         scaler: the ``torch.amp.GradScaler`` of mixed precision: the techniques see unscaled
             gradients; ``synchronize()`` leaves them scaled (docs/mixed_precision.md).
         group_mb: the size of a *ready group* in MiB (default 25, DDP's bucket size):
