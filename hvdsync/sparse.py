@@ -187,7 +187,8 @@ class SparseProtocol:
                 "hvdsync: sparse= is on, but no gradient of the first full step was row-sparse, "
                 "so every layer goes dense as without it. Row-sparse gradients come from "
                 "torch's nn.Embedding / nn.EmbeddingBag with sparse=True and from Keras' "
-                "Embedding layers (docs/sparse.md); or drop sparse=.", RuntimeWarning,
+                "Embedding layers on the TensorFlow backend; on Keras' torch backend they are "
+                "dense (docs/sparse.md). Or drop sparse=.", RuntimeWarning,
                 stacklevel=2)
 
     def is_sparse(self, i: int) -> bool:

@@ -1,6 +1,7 @@
 """The torch-only install, as a user without a compiler gets it: the README's command on a fresh
 copy of the repository (its own virtualenv, Horovod and TensorFlow absent, not just hidden),
-then the demo on ``torchrun`` with every technique."""
+then the demo on ``torchrun`` with every technique and a Keras ``fit`` on Keras' torch backend,
+and the Keras example."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_torch_only_setup_and_demo_from_scratch(tmp_path):
     assert "Next: which technique for your model and network" in out, out[-3000:]
     rows = {}
     for method in ("DDP (baseline)", "hvdsync, nothing on", "clip", "threshold", "select",
-                   "lowrank", "delay", "local steps"):
+                   "lowrank", "delay", "local steps", "Keras fit, torch backend"):
         rows[method] = next((ln for ln in out.splitlines() if ln.startswith(method)), "")
         assert rows[method].endswith("%"), (method, out[-3000:])
     # nothing enabled: the same accuracy as DDP (the parity tests check the parameters)
@@ -69,3 +70,14 @@ def test_torch_only_setup_and_demo_from_scratch(tmp_path):
                      re.M), sparse.stdout[-3000:]
     assert re.search(r"^  sparse_gather +20  sparse gradients sent as their rows", sparse.stdout,
                      re.M), sparse.stdout[-3000:]
+    # the Keras example, on Keras' torch backend (no TensorFlow in this environment)
+    keras_run = subprocess.run(
+        [str(repo / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "2",
+         "-m", "examples.keras.train_digits", "--epochs", "2", "--threshold", "0.6"],
+        cwd=repo, env={**env, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300)
+    assert keras_run.returncode == 0, (keras_run.stdout + keras_run.stderr)[-6000:]
+    assert re.search(r"^hvdsync on torch, 2 ranks; techniques: threshold=", keras_run.stdout,
+                     re.M), keras_run.stdout[-3000:]
+    accuracy = re.search(r"^test accuracy (\S+)", keras_run.stdout, re.M)
+    assert accuracy and float(accuracy.group(1)) > 0.5, keras_run.stdout[-3000:]

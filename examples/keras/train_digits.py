@@ -9,6 +9,10 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --delay streaming
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras/train_digits.py --save /tmp/digits.keras
 
+Keras' torch backend, no Horovod or TensorFlow needed (``bash scripts/setup.sh --torch-only``):
+
+    KERAS_BACKEND=torch torchrun --nproc-per-node 2 -m examples.keras.train_digits --delay streaming
+
 What differs from a single-process Keras script: ``import hvdsync.keras as hvd``,
 ``hvd.init()``, the optimizer wrapped by ``hvd.DistributedOptimizer`` and the callbacks. Each
 rank trains on its own shard; rank 0 shows the progress bar (with hvdsync's per-step stats:
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -31,12 +36,28 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 import hvdsync.keras as hvd  # noqa: E402
 
 
+class StepTimer(keras.callbacks.Callback):
+    """The seconds ``fit``'s training batches take (not its validation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seconds += time.perf_counter() - self._start
+
+
 def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
           clip: Optional[dict] = None, threshold: Optional[dict] = None,
           select: Optional[dict] = None, delay: Optional[dict | str] = None,
           save: Optional[str] = None, verbose: bool = True,
           lowrank: Optional[dict] = None) -> dict[str, Any]:
-    """Train on this rank's shard with ``model.fit``; return test accuracy and the stats."""
+    """Train on this rank's shard with ``model.fit``; return test accuracy, the stats and the
+    time its training steps took."""
     hvd.init()
     keras.utils.set_random_seed(seed)
     digits = load_digits()
@@ -69,8 +90,9 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
     ]
     if verbose and hvd.rank() == 0:
         print(f"training on {hvd.size()} ranks, {len(x_train)} samples per rank", flush=True)
+    timer = StepTimer()
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
-                        validation_data=(x_test, y_test), callbacks=callbacks,
+                        validation_data=(x_test, y_test), callbacks=callbacks + [timer],
                         verbose=2 if verbose and hvd.rank() == 0 else 0)
     test = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
     if save and hvd.rank() == 0:
@@ -78,7 +100,7 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
     if verbose and hvd.rank() == 0:
         print(f"test accuracy {test['accuracy']:.4f} (loss {test['loss']:.4f})")
     return dict(accuracy=test["accuracy"], loss=test["loss"], history=history.history,
-                stats=opt.stats.as_dict())
+                stats=opt.stats.as_dict(), seconds=timer.seconds, steps=steps * epochs)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

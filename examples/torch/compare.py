@@ -16,6 +16,7 @@ costs in computation, not what it saves on a slow network: for that, see
 from __future__ import annotations
 
 import argparse
+import os
 
 from examples.torch.train_digits import train
 
@@ -31,6 +32,9 @@ CONFIGS = [
                                   compression="fp16")),
     ("local steps, delay=\"streaming\"", dict(delay="streaming")),
 ]
+#: the same MLP trained by Keras' ``fit`` (examples/keras/train_digits.py) on Keras'
+#: torch backend: hvdsync.keras on this job's engine, no TensorFlow needed
+KERAS_ROW = ("Keras fit, torch backend, \"streaming\"", dict(delay="streaming"))
 
 
 def main() -> None:
@@ -45,6 +49,10 @@ def main() -> None:
         r = train(epochs=args.epochs, seed=args.seed, verbose=False, **options)
         baseline = "horovod" if hvd.backend_name() == "horovod" else "DDP"
         rows.append((name.format(baseline=baseline), r))
+    os.environ["KERAS_BACKEND"] = "torch"  # (before Keras is imported)
+    from examples.keras.train_digits import train as keras_train
+    rows.append((KERAS_ROW[0], keras_train(epochs=args.epochs, seed=args.seed, verbose=False,
+                                           **KERAS_ROW[1])))
     if hvd.rank() != 0:
         return
     dense = next(r["stats"]["total"] for _, r in rows if r["stats"] is not None)
@@ -58,12 +66,13 @@ def main() -> None:
     for name, r in rows:
         total = r["stats"]["total"] if r["stats"] is not None else None
         if total is None:  # the baseline sends every gradient, as hvdsync's dense count says
-            sent, skipped = per_step_dense, 0.0
+            sent, skipped, dense = per_step_dense, 0.0, per_step_dense
         else:
             sent = total["bytes_sent"] / max(total["step"], 1)
+            dense = total["bytes_dense"] / max(total["step"], 1)  # (the Keras row's model)
             layers = total["layers_sent"] + total["layers_skipped"]
             skipped = total["layers_skipped"] / layers if layers else 0.0
-        lines.append((name, f"{sent / 1024:.1f}", f"{sent / per_step_dense:.2f}",
+        lines.append((name, f"{sent / 1024:.1f}", f"{sent / dense:.2f}",
                       f"{100 * skipped:.0f} %", f"{1000 * r['seconds'] / r['steps']:.2f}",
                       f"{100 * r['accuracy']:.1f} %"))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]

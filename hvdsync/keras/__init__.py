@@ -1,37 +1,73 @@
-"""``import hvdsync.keras as hvd``: Horovod for Keras 3 (TensorFlow backend), with hvdsync.
+"""``import hvdsync.keras as hvd``: Horovod for Keras 3, with hvdsync, on either backend.
 
-Horovod's ``horovod.tensorflow.keras`` does not work with Keras 3; this module offers the same
-names on ``horovod.tensorflow`` ops: every public name of ``horovod.tensorflow`` (init, size,
-rank, local_rank, allreduce, allgather, broadcast, Compression, Average, Sum, ...), plus
-``DistributedOptimizer`` (hvdsync's, for ``model.compile``/``model.fit``), ``callbacks``
-(:class:`~hvdsync.keras.callbacks.BroadcastGlobalVariablesCallback`,
-:class:`~hvdsync.keras.callbacks.MetricAverageCallback`,
-:class:`~hvdsync.keras.callbacks.LearningRateWarmupCallback`,
-:class:`~hvdsync.keras.callbacks.SyncStatsCallback`,
-:class:`~hvdsync.keras.callbacks.FlushCallback`), ``elastic`` (Horovod Elastic on Keras 3:
-:mod:`hvdsync.keras.elastic`), ``broadcast_variables`` and ``load_model``.
+TensorFlow backend (``horovodrun``): every public name of ``horovod.tensorflow`` (init, size,
+rank, allreduce, Compression, Average, ...), as Horovod's ``horovod.tensorflow.keras`` would
+give them on Keras 3, where it does not work. torch backend (``KERAS_BACKEND=torch``,
+``torchrun`` or ``horovodrun``): the same names from :mod:`hvdsync.torch`'s engine, no
+Horovod build and no TensorFlow needed (:mod:`hvdsync.keras.on_torch`). On both:
+``DistributedOptimizer`` (for ``model.compile``/``model.fit``), :mod:`hvdsync.keras.callbacks`
+(broadcast, metric average, learning-rate warm-up, ``SyncStatsCallback``, ``FlushCallback``),
+``broadcast_variables`` and the config classes; on TensorFlow also ``elastic``, ``load_model``
+and ``save_model``. docs/keras.md says which backend to choose.
 """
 
-try:
-    import horovod.tensorflow as _horovod_tf
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "hvdsync.keras needs Horovod built with TensorFlow support. Horovod 0.28.1 does not "
-        "build as-is on current TensorFlow; run scripts/install_horovod.sh from the hvdsync "
-        f"repository (see README.md). Original error: {e}") from e
+import os as _os
 
-# every name but ``elastic``: hvdsync.keras.elastic is Horovod's, on Keras 3, knowing hvdsync
-globals().update({k: v for k, v in vars(_horovod_tf).items()
-                  if not k.startswith("_") and k != "elastic"})
+_SUPPORTED = ("tensorflow", "torch")
+try:
+    import keras as _keras
+except ImportError as _e:  # e.g. KERAS_BACKEND=jax without JAX installed
+    if _os.environ.get("KERAS_BACKEND", "tensorflow") in _SUPPORTED:
+        raise
+    _keras = None
+_BACKEND = _keras.backend.backend() if _keras is not None else _os.environ["KERAS_BACKEND"]
+#: hvdsync.torch's names that are Horovod's API, given on the torch backend
+_TORCH_NAMES = ("init", "backend_name", "Compression", "Average", "Sum", "Adasum", "Min", "Max",
+                "Product")
+#: on the TensorFlow backend only, with what to use on the torch backend instead
+_TF_ONLY = {"elastic": "torchrun --max-restarts with checkpoints (docs/elastic.md)",
+            "load_model": "keras.models.load_model, then DistributedOptimizer again",
+            "save_model": "model.save on rank 0"}
+
+if _BACKEND == "torch":
+    import hvdsync.torch as _hvd_torch
+    globals().update({_n: getattr(_hvd_torch, _n)
+                      for _n in _hvd_torch._DISPATCHED + _TORCH_NAMES})
+    from hvdsync.keras.on_torch import DistributedOptimizer  # noqa: E402,F401
+
+    def __getattr__(name: str):
+        if name in _hvd_torch._LAZY:  # (their meaning depends on the engine)
+            return getattr(_hvd_torch, name)
+        if name in _TF_ONLY:
+            raise AttributeError(f"hvdsync.keras.{name} is not on Keras' torch backend yet; "
+                                 f"use {_TF_ONLY[name]}")
+        raise AttributeError(f"module 'hvdsync.keras' has no attribute {name!r}")
+elif _BACKEND == "tensorflow":
+    try:
+        import horovod.tensorflow as _horovod_tf
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "hvdsync.keras on the TensorFlow backend needs Horovod built with TensorFlow "
+            "support: run scripts/install_horovod.sh from the hvdsync repository (README.md), "
+            "or use Keras' torch backend (KERAS_BACKEND=torch) under torchrun, which needs no "
+            f"Horovod (docs/keras.md). Original error: {e}") from e
+    # every name but ``elastic``: hvdsync.keras.elastic is Horovod's, on Keras 3, knowing hvdsync
+    globals().update({k: v for k, v in vars(_horovod_tf).items()
+                      if not k.startswith("_") and k != "elastic"})
+    from hvdsync.keras import elastic  # noqa: E402,F401
+    from hvdsync.keras.optimizer import DistributedOptimizer  # noqa: E402,F401,F811
+    from hvdsync.keras.saving import load_model, save_model  # noqa: E402,F401
+else:  # (JAX, NumPy, OpenVINO: no per-layer hooks, no collectives hvdsync can start)
+    raise ImportError(
+        f"hvdsync.keras runs on Keras' TensorFlow or torch backend; KERAS_BACKEND is "
+        f"{_BACKEND!r}. Set KERAS_BACKEND=torch and launch with torchrun (no Horovod needed), "
+        "or KERAS_BACKEND=tensorflow with horovodrun (docs/keras.md)")
 
 from hvdsync.agreement import RanksDisagree  # noqa: E402
 from hvdsync.clipping import ClipConfig  # noqa: E402
 from hvdsync.delay import DelayConfig  # noqa: E402
 from hvdsync.keras import callbacks  # noqa: E402
-from hvdsync.keras import elastic  # noqa: E402
 from hvdsync.keras.callbacks import broadcast_variables  # noqa: E402,F811
-from hvdsync.keras.optimizer import DistributedOptimizer  # noqa: E402,F811
-from hvdsync.keras.saving import load_model, save_model  # noqa: E402
 from hvdsync.lowrank import LowRankConfig  # noqa: E402
 from hvdsync.select import SelectConfig  # noqa: E402
 from hvdsync.sparse import SparseConfig  # noqa: E402

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdsync.keras.comm import payload_bytes
+from hvdsync.keras.params import slots_of
 
 
 class Slots:
@@ -25,17 +26,7 @@ class Slots:
     moments, ...), found by the name Keras gives them (``<variable path>_<slot>``)."""
 
     def __init__(self, optimizer_variables: list, model_variables: list):
-        prefixes = sorted(((v.path.replace("/", "_") + "_", v.path) for v in model_variables),
-                          key=lambda x: -len(x[0]))
-        self.of: dict[str, list] = {v.path: [] for v in model_variables}
-        shapes = {v.path: tuple(v.shape) for v in model_variables}
-        for s in optimizer_variables:
-            if s.name.endswith("gradient_accumulator"):
-                continue
-            for prefix, path in prefixes:  # longest prefix first
-                if s.name.startswith(prefix) and tuple(s.shape) == shapes[path]:
-                    self.of[path].append(s)
-                    break
+        self.of = slots_of(optimizer_variables, model_variables)
 
     def snapshot(self, path: str) -> list[tf.Tensor]:
         return [tf.identity(s.value) for s in self.of[path]]

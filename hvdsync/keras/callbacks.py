@@ -12,11 +12,8 @@ from typing import Optional
 
 import keras
 import numpy as np
-import tensorflow as tf
-from horovod.tensorflow import mpi_ops
-from horovod.tensorflow.mpi_ops import Average, global_process_set
 
-from hvdsync.keras.comm import gather_json
+from hvdsync.keras import collectives
 from hvdsync.watchdog import guard
 
 
@@ -33,22 +30,25 @@ def _broadcast(variables: list, root_rank: int, prefix: str, process_set) -> Non
     (benchmarks/results/keras_lab_notes.md). Shapes
     the ranks disagree on fail in Horovod (a different total) or in the optimizer's agreement
     check at its build (hvdsync.keras.optimizer), as before."""
+    process_set = collectives.global_set() if process_set is None else process_set
     if process_set.size() == 1 or not variables:
         return
-    values = [tf.convert_to_tensor(v.value) for v in variables]
+    ops = keras.ops
+    values = [ops.convert_to_tensor(v.value) for v in variables]
     by_dtype: dict[str, list[int]] = {}
     for i, x in enumerate(values):
-        by_dtype.setdefault(x.dtype.name, []).append(i)
+        by_dtype.setdefault(keras.backend.standardize_dtype(x.dtype), []).append(i)
     for dtype in sorted(by_dtype):  # (the same order on every rank)
         at = by_dtype[dtype]
-        flat = mpi_ops.broadcast(tf.concat([tf.reshape(values[i], [-1]) for i in at], 0),
-                                 root_rank, name=f"{prefix}.{dtype}", process_set=process_set)
-        for i, part in zip(at, tf.split(flat, [int(np.prod(values[i].shape)) for i in at])):
-            variables[i].assign(tf.reshape(part, values[i].shape))
+        flat = collectives.broadcast(ops.concatenate([ops.reshape(values[i], [-1]) for i in at]),
+                                     root_rank, f"{prefix}.{dtype}", process_set)
+        ends = np.cumsum([int(np.prod(values[i].shape)) for i in at])
+        for i, start, end in zip(at, [0, *ends[:-1]], ends):
+            variables[i].assign(ops.reshape(flat[int(start):int(end)], values[i].shape))
 
 
 def broadcast_variables(variables: list, root_rank: int = 0,
-                        process_set=global_process_set) -> None:
+                        process_set=None) -> None:
     """Set ``variables`` (Keras or TensorFlow variables) on every rank to their values on
     ``root_rank`` (eager; call on every rank)."""
     _broadcast(list(variables), root_rank, "hvdsync.broadcast", process_set)
@@ -65,7 +65,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     the first step with its optimizer, which starts from identical zeros on every rank.
     """
 
-    def __init__(self, root_rank: int = 0, process_set=global_process_set):
+    def __init__(self, root_rank: int = 0, process_set=None):
         super().__init__()
         self.root_rank = root_rank
         self.process_set = process_set
@@ -94,17 +94,20 @@ class MetricAverageCallback(keras.callbacks.Callback):
     one rank logs, would otherwise make the averaging collective differ between ranks): the
     metrics every rank has are averaged, the others are left as they are, with a warning."""
 
-    def __init__(self, process_set=global_process_set):
+    def __init__(self, process_set=None):
         super().__init__()
         self.process_set = process_set
         self._warned = False
 
     def on_epoch_end(self, epoch, logs=None):
+        if self.process_set is None:
+            self.process_set = collectives.global_set()
         if self.process_set.size() == 1:
             return
         logs = logs if logs is not None else {}
         mine = sorted(k for k, v in logs.items() if np.isscalar(v) or np.ndim(v) == 0)
-        everyone = gather_json(mine, f"hvdsync.metrics.keys.{epoch}", self.process_set)
+        everyone = collectives.gather_json(mine, f"hvdsync.metrics.keys.{epoch}",
+                                           self.process_set)
         keys = [k for k in mine if all(k in other for other in everyone)]
         partial = sorted({k for other in everyone for k in other} - set(keys))
         if partial and not self._warned:
@@ -113,10 +116,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
                           "rank, so they are not averaged", RuntimeWarning, stacklevel=2)
         if not keys:
             return
-        values = tf.constant([float(logs[k]) for k in keys], tf.float64)
         with guard("the metric averaging of MetricAverageCallback"):
-            avg = mpi_ops._allreduce(values, name=f"hvdsync.metrics.{epoch}", op=Average,
-                                     process_set=self.process_set).numpy()
+            avg = collectives.average([float(logs[k]) for k in keys],
+                                      f"hvdsync.metrics.{epoch}", self.process_set)
         for k, v in zip(keys, avg):
             logs[k] = float(v)
 
@@ -137,7 +139,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5,
                  momentum_correction: bool = True, steps_per_epoch: Optional[int] = None,
-                 verbose: int = 0, process_set=global_process_set):
+                 verbose: int = 0, process_set=None):
         super().__init__()
         if not initial_lr > 0:
             raise ValueError(f"initial_lr must be > 0, got {initial_lr}")
@@ -148,7 +150,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.verbose = verbose
-        self.size = process_set.size()
+        self.size = (collectives.global_set() if process_set is None else process_set).size()
         self.current_epoch = 0
         self._restore_momentum: Optional[float] = None
 

@@ -35,7 +35,7 @@ from hvdsync.keras.ops import KerasOps
 from hvdsync.keras.clipping import clip_layers
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.memory import VariableMemory
-from hvdsync.keras.params import groups_to_names, keras_layer_of, relative_names
+from hvdsync.keras.params import groups_to_names, keras_layer_of, mixed_in, relative_names
 from hvdsync.keras.sparse import TracedSparseExchange
 from hvdsync.keras.traced_step import HostFlags, Traffic
 from hvdsync.keras.state import KerasCheckpointing
@@ -342,12 +342,7 @@ def _wrap(optimizer: Any, name: Optional[str], backward_passes_per_step: int) ->
         raise ValueError("the optimizer has gradient_accumulation_steps set; use "
                          "backward_passes_per_step instead (the accumulation must happen "
                          "before the exchange)")
-    base = type(optimizer)
-    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    if name is not None:
-        wrapped.name = name
+    wrapped = mixed_in(optimizer, _DistributedOptimizer, name)
     if backward_passes_per_step > 1:
         wrapped.gradient_accumulation_steps = backward_passes_per_step
     return wrapped

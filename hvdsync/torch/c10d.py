@@ -65,11 +65,28 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
         else:
+            _refuse_other_launchers()
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
     for ps in () if process_sets in (None, "dynamic") else process_sets:  # always dynamic
         if getattr(ps, "process_set_id", None) is None:
             add_process_set(ps)
+
+
+#: how other launchers tell a process it is one of several
+_OTHER_LAUNCHERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def _refuse_other_launchers() -> None:
+    """A process that mpirun or srun started as one of several is not a job of one: each
+    would train alone, silently. Say how to start the job instead."""
+    for var in _OTHER_LAUNCHERS:
+        if os.environ.get(var, "1") not in ("", "0", "1"):
+            raise RuntimeError(
+                f"this process is one of {os.environ[var]} ({var}), but the torch engine joins "
+                "the ranks torchrun starts (RANK, WORLD_SIZE): launch with torchrun "
+                "--nproc-per-node N, or with horovodrun where Horovod is installed "
+                "(docs/backends.md)")
 
 
 def _attempt_store(timeout: timedelta) -> dict[str, Any]:

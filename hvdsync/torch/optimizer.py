@@ -345,6 +345,29 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                                      "DistributedOptimizer")
     group_bytes = int(non_negative_float("group_mb", group_mb) * 2**20)
     _check_wrappable(optimizer, scaler)
+    compression, op, process_set, configs, groups = checked_arguments(
+        compression, op, process_set, backward_passes_per_step, gradient_predivide_factor,
+        sparse_as_dense, num_groups, groups, layers, techniques)
+
+    cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
+    wrapped = cls.__new__(cls)
+    # Share the wrapped optimizer's state (param_groups, state, defaults, hooks): it keeps
+    # its own hyper-parameters and anything it already accumulated.
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
+                          gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                          layers, configs, scaler, group_bytes)
+    return wrapped
+
+
+def checked_arguments(compression: Any, op: Any, process_set: Any,
+                      backward_passes_per_step: int, gradient_predivide_factor: float,
+                      sparse_as_dense: bool, num_groups: int, groups: Any, layers: Any,
+                      techniques: dict[str, Any]) -> tuple[Any, Any, Any, dict, Any]:
+    """Horovod's arguments and hvdsync's techniques checked on the active engine (also for
+    Keras on its torch backend), with Horovod's defaults for what was not given (no
+    compression, ``Average``, the global process set): ``(compression, op, process_set,
+    configs, groups)``."""
     ops = engine.ops()
     compression = ops.Compression.none if compression is None else compression
     op = ops.Average if op is None else op
@@ -356,16 +379,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
         groups=groups, layers=layers, **techniques)
-
-    cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
-    wrapped = cls.__new__(cls)
-    # Share the wrapped optimizer's state (param_groups, state, defaults, hooks): it keeps
-    # its own hyper-parameters and anything it already accumulated.
-    wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
-                          gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                          layers, configs, scaler, group_bytes)
-    return wrapped
+    return compression, op, process_set, configs, groups
 
 
 def _owner(p: torch.Tensor) -> Any:

@@ -1,0 +1,266 @@
+"""hvdsync.keras on Keras' torch backend (``KERAS_BACKEND=torch``), on real torchrun ranks with
+neither Horovod nor TensorFlow importable: ``fit`` with each technique and every pair the
+rulebook allows leaves identical replicas after ``FlushCallback`` and lowers the loss; with
+nothing enabled it gives the weights of Keras with a plain averaged gradient, and each
+technique those of hvdsync.torch and torch's SGD on the same torch model (1e-6); the same
+script runs on horovodrun; a rank that dies ends the job with a message; bad setups are
+refused with the fix. One torchrun job per rank count runs every case."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hvdsync.testing import HIDE_ENV, RanksFailed, run_ranks
+
+ENV = {HIDE_ENV: "horovod,tensorflow", "KERAS_BACKEND": "torch"}
+TORCHRUN = dict(launcher="torchrun", env=ENV)
+STREAMING = "streaming"
+CASES = {  # name: (model, keywords)
+    "plain": ("mlp", {}),
+    "clip": ("mlp", dict(clip=1.0)),
+    "clip_global": ("mlp", dict(clip=dict(max_norm=0.5, mode="global"))),
+    "threshold": ("mlp", dict(threshold=dict(threshold=0.3, max_skip=3))),
+    "select": ("mlp", dict(select=dict(k=1, selector="norm", max_wait=2))),
+    "lowrank": ("mlp", dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0))),
+    # (fold="due": the same steps fold on every run, so torch's run can be compared)
+    "delay": ("mlp", dict(delay=dict(staleness=1, average_every=4, fold="due"))),
+    "streaming": ("mlp", dict(delay=STREAMING)),
+    "sparse": ("embedding", dict(sparse=True)),
+    "clip_threshold": ("mlp", dict(clip=1.0, threshold=dict(threshold=0.3, max_skip=3))),
+    "clip_select": ("mlp", dict(clip=1.0, select=dict(k=1, selector="norm", max_wait=2))),
+    "clip_lowrank": ("mlp", dict(clip=1.0, lowrank=dict(rank=2, warmup_steps=2,
+                                                           min_compression=0))),
+    "clip_delay": ("mlp", dict(clip=1.0, delay=dict(staleness=1, average_every=4))),
+    "threshold_lowrank": ("mlp", dict(threshold=dict(threshold=0.3, max_skip=3),
+                                      lowrank=dict(rank=2, warmup_steps=2, min_compression=0))),
+    "select_lowrank": ("mlp", dict(select=dict(k=1, selector="norm", max_wait=2),
+                                   lowrank=dict(rank=2, warmup_steps=2, min_compression=0))),
+    "lowrank_delay": ("mlp", dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0),
+                                  delay=dict(staleness=1, average_every=4))),
+    "sparse_clip": ("embedding", dict(sparse=True, clip=1.0)),
+    "sparse_threshold": ("embedding", dict(sparse=True, threshold=dict(threshold=0.3,
+                                                                         max_skip=3))),
+    "sparse_select": ("embedding", dict(sparse=True, select=dict(k=1, selector="norm",
+                                                                   max_wait=2))),
+    "sparse_lowrank": ("embedding", dict(sparse=True, lowrank=dict(rank=2, warmup_steps=2,
+                                                                     min_compression=0))),
+}
+#: compared with hvdsync.torch and torch's SGD on the same model: the techniques that keep,
+#: restore or average the optimizer's state (Keras' slots, seen as torch's state)
+AS_TORCH = ("clip", "threshold", "select", "lowrank", "delay", "streaming", "clip_threshold")
+ON_3_RANKS = ("plain", "threshold", "lowrank", "streaming", "sparse", "clip_select")
+
+
+def _data(model: str, rank: int, n: int = 32):
+    """A learnable task, a different shard per rank."""
+    rng = np.random.default_rng(100 + rank)
+    if model == "embedding":
+        x = rng.integers(0, 40, (n, 5))
+        return x, (x.sum(axis=1) % 3).astype("int64")
+    x = rng.standard_normal((n, 8)).astype("float32")
+    return x, np.argmax(x[:, :3] + 0.5 * x[:, 3:6], axis=1).astype("int64")
+
+
+def _model(kind: str):
+    import keras
+    keras.utils.set_random_seed(0)
+    if kind == "embedding":
+        return keras.Sequential([keras.Input((5,), dtype="int64"),
+                                 keras.layers.Embedding(40, 8, name="emb"),
+                                 keras.layers.GlobalAveragePooling1D(),
+                                 keras.layers.Dense(3, name="out")])
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu",
+                                                                   name="fc1"),
+                             keras.layers.Dense(8, activation="relu", name="fc2"),
+                             keras.layers.Dense(3, name="out")])
+
+
+def _weights(model) -> list[float]:
+    return np.concatenate([np.asarray(v.numpy()).ravel() for v in model.weights]).tolist()
+
+
+def _fit(kind: str, optimizer, epochs: int = 3) -> tuple[list, list]:
+    import keras
+
+    import hvdsync.keras as hvd
+    model = _model(kind)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    x, y = _data(kind, hvd.rank())
+    history = model.fit(x, y, epochs=epochs, batch_size=8, shuffle=False, verbose=0,
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                   hvd.callbacks.MetricAverageCallback(),
+                                   hvd.callbacks.FlushCallback()])
+    return _weights(model), history.history["loss"]
+
+
+def _averaged_sgd(lr: float):
+    """Keras' SGD with the gradients averaged over the ranks before each update: the
+    reference a plain DistributedOptimizer must equal."""
+    import keras
+    import torch.distributed as dist
+
+    def average(g, i: int):
+        if dist.is_initialized():  # torchrun: torch.distributed itself
+            dist.all_reduce(g)
+            return g.div_(dist.get_world_size())
+        import horovod.torch  # horovodrun: Horovod's own allreduce
+        return horovod.torch.allreduce(g, name=f"reference.{i}", op=horovod.torch.Average)
+
+    class AveragedSGD(keras.optimizers.SGD):
+        def apply(self, grads, trainable_variables=None):
+            grads = [average(g.clone(), i) for i, g in enumerate(grads)]
+            return super().apply(grads, trainable_variables)
+    return AveragedSGD(lr)
+
+
+def _torch_loop(lr: float, momentum: float = 0.0, **keywords) -> list[float]:
+    """hvdsync.torch on the same Keras model (a torch module): a plain training loop with
+    torch's SGD, flushed where FlushCallback flushes (each epoch's end)."""
+    import keras
+    import torch
+
+    import hvdsync.torch as hvd
+    model = _model("mlp")
+    model.build((None, 8))
+    # a Keras model's parameters are one torch module's, sorted by name: take them in Keras'
+    # order, by path, grouped by Keras layer, as hvdsync.keras does
+    variables = model.trainable_variables
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD([v.value for v in variables], lr=lr, momentum=momentum),
+        named_parameters=[(v.path, v.value) for v in variables],
+        layers=lambda path: path.rsplit("/", 1)[0], **keywords)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = _data("mlp", hvd.rank())
+    for _ in range(3):
+        for i in range(0, len(x), 8):
+            opt.zero_grad()
+            loss_fn(torch.as_tensor(y[i:i + 8]), model(torch.as_tensor(x[i:i + 8]))).backward()
+            opt.step()
+        opt.flush()
+    return _weights(model)
+
+
+def keras_torch_cases(names: tuple[str, ...]) -> dict:
+    """On each rank: every case's weights after ``fit`` and its averaged losses; the references
+    for the plain case; which of TensorFlow and Horovod got imported (neither may)."""
+    import keras
+
+    import hvdsync.keras as hvd
+    hvd.init()
+    out = {}
+    for name in names:
+        kind, keywords = CASES[name]
+        out[name] = _fit(kind, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                                        **keywords))
+    if "plain" in names:
+        out["plain_sgd"] = _fit("mlp", hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)))
+        out["reference"] = _fit("mlp", _averaged_sgd(0.05))
+        out["hvdsync_torch"] = _torch_loop(0.05)
+    for name in [n for n in AS_TORCH if n in names]:  # the same technique on hvdsync.torch
+        out[f"{name}_torch"] = _torch_loop(0.1, 0.9, **CASES[name][1])
+    out["imported"] = sorted(m for m in ("tensorflow", "horovod") if sys.modules.get(m))
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def ranks(request) -> list[dict]:
+    names = tuple(CASES) if request.param == 2 else ON_3_RANKS
+    return run_ranks(keras_torch_cases, request.param, args=(names,), timeout=420, **TORCHRUN)
+
+
+def _case_names(ranks: list[dict]) -> list[str]:
+    return [n for n in CASES if n in ranks[0]]
+
+
+def test_on_horovodrun_too():
+    """Where Horovod is installed, the same script runs on horovodrun (Horovod's engine)."""
+    ranks = run_ranks(keras_torch_cases, 2, args=(("plain", "threshold", "streaming"),),
+                      timeout=300, env={"KERAS_BACKEND": "torch"})
+    test_every_case_leaves_identical_replicas_and_learns(ranks)
+    test_nothing_enabled_equals_an_averaged_gradient_and_hvdsync_torch(ranks)
+
+
+def test_neither_tensorflow_nor_horovod_is_imported(ranks):
+    assert all(r["imported"] == [] for r in ranks)
+
+
+def test_every_case_leaves_identical_replicas_and_learns(ranks):
+    for name in _case_names(ranks):
+        weights = [np.asarray(r[name][0]) for r in ranks]
+        assert all(np.array_equal(weights[0], w) for w in weights[1:]), name
+        losses = ranks[0][name][1]
+        assert all(np.isfinite(losses)) and losses[-1] < losses[0], (name, losses)
+
+
+def test_nothing_enabled_equals_an_averaged_gradient_and_hvdsync_torch(ranks):
+    for r in ranks:
+        plain = np.asarray(r["plain_sgd"][0])
+        np.testing.assert_allclose(plain, r["reference"][0], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(plain, r["hvdsync_torch"], rtol=0, atol=1e-6)
+    assert ranks[0]["plain_sgd"][1][-1] < ranks[0]["plain_sgd"][1][0]  # it trained
+
+
+def dies_mid_fit() -> None:
+    import keras
+
+    import hvdsync.keras as hvd
+    hvd.init()
+
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if hvd.rank() == 1 and batch == 2:
+                os._exit(3)
+    model = _model("mlp")
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data("mlp", hvd.rank(), n=400)
+    model.fit(x, y, epochs=5, batch_size=8, verbose=0, callbacks=[Die()])
+
+
+def test_each_technique_equals_hvdsync_torch_on_the_same_model(ranks):
+    """Keras' SGD with momentum and torch's agree in exact arithmetic; in float32 to ~1e-7."""
+    for name in (n for n in AS_TORCH if n in ranks[0]):
+        for r in ranks:
+            np.testing.assert_allclose(r[name][0], r[f"{name}_torch"], rtol=0, atol=1e-6,
+                                       err_msg=name)
+
+
+def test_a_rank_that_dies_mid_fit_ends_the_job_with_a_message():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(dies_mid_fit, 2, timeout=240, **TORCHRUN)
+    text = str(failed.value)
+    assert "timed out" not in text and "exitcode: 3" in text, text[-3000:]
+
+
+HIDE = "import sys\nfor m in ('horovod', 'tensorflow'):\n    sys.modules[m] = None\n"
+TORCH = {"KERAS_BACKEND": "torch"}
+
+
+@pytest.mark.parametrize("env, code, message", [
+    ({"KERAS_BACKEND": "jax"}, "import hvdsync.keras",
+     "Set KERAS_BACKEND=torch and launch with torchrun"),
+    (TORCH, "import numpy as np, keras, hvdsync.keras as hvd; hvd.init()\n"
+            "m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])\n"
+            "m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD()), loss='mse',"
+            " jit_compile=True)\n"
+            "m.fit(np.zeros((4, 4)), np.zeros((4, 2)), verbose=0)",
+     "pass jit_compile=False to model.compile()"),
+    (TORCH, "import keras, hvdsync.keras as hvd; hvd.init()\n"
+            "hvd.DistributedOptimizer(keras.optimizers.SGD(), clip=dict(max_nrm=1))",
+     "did you mean 'max_norm'"),
+    (TORCH, "import keras, hvdsync.keras as hvd; hvd.init()\n"
+            "hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=2)",
+     "use a larger batch, or the TensorFlow backend"),
+    ({**TORCH, "OMPI_COMM_WORLD_SIZE": "2"}, "import hvdsync.keras as hvd; hvd.init()",
+     "launch with torchrun"),  # started by mpirun as one of 2, not by torchrun
+], ids=["jax", "jit_compile", "config_typo", "accumulation", "mpirun"])
+def test_a_bad_setup_is_refused_with_the_fix(env, code, message):
+    run = subprocess.run([sys.executable, "-c", HIDE + code], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=300)
+    assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
