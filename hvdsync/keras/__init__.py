@@ -7,8 +7,8 @@ give them on Keras 3, where it does not work. torch backend (``KERAS_BACKEND=tor
 Horovod build and no TensorFlow needed (:mod:`hvdsync.keras.on_torch`). On both:
 ``DistributedOptimizer`` (for ``model.compile``/``model.fit``), :mod:`hvdsync.keras.callbacks`
 (broadcast, metric average, learning-rate warm-up, ``SyncStatsCallback``, ``FlushCallback``),
-``broadcast_variables`` and the config classes; on TensorFlow also ``elastic``, ``load_model``
-and ``save_model``. docs/keras.md says which backend to choose.
+``broadcast_variables``, ``load_model``, ``save_model`` and the config classes; on TensorFlow
+also ``elastic``. docs/keras.md says which backend to choose.
 """
 
 import os as _os
@@ -25,9 +25,7 @@ _BACKEND = _keras.backend.backend() if _keras is not None else _os.environ["KERA
 _TORCH_NAMES = ("init", "backend_name", "Compression", "Average", "Sum", "Adasum", "Min", "Max",
                 "Product")
 #: on the TensorFlow backend only, with what to use on the torch backend instead
-_TF_ONLY = {"elastic": "torchrun --max-restarts with checkpoints (docs/elastic.md)",
-            "load_model": "keras.models.load_model, then DistributedOptimizer again",
-            "save_model": "model.save on rank 0"}
+_TF_ONLY = {"elastic": "torchrun --max-restarts with checkpoints (docs/elastic.md)"}
 
 if _BACKEND == "torch":
     import hvdsync.torch as _hvd_torch
@@ -56,7 +54,6 @@ elif _BACKEND == "tensorflow":
                       if not k.startswith("_") and k != "elastic"})
     from hvdsync.keras import elastic  # noqa: E402,F401
     from hvdsync.keras.optimizer import DistributedOptimizer  # noqa: E402,F401,F811
-    from hvdsync.keras.saving import load_model, save_model  # noqa: E402,F401
 else:  # (JAX, NumPy, OpenVINO: no per-layer hooks, no collectives hvdsync can start)
     raise ImportError(
         f"hvdsync.keras runs on Keras' TensorFlow or torch backend; KERAS_BACKEND is "
@@ -68,6 +65,7 @@ from hvdsync.clipping import ClipConfig  # noqa: E402
 from hvdsync.delay import DelayConfig  # noqa: E402
 from hvdsync.keras import callbacks  # noqa: E402
 from hvdsync.keras.callbacks import broadcast_variables  # noqa: E402,F811
+from hvdsync.keras.saving import load_model, save_model  # noqa: E402
 from hvdsync.lowrank import LowRankConfig  # noqa: E402
 from hvdsync.select import SelectConfig  # noqa: E402
 from hvdsync.sparse import SparseConfig  # noqa: E402

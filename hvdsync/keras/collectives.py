@@ -54,3 +54,12 @@ def gather_json(obj: Any, name: str, process_set: Any) -> list:
         return hvd.allgather_object(obj, name=name, **own)
     from hvdsync.keras.comm import gather_json as gather
     return gather(obj, name, process_set)
+
+
+def gather_bytes(data: bytes, name: str, process_set: Any) -> list[bytes]:
+    """Every rank's ``data``, in rank order."""
+    if _on_torch():
+        from hvdsync.torch.functions import gather_bytes as gather
+    else:
+        from hvdsync.keras.comm import gather_bytes as gather
+    return gather(data, name, process_set)

@@ -17,10 +17,11 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any, Optional
 
 import keras
+import numpy as np
 import torch
 
 import hvdsync.torch as hvd_torch
-from hvdsync import rules
+from hvdsync import checkpoint, rules
 from hvdsync.api import SyncAPI
 from hvdsync.keras.params import (groups_to_names, keras_layer_of, mixed_in, relative_names,
                                   slots_of)
@@ -85,6 +86,15 @@ class KerasUpdate(torch.optim.Optimizer):
             self._apply([v.value.grad for v in present], present)
 
 
+def _as_tensors(x: Any) -> Any:
+    """A checkpoint entry as saved (arrays) with torch tensors for its arrays."""
+    if isinstance(x, dict):
+        return {k: _as_tensors(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_as_tensors(v) for v in x]
+    return torch.from_numpy(np.array(x)) if isinstance(x, np.ndarray) else x
+
+
 class _Hvdsync:
     """The wrapper's own state, in one plain object (Keras would track lists set on an
     optimizer and adopt the variables they hold)."""
@@ -93,6 +103,7 @@ class _Hvdsync:
         self.__dict__.update(kw)
         self.torch: Any = None  # hvdsync.torch's optimizer, once built
         self.layers: list[Layer] = []
+        self.pending_state: Optional[dict] = None  # loaded before the optimizer was built
 
 
 class _DistributedOptimizer(SyncAPI):
@@ -120,6 +131,12 @@ class _DistributedOptimizer(SyncAPI):
             layers=layer_of.__getitem__, **hv.options)
         hv.layers = [Layer(n, layer.index, layer.param_names)
                      for n, layer in zip(names, layers)]
+        # what hvd.save_model reads, as on the TensorFlow backend
+        hv.process_set, hv.comm, hv.stats = (hv.torch.process_set, hv.torch._comm,
+                                             hv.torch.stats)
+        if hv.pending_state is not None:  # loaded before the optimizer was built
+            state, hv.pending_state = hv.pending_state, None
+            hv.torch._restore_techniques(state)
 
     def apply(self, grads: list, trainable_variables: Optional[list] = None) -> None:
         """Exchange this step's gradients as the configured techniques say, then update (the
@@ -139,6 +156,34 @@ class _DistributedOptimizer(SyncAPI):
             for i, p in enumerate(hv.torch._hooked):
                 hv.torch._on_grad(i, p)
         hv.torch.step()
+
+    # -- hvdsync's state in Keras' own saving (docs/checkpoints.md) ---------------------------
+    def technique_state(self) -> dict:
+        """hvdsync's checkpoint entry for this optimizer: what ``model.save()`` stores beside
+        the optimizer's variables."""
+        return self._hv.torch._technique_state()
+
+    def save_own_variables(self, store: Any) -> None:
+        super().save_own_variables(store)
+        if self.built and self._configured:
+            state = self.technique_state()
+            every_rank = getattr(self._hv, "every_rank", None)  # hvd.save_model gathered them
+            if every_rank is not None:
+                state = checkpoint.with_every_rank(self._configured, state, every_rank)
+            for key, value in checkpoint.pack_state(state).items():
+                store[key] = value
+
+    def load_own_variables(self, store: Any) -> None:
+        keys = list(store.keys())
+        own = {k: np.asarray(store[k]) for k in keys if k.startswith(checkpoint.STATE_KEY)}
+        super().load_own_variables({k: store[k] for k in keys
+                                    if not k.startswith(checkpoint.STATE_KEY)})
+        if own:
+            state = _as_tensors(checkpoint.unpack_state(own))
+            if self._hv.torch is not None:
+                self._hv.torch._restore_techniques(state)
+            else:
+                self._hv.pending_state = state
 
     def flush(self) -> int:
         iterations = self.iterations.numpy()  # flush's update is not a training step

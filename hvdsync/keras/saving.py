@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import keras
 
-from hvdsync.keras.optimizer import DistributedOptimizer
+from hvdsync.keras import collectives
 
 
 def load_model(filepath: str, custom_optimizers: Optional[list] = None,
@@ -26,6 +26,7 @@ def load_model(filepath: str, custom_optimizers: Optional[list] = None,
     wrapper's saved state too. As Horovod's ``load_model``: ``custom_optimizers`` lists your
     own optimizer classes to wrap as well.
     """
+    from hvdsync.keras import DistributedOptimizer  # (this backend's)
     classes = [c for c in vars(keras.optimizers).values()
                if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)]
     classes += list(custom_optimizers or [])
@@ -50,19 +51,17 @@ def save_model(model, filepath: str, root_rank: int = 0, **kwargs: Any) -> None:
     A collective: call it on every rank; every rank returns once the file is written. With
     ``delay=``, call ``optimizer.flush()`` first (replicas identical)."""
     from hvdsync import checkpoint
-    from hvdsync.keras.comm import gather_bytes
-    from hvdsync.keras.optimizer import _DistributedOptimizer
 
     opt = getattr(model, "optimizer", None)
-    hv = opt._hv if isinstance(opt, _DistributedOptimizer) else None
-    process_set = hv.process_set if hv is not None else _global_process_set()
+    hv = getattr(opt, "_hv", None)  # (hvdsync's optimizer, on either backend)
+    process_set = hv.process_set if hv is not None else collectives.global_set()
     if hv is not None and opt.built and process_set.size() > 1:  # refused where ranks differ
         hv.comm.entries.begin("save", hv.stats.total.step)
         hv.comm.entries.now("save_model's gather")
     if hv is not None and opt.built and opt._configured:
         own = checkpoint.per_rank_part(opt._configured, opt.technique_state())
         # as arrays and JSON, never pickles: nothing another rank sends runs code here
-        hv.every_rank = [checkpoint.state_from_bytes(b) for b in gather_bytes(
+        hv.every_rank = [checkpoint.state_from_bytes(b) for b in collectives.gather_bytes(
             checkpoint.state_bytes(own), "hvdsync.checkpoint.save", process_set)]
     try:
         if process_set.rank() == root_rank:
@@ -70,9 +69,4 @@ def save_model(model, filepath: str, root_rank: int = 0, **kwargs: Any) -> None:
     finally:
         if hv is not None:
             hv.every_rank = None
-    gather_bytes(b"", "hvdsync.checkpoint.written", process_set)  # the file exists for all
-
-
-def _global_process_set():
-    from horovod.tensorflow.mpi_ops import global_process_set
-    return global_process_set
+    collectives.gather_bytes(b"", "hvdsync.checkpoint.written", process_set)  # written for all

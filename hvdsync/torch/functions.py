@@ -27,7 +27,8 @@ def gather_bytes(data: bytes, name: Optional[str] = None, process_set: Any = Non
     """Every rank's ``data``, in rank order: the lengths first, then the bytes."""
     ops = engine.ops()
     ps = process_set or _global_set()
-    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data  # (none: b"")
+            else torch.empty(0, dtype=torch.uint8))
     sizes = ops.synchronize(ops.allgather_async(
         torch.tensor([mine.numel()], dtype=torch.int64),
         None if name is None else f"{name}.sizes", ps)).tolist()

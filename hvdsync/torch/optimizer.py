@@ -207,10 +207,14 @@ class _DistributedOptimizer(SyncAPI):
         state = super().state_dict()
         if self._configured:
             # tensors and plain data: loads with torch.load's default weights_only=True
-            state["hvdsync"] = tensors_only(checkpoint.state_of(
-                self._configured, self._param_signatures, self.process_set.rank(),
-                self.process_set.size()))
+            state["hvdsync"] = tensors_only(self._technique_state())
         return state
+
+    def _technique_state(self) -> dict:
+        """hvdsync's checkpoint entry (docs/checkpoints.md): the techniques' shared state and
+        this rank's memory."""
+        return checkpoint.state_of(self._configured, self._param_signatures,
+                                   self.process_set.rank(), self.process_set.size())
 
     def load_state_dict(self, state_dict) -> None:
         state_dict = dict(state_dict)
@@ -218,6 +222,11 @@ class _DistributedOptimizer(SyncAPI):
         self._pipeline.abandon_step()
         self._start_clean()
         super().load_state_dict(state_dict)
+        self._restore_techniques(own)
+
+    def _restore_techniques(self, own: Optional[dict]) -> None:
+        """Load hvdsync's checkpoint entry (``None``: a checkpoint without one: the techniques
+        start afresh); the next step checks that every rank restored the same."""
         restored = True
         if own is not None:
             restored = checkpoint.load_into(self._configured, own, self._param_signatures,
