@@ -22,12 +22,14 @@ from hvdsync import watchdog
 from hvdsync.agreement import RanksDisagree
 
 #: what each entry point is, as the error names it
-KINDS = {0: "hvd.join() (Horovod's joined rank sends zeros)", 1: "a training step",
+KINDS = {0: "hvd.join() (Horovod's joined rank sends zeros), or gone (a rank whose process "
+            "ended reads as zeros too)", 1: "a training step",
          2: "flush()", 3: "save_checkpoint / save_model",
          4: "the optimizer's construction or a restore check"}
 CODE = {"step": 1, "flush": 2, "save": 3, "start": 4}
 #: the fix the error names, the first that applies in this order
-FIX = {0: "hvdsync's optimizer cannot step while a rank waits in hvd.join(): its steps keep "
+FIX = {0: "if that rank's process ended, its own output says why; if it waits in hvd.join(), "
+       "hvdsync's optimizer cannot step meanwhile: its steps keep "
        "counters that every rank shares; give every rank as many batches (a "
        "DistributedSampler with drop_last=True)",
        2: "call flush() on every rank", 3: "call save_checkpoint / save_model on every rank "

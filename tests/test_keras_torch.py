@@ -9,6 +9,7 @@ refused with the fix. One torchrun job per rank count runs every case."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -251,6 +252,50 @@ def test_a_checkpoint_resumes_bit_for_bit_in_fresh_processes(tmp_path):
     assert first[0]["threshold"][1] > 0  # it kept layers back: its memory had to come back
 
 
+#: on both backends in float64, where their arithmetic agrees far below any decision's margin
+#: (delay= folds when due: the TensorFlow backend's compiled step does). Plain Keras differs
+#: between its two backends by ~3e-8 on this run (its own kernels); checked to 1e-6.
+BOTH = {"plain": {}, "clip": dict(clip=1.0),
+        "threshold": dict(threshold=dict(threshold=1.0, max_skip=3)),
+        "select": dict(select=dict(k=1, selector="norm", max_wait=2)),
+        "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
+        "delay": dict(delay=dict(staleness=1, average_every=4, fold="due")),
+        "streaming": dict(delay=STREAMING)}
+
+
+def on_this_backend() -> dict:
+    """Each case of ``BOTH`` through ``fit`` in float64 on the backend KERAS_BACKEND names."""
+    import keras
+
+    import hvdsync.keras as hvd
+    hvd.init()
+    keras.config.set_floatx("float64")
+    x, y = _data("mlp", hvd.rank())
+    out = {}
+    for name, keywords in BOTH.items():
+        model = _model("mlp")
+        rng = np.random.default_rng(7)  # (the backends' own initializers draw differently)
+        for v in model.weights:
+            v.assign(0.4 * rng.standard_normal(tuple(v.shape)))
+        # hyper-parameters exact in float32, a float64 loss: Keras rounds them through float32
+        # on one backend and not the other
+        model.compile(optimizer=hvd.DistributedOptimizer(
+            keras.optimizers.SGD(0.125, momentum=0.75), **keywords),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float64"))
+        model.fit(x.astype("float64"), y, epochs=3, batch_size=8, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.FlushCallback()])
+        out[name] = _weights(model)
+    return out
+
+
+def test_the_torch_and_tensorflow_backends_agree_per_technique():
+    on_tf = run_ranks(on_this_backend, 2, timeout=400, env={"KERAS_BACKEND": "tensorflow"})
+    on_torch = run_ranks(on_this_backend, 2, timeout=300, **TORCHRUN)
+    for a, b in zip(on_tf, on_torch):
+        for name in BOTH:
+            np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-6, err_msg=name)
+
+
 def dies_mid_fit() -> None:
     import keras
 
@@ -279,8 +324,8 @@ def test_each_technique_equals_hvdsync_torch_on_the_same_model(ranks):
 def test_a_rank_that_dies_mid_fit_ends_the_job_with_a_message():
     with pytest.raises(RanksFailed) as failed:
         run_ranks(dies_mid_fit, 2, timeout=240, **TORCHRUN)
-    text = str(failed.value)
-    assert "timed out" not in text and "exitcode: 3" in text, text[-3000:]
+    text = str(failed.value)  # (torchrun takes the job down; rank 0 may say why first)
+    assert "(hang?)" not in text and re.search(r"exitcode\s*:\s*3", text), text[-3000:]
 
 
 HIDE = "import sys\nfor m in ('horovod', 'tensorflow'):\n    sys.modules[m] = None\n"

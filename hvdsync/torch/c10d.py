@@ -241,6 +241,10 @@ def _wait(work: Any) -> None:
     synchronize(Handle([work], lambda: None))
 
 
+#: more rows than any rank can hold: a gathered size this large is not a size
+_MOST_ROWS = 2**40
+
+
 def _gather_ints(mine: torch.Tensor, group: Any, what: str) -> list[list[int]]:
     """Every rank's ``mine`` (int64 vector, equal lengths), blocking (``what``: for the
     watchdog): per rank, a list. The descriptors, and uneven collectives' sizes."""
@@ -368,6 +372,11 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = N
         return Handle([], lambda: out)
     mine = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
     rows = _gather_ints(mine, group, f"the sizes of the allgather {name!r}")
+    if any(not 0 <= v < _MOST_ROWS for r in rows for v in r):
+        # Gloo can hand back what a peer that is gone never sent instead of failing
+        raise HorovodInternalError(f"a collective failed: the sizes of the allgather {name!r} "
+                                   f"came back as {rows} (a rank of the job failed or left it; "
+                                   "its own output says why)")
     me = current().api.get_rank(group)
     works, unpack = [], []
     for dtype, idx in _by_dtype(tensors).items():
