@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 import hvdsync.torch as hvd_torch
-from hvdsync import checkpoint, rules
+from hvdsync import rules
 from hvdsync.api import SyncAPI
 from hvdsync.keras.params import (groups_to_names, keras_layer_of, mixed_in, relative_names,
                                   slots_of)
+from hvdsync.keras.state import SavedState
 from hvdsync.layers import Layer, build_layers
 from hvdsync.stats import SyncStats
 from hvdsync.torch.optimizer import checked_arguments
@@ -106,7 +107,7 @@ class _Hvdsync:
         self.pending_state: Optional[dict] = None  # loaded before the optimizer was built
 
 
-class _DistributedOptimizer(SyncAPI):
+class _DistributedOptimizer(SavedState, SyncAPI):
     """Mixed in front of the wrapped Keras optimizer's class on the torch backend."""
 
     _hv: _Hvdsync
@@ -136,7 +137,7 @@ class _DistributedOptimizer(SyncAPI):
                                              hv.torch.stats)
         if hv.pending_state is not None:  # loaded before the optimizer was built
             state, hv.pending_state = hv.pending_state, None
-            hv.torch._restore_techniques(state)
+            self._load_state(state)
 
     def apply(self, grads: list, trainable_variables: Optional[list] = None) -> None:
         """Exchange this step's gradients as the configured techniques say, then update (the
@@ -163,27 +164,8 @@ class _DistributedOptimizer(SyncAPI):
         the optimizer's variables."""
         return self._hv.torch._technique_state()
 
-    def save_own_variables(self, store: Any) -> None:
-        super().save_own_variables(store)
-        if self.built and self._configured:
-            state = self.technique_state()
-            every_rank = getattr(self._hv, "every_rank", None)  # hvd.save_model gathered them
-            if every_rank is not None:
-                state = checkpoint.with_every_rank(self._configured, state, every_rank)
-            for key, value in checkpoint.pack_state(state).items():
-                store[key] = value
-
-    def load_own_variables(self, store: Any) -> None:
-        keys = list(store.keys())
-        own = {k: np.asarray(store[k]) for k in keys if k.startswith(checkpoint.STATE_KEY)}
-        super().load_own_variables({k: store[k] for k in keys
-                                    if not k.startswith(checkpoint.STATE_KEY)})
-        if own:
-            state = _as_tensors(checkpoint.unpack_state(own))
-            if self._hv.torch is not None:
-                self._hv.torch._restore_techniques(state)
-            else:
-                self._hv.pending_state = state
+    def _load_state(self, state: dict) -> None:
+        self._hv.torch._restore_techniques(_as_tensors(state))
 
     def flush(self) -> int:
         iterations = self.iterations.numpy()  # flush's update is not a training step

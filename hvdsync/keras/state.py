@@ -10,15 +10,10 @@ import numpy as np
 from hvdsync import checkpoint
 
 
-class KerasCheckpointing:
-    """``technique_state()`` and the ``save_own_variables``/``load_own_variables`` hooks."""
-
-    def technique_state(self) -> dict:
-        """hvdsync's checkpoint entry for this optimizer (docs/checkpoints.md); what
-        ``model.save()`` stores beside the optimizer's variables."""
-        hv = self._hv
-        return checkpoint.state_of(self._configured, hv.signatures, hv.process_set.rank(),
-                                   hv.process_set.size())
+class SavedState:
+    """Keras' ``save_own_variables``/``load_own_variables`` hooks with hvdsync's state beside
+    the optimizer's variables, on either backend: over the wrapper's ``technique_state()``
+    and ``_load_state(state)`` (or ``_hv.pending_state`` until it is built)."""
 
     def save_own_variables(self, store) -> None:
         super().save_own_variables(store)
@@ -29,6 +24,29 @@ class KerasCheckpointing:
                 state = checkpoint.with_every_rank(self._configured, state, every_rank)
             for key, value in checkpoint.pack_state(state).items():
                 store[key] = value
+
+    def load_own_variables(self, store) -> None:
+        keys = list(store.keys())
+        own = {k: store[k] for k in keys if k.startswith(checkpoint.STATE_KEY)}
+        super().load_own_variables({k: store[k] for k in keys
+                                    if not k.startswith(checkpoint.STATE_KEY)})
+        if own:
+            state = checkpoint.unpack_state({k: np.asarray(v) for k, v in own.items()})
+            if self.built:
+                self._load_state(state)
+            else:
+                self._hv.pending_state = state
+
+
+class KerasCheckpointing(SavedState):
+    """``technique_state()`` and what a restore must refresh, on the TensorFlow backend."""
+
+    def technique_state(self) -> dict:
+        """hvdsync's checkpoint entry for this optimizer (docs/checkpoints.md); what
+        ``model.save()`` stores beside the optimizer's variables."""
+        hv = self._hv
+        return checkpoint.state_of(self._configured, hv.signatures, hv.process_set.rank(),
+                                   hv.process_set.size())
 
     def _load_state(self, state: dict) -> None:
         hv = self._hv
@@ -66,18 +84,6 @@ class KerasCheckpointing:
         hv.pipeline.after_load(None)
         hv.restored.assign(False)
         _refresh_traced(hv)
-
-    def load_own_variables(self, store) -> None:
-        keys = list(store.keys())
-        own = {k: store[k] for k in keys if k.startswith(checkpoint.STATE_KEY)}
-        super().load_own_variables({k: store[k] for k in keys
-                                    if not k.startswith(checkpoint.STATE_KEY)})
-        if own:
-            state = checkpoint.unpack_state({k: np.asarray(v) for k, v in own.items()})
-            if self.built:
-                self._load_state(state)
-            else:
-                self._hv.pending_state = state
 
 
 def _refresh_traced(hv: Any) -> None:
