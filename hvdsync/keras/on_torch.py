@@ -149,7 +149,7 @@ class _DistributedOptimizer(SavedState, SyncAPI):
                          else self._trainable_variables)
         if not self.built:
             self.build(variables)
-        if not hv.torch._pipeline.busy:
+        if not hv.torch._backward_seen():
             # backward ran before the hooks existed, or the gradients were made another way:
             # hand them over as the hooks would have
             for g, v in zip(grads, variables):

@@ -126,6 +126,10 @@ class _DistributedOptimizer(SyncAPI):
             if _owner(p) is self:
                 del p._hvdsync_owner
 
+    def _backward_seen(self) -> bool:
+        """Whether a hook counted a backward pass since the last ``synchronize()``."""
+        return any(left != self.backward_passes_per_step for left in self._passes_left)
+
     def _reset_step_counters(self) -> None:
         self._passes_left = [self.backward_passes_per_step] * len(self._hooked)
         self._ready_in_layer = [0] * len(self._layers)
