@@ -296,6 +296,36 @@ def test_the_torch_and_tensorflow_backends_agree_per_technique():
             np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-6, err_msg=name)
 
 
+def nan_on_one_rank() -> dict:
+    """Rank 1's third batch holds a NaN (in each of 2 epochs): those steps are skipped on every
+    rank (threshold= keeps memory that must not take it in), the replicas stay identical and
+    finite."""
+    import keras
+
+    import hvdsync.keras as hvd
+    hvd.init()
+    x, y = _data("mlp", hvd.rank())
+    if hvd.rank() == 1:
+        x[16, 0] = np.nan
+    model = _model("mlp")
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                   threshold=dict(threshold=0.3, max_skip=3))
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    model.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.FlushCallback()])
+    return dict(weights=_weights(model), skipped=opt.stats.total.counters.get("nonfinite_steps"),
+                iterations=int(opt.iterations.numpy()))
+
+
+def test_a_nan_on_one_rank_skips_that_step_on_every_rank():
+    ranks = run_ranks(nan_on_one_rank, 2, timeout=240, **TORCHRUN)
+    a, b = (np.asarray(r["weights"]) for r in ranks)
+    assert np.array_equal(a, b) and np.isfinite(a).all()
+    assert [r["skipped"] for r in ranks] == [2, 2]
+    assert [r["iterations"] for r in ranks] == [6, 6]  # 8 batches, two skipped everywhere
+
+
 def dies_mid_fit() -> None:
     import keras
 
