@@ -105,6 +105,7 @@ class _Hvdsync:
         self.torch: Any = None  # hvdsync.torch's optimizer, once built
         self.layers: list[Layer] = []
         self.pending_state: Optional[dict] = None  # loaded before the optimizer was built
+        self.process_set = self.options["process_set"]  # (hvd.save_model reads it, built or not)
 
 
 class _DistributedOptimizer(SavedState, SyncAPI):
@@ -132,9 +133,8 @@ class _DistributedOptimizer(SavedState, SyncAPI):
             layers=layer_of.__getitem__, **hv.options)
         hv.layers = [Layer(n, layer.index, layer.param_names)
                      for n, layer in zip(names, layers)]
-        # what hvd.save_model reads, as on the TensorFlow backend
-        hv.process_set, hv.comm, hv.stats = (hv.torch.process_set, hv.torch._comm,
-                                             hv.torch.stats)
+        # what hvd.save_model reads of a built optimizer, as on the TensorFlow backend
+        hv.comm, hv.stats = hv.torch._comm, hv.torch.stats
         if hv.pending_state is not None:  # loaded before the optimizer was built
             state, hv.pending_state = hv.pending_state, None
             self._load_state(state)
