@@ -17,7 +17,6 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any, Optional
 
 import keras
-import numpy as np
 import torch
 
 import hvdsync.torch as hvd_torch
@@ -29,6 +28,7 @@ from hvdsync.keras.state import SavedState
 from hvdsync.layers import Layer, build_layers
 from hvdsync.stats import SyncStats
 from hvdsync.torch.optimizer import checked_arguments
+from hvdsync.torch.saving import tensors_only
 
 if TYPE_CHECKING:  # (typing.Unpack is Python 3.11's)
     from typing_extensions import Unpack
@@ -87,15 +87,6 @@ class KerasUpdate(torch.optim.Optimizer):
             self._apply([v.value.grad for v in present], present)
 
 
-def _as_tensors(x: Any) -> Any:
-    """A checkpoint entry as saved (arrays) with torch tensors for its arrays."""
-    if isinstance(x, dict):
-        return {k: _as_tensors(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_as_tensors(v) for v in x]
-    return torch.from_numpy(np.array(x)) if isinstance(x, np.ndarray) else x
-
-
 class _Hvdsync:
     """The wrapper's own state, in one plain object (Keras would track lists set on an
     optimizer and adopt the variables they hold)."""
@@ -103,7 +94,6 @@ class _Hvdsync:
     def __init__(self, **kw: Any):
         self.__dict__.update(kw)
         self.torch: Any = None  # hvdsync.torch's optimizer, once built
-        self.layers: list[Layer] = []
         self.pending_state: Optional[dict] = None  # loaded before the optimizer was built
         self.process_set = self.options["process_set"]  # (hvd.save_model reads it, built or not)
 
@@ -131,8 +121,6 @@ class _DistributedOptimizer(SavedState, SyncAPI):
         hv.torch = hvd_torch.DistributedOptimizer(
             update, named_parameters=[(v.path, v.value) for v in variables],
             layers=layer_of.__getitem__, **hv.options)
-        hv.layers = [Layer(n, layer.index, layer.param_names)
-                     for n, layer in zip(names, layers)]
         # what hvd.save_model reads of a built optimizer, as on the TensorFlow backend
         hv.comm, hv.stats = hv.torch._comm, hv.torch.stats
         if hv.pending_state is not None:  # loaded before the optimizer was built
@@ -165,7 +153,7 @@ class _DistributedOptimizer(SavedState, SyncAPI):
         return self._hv.torch._technique_state()
 
     def _load_state(self, state: dict) -> None:
-        self._hv.torch._restore_techniques(_as_tensors(state))
+        self._hv.torch._restore_techniques(tensors_only(state))
 
     def flush(self) -> int:
         iterations = self.iterations.numpy()  # flush's update is not a training step
@@ -190,7 +178,7 @@ class _DistributedOptimizer(SavedState, SyncAPI):
     @property
     def layers(self) -> list[Layer]:
         """The layers in send order, as :class:`hvdsync.Layer` objects (once built)."""
-        return list(self._hv.layers)
+        return [] if self._hv.torch is None else self._hv.torch.layers
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
