@@ -23,7 +23,7 @@ from typing import Any, Optional
 from hvdsync.carried import Carryable, CarriedCompressor
 from hvdsync.delay_policy import DelayConfig, DelayPolicy, staleness_histogram
 from hvdsync.delay_traced import TracedDelay
-from hvdsync.outer import OuterSync
+from hvdsync.outer import OuterSync, rank_values, restore_rank_values
 from hvdsync.stats import SyncStats
 from hvdsync.pending import Pending, finish_dropped
 from hvdsync.ports import Communicator, Gradients, TensorOps
@@ -54,8 +54,9 @@ class DelayedGradients(TracedDelay, Transport):
     updates_locally = True
     carries = ("lowrank",)  # with lowrank=, each step's exchange is the compressed one
     #: each rank's own memory: the outer exchange's error-feedback residuals, and its
-    #: parameters and optimizer state (they differ between ranks between synchronizations)
-    per_rank = ("outer_residual", "outer_local")
+    #: parameters and optimizer state (they differ between ranks between synchronizations;
+    #: ``local``: the optimizer state, with the stale global gradient and ``"local"`` state)
+    per_rank = ("outer_residual", "outer_local", "local")
 
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats,
@@ -322,10 +323,13 @@ class DelayedGradients(TracedDelay, Transport):
 
     def state_dict(self) -> dict:
         """Shared: the step counter (the schedule) and the outer synchronization's anchors,
-        momentum and exchanges in flight; per rank: its residuals. Outstanding stale global
+        momentum and exchanges in flight; per rank: its residuals, and its optimizer state
+        where each rank keeps its own (``optimizer_state="local"``). Outstanding stale global
         gradients (``exchange_gradients``) are not saved: call ``flush()`` before saving
         (docs/checkpoints.md)."""
         state = {"policy": self.policy.state_dict()}
+        if self.outer is None and self.config.optimizer_state == "local":
+            state["local"] = rank_values(self.grads, len(self.layer_names))
         if self.outer is not None:
             outer = self.outer.state_dict()
             state["outer_residual"] = outer.pop("residual")
@@ -336,6 +340,8 @@ class DelayedGradients(TracedDelay, Transport):
     def load_state_dict(self, state: dict) -> None:
         self.discard()
         self.policy.load_state_dict(state["policy"])
+        if "local" in state:
+            restore_rank_values(self.grads, self.ops, len(self.layer_names), state["local"])
         if self.outer is not None:
             self.outer.load_state_dict({**state.get("outer", {}),
                                         "residual": state.get("outer_residual", {}),

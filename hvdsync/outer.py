@@ -324,12 +324,8 @@ class OuterSync:
         differ between ranks between synchronizations while a checkpoint's model and optimizer
         state are one rank's."""
         g = self.grads
-        local = {}
-        for li in range(len(self.layer_names)):
-            key = g.param_keys(li)[0]
-            local[key] = [g.to_saved(key, x) for x in g.replica_tensors(li, True)]
         return {
-            "local": local,
+            "local": rank_values(g, len(self.layer_names)),
             "anchor": {k: g.to_saved(k, v) for k, v in self.anchor.items()},
             "momentum": {k: g.to_saved(k, v) for k, v in self.momentum.items()},
             "residual": {k: g.to_saved(k, v) for k, v in self.residual.items()},
@@ -345,13 +341,7 @@ class OuterSync:
         self.anchor = {k: g.from_saved(k, v) for k, v in state.get("anchor", {}).items()}
         self.momentum = {k: g.from_saved(k, v) for k, v in state.get("momentum", {}).items()}
         self.residual = {k: g.from_saved(k, v) for k, v in state.get("residual", {}).items()}
-        for li in range(len(self.layer_names)):  # this rank's own values, where saved
-            key = g.param_keys(li)[0]
-            saved = state.get("local", {}).get(key)
-            targets = g.replica_tensors(li, True)
-            if saved is not None and len(saved) == len(targets):
-                for x, v in zip(targets, saved):
-                    self.ops.assign(x, g.from_saved(key, v))
+        restore_rank_values(g, self.ops, len(self.layer_names), state.get("local", {}))
         for ex in state.get("in_flight", []):
             average = {k: g.from_saved(k, v) for k, v in ex["average"].items()}
             self._in_flight[int(ex["fragment"])] = _Exchange(
@@ -369,3 +359,24 @@ class OuterSync:
         return {"fragments": [list(f) for f in self.fragments],
                 "in_flight": sorted(self._in_flight),
                 "last_merged": list(self.last_merged)}
+
+
+def rank_values(g: Gradients, layers: int) -> dict:
+    """This rank's parameters and the optimizer state shaped like them, per layer, to save:
+    they differ between ranks while a checkpoint's model and optimizer state are one rank's."""
+    out = {}
+    for li in range(layers):
+        key = g.param_keys(li)[0]
+        out[key] = [g.to_saved(key, x) for x in g.replica_tensors(li, True)]
+    return out
+
+
+def restore_rank_values(g: Gradients, ops: TensorOps, layers: int, saved: dict) -> None:
+    """Put back what :func:`rank_values` saved on this rank, where it was saved."""
+    for li in range(layers):
+        key = g.param_keys(li)[0]
+        values = saved.get(key)
+        targets = g.replica_tensors(li, True)
+        if values is not None and len(values) == len(targets):
+            for x, v in zip(targets, values):
+                ops.assign(x, g.from_saved(key, v))

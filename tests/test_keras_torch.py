@@ -207,14 +207,16 @@ def test_nothing_enabled_equals_an_averaged_gradient_and_hvdsync_torch(ranks):
     assert ranks[0]["plain_sgd"][1][-1] < ranks[0]["plain_sgd"][1][0]  # it trained
 
 
-#: resumed from hvd.save_model in fresh processes, bit for bit (delay='s stale gradients fold by
-#: arrival or on a schedule the save does not keep exactly: tests/test_torch_resume.py checks
-#: its schedule on the torch adapter the two share)
+#: resumed from hvd.save_model in fresh processes, bit for bit (delay= folding when due: by
+#: arrival, when a gradient is folded depends on timing)
 RESUMED = {"plain": {}, "clip": dict(clip=1.0),
            "threshold": dict(threshold=dict(threshold=1.0, max_skip=3)),
            "select": dict(select=dict(k=1, selector="norm", max_wait=2)),
            "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
-           "streaming": dict(delay=STREAMING)}
+           "streaming": dict(delay=STREAMING),
+           # (saved right after an averaging step, and between two)
+           "delay": dict(delay=dict(staleness=1, average_every=4, fold="due")),
+           "delay_unaveraged": dict(delay=dict(staleness=1, average_every=1000, fold="due"))}
 
 
 def save_then_resume(folder: str, resume: bool) -> dict:
@@ -260,7 +262,8 @@ BOTH = {"plain": {}, "clip": dict(clip=1.0),
         "select": dict(select=dict(k=1, selector="norm", max_wait=2)),
         "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
         "delay": dict(delay=dict(staleness=1, average_every=4, fold="due")),
-        "streaming": dict(delay=STREAMING)}
+        "streaming": dict(delay=STREAMING),
+        "accumulated": dict(backward_passes_per_step=2, clip=1.0)}
 
 
 def on_this_backend() -> dict:
@@ -326,6 +329,117 @@ def test_a_nan_on_one_rank_skips_that_step_on_every_rank():
     assert [r["iterations"] for r in ranks] == [6, 6]  # 8 batches, two skipped everywhere
 
 
+#: loss scaling at 2^16 (float32 compute): the same weights, bit for bit, as without it
+SCALED = {"plain": {}, "clip": dict(clip=1.0),
+          "threshold": dict(threshold=dict(threshold=0.3, max_skip=3)),
+          "select": dict(select=dict(k=1, selector="norm", max_wait=2)),
+          "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
+          "delay": dict(delay=dict(staleness=1, average_every=4, fold="due")),
+          "streaming": dict(delay=STREAMING)}
+
+
+def loss_scaled() -> dict:
+    """Each case of ``SCALED`` without loss scaling and under a LossScaleOptimizer at 2^16,
+    wrapped by hand or handed to hvd.DistributedOptimizer (every other case)."""
+    from keras.optimizers import SGD, LossScaleOptimizer
+
+    import hvdsync.keras as hvd
+    hvd.init()
+    out = {}
+    for i, (name, keywords) in enumerate(SCALED.items()):
+        scale = dict(initial_scale=2.0 ** 16, dynamic_growth_steps=10 ** 6)
+        scaled = (LossScaleOptimizer(hvd.DistributedOptimizer(SGD(0.1, momentum=0.9),
+                                                              **keywords), **scale)
+                  if i % 2 else hvd.DistributedOptimizer(
+                      LossScaleOptimizer(SGD(0.1, momentum=0.9), **scale), **keywords))
+        out[name] = (_fit("mlp", hvd.DistributedOptimizer(SGD(0.1, momentum=0.9), **keywords))[0],
+                     _fit("mlp", scaled)[0], float(scaled.dynamic_scale.numpy()))
+    return out
+
+
+def test_loss_scaling_leaves_every_technique_unchanged_bit_for_bit():
+    for r in run_ranks(loss_scaled, 2, timeout=300, **TORCHRUN):
+        for name, (plain, scaled, scale) in r.items():
+            assert scale == 2.0 ** 16, name  # (no overflow: every step applied)
+            np.testing.assert_array_equal(scaled, plain, err_msg=name)
+
+
+def mixed_float16_nan_on_one_rank() -> dict:
+    """``mixed_float16`` (compile adds the LossScaleOptimizer), threshold= on: rank 1's third
+    batch holds a NaN in each of 2 epochs."""
+    import keras
+
+    import hvdsync.keras as hvd
+    hvd.init()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = _data("mlp", hvd.rank())
+    if hvd.rank() == 1:
+        x[16, 0] = np.nan
+    model = _model("mlp")
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                   threshold=dict(threshold=0.3, max_skip=3))
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    model.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.FlushCallback()])
+    return dict(weights=_weights(model), scale=float(model.optimizer.dynamic_scale.numpy()),
+                wrapped=type(model.optimizer).__name__, iterations=int(opt.iterations.numpy()),
+                skipped=opt.stats.total.counters.get("nonfinite_steps"))
+
+
+def test_mixed_float16_skips_a_nan_on_one_rank_on_every_rank_and_halves_each_scale():
+    ranks = run_ranks(mixed_float16_nan_on_one_rank, 2, timeout=240, **TORCHRUN)
+    a, b = (np.asarray(r["weights"]) for r in ranks)
+    assert np.array_equal(a, b) and np.isfinite(a).all()
+    assert all(r["wrapped"] == "LossScaleOptimizer" for r in ranks)
+    assert [r["scale"] for r in ranks] == [2.0 ** 13] * 2  # 2^15 halved twice, on each rank
+    assert [r["skipped"] for r in ranks] == [2, 2]
+    assert [r["iterations"] for r in ranks] == [6, 6]
+
+
+#: backward_passes_per_step=2 on batches of 8 against one pass on batches of 16
+ACCUMULATED = {"plain": {}, "clip": dict(clip=1.0),
+               "threshold": dict(threshold=dict(threshold=0.3, max_skip=3))}
+
+
+def accumulated() -> dict:
+    """Each case: 2 passes of 8 averaged (``average_aggregated_gradients``), 2 passes summed
+    (Horovod's default) at half the learning rate, one pass of 16; the weights and iteration
+    counts."""
+    import keras
+
+    import hvdsync.keras as hvd
+    hvd.init()
+    x, y = _data("mlp", hvd.rank())
+    out = {}
+    for name, keywords in ACCUMULATED.items():
+        runs = []
+        for lr, passes, average, batch in ((0.1, 2, True, 8), (0.05, 2, False, 8),
+                                           (0.1, 1, False, 16)):
+            model = _model("mlp")
+            opt = hvd.DistributedOptimizer(
+                keras.optimizers.SGD(lr, momentum=0.9), backward_passes_per_step=passes,
+                average_aggregated_gradients=average, **keywords)
+            model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+            model.fit(x, y, epochs=3, batch_size=batch, shuffle=False, verbose=0,
+                      callbacks=[hvd.callbacks.FlushCallback()])
+            runs.append((_weights(model), int(opt.iterations.numpy())))
+        out[name] = runs
+    return out
+
+
+def test_backward_passes_per_step_equals_a_batch_that_many_times_larger():
+    ranks = run_ranks(accumulated, 2, timeout=300, **TORCHRUN)
+    for name in ACCUMULATED:
+        assert np.array_equal(ranks[0][name][0][0], ranks[1][name][0][0]), name
+        (averaged, n2), (summed, _), (larger, n1) = ranks[0][name]
+        assert (n2, n1) == (12, 6), name  # every batch counted, as Keras counts them
+        np.testing.assert_allclose(averaged, larger, rtol=0, atol=1e-6, err_msg=name)
+        if name == "plain":  # (a sum is twice the mean: clip and threshold see it so)
+            np.testing.assert_allclose(summed, larger, rtol=0, atol=1e-6, err_msg=name)
+
+
 def dies_mid_fit() -> None:
     import keras
 
@@ -375,11 +489,16 @@ TORCH = {"KERAS_BACKEND": "torch"}
             "hvd.DistributedOptimizer(keras.optimizers.SGD(), clip=dict(max_nrm=1))",
      "did you mean 'max_norm'"),
     (TORCH, "import keras, hvdsync.keras as hvd; hvd.init()\n"
-            "hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=2)",
+            "hvd.DistributedOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2))",
+     "use backward_passes_per_step instead"),
+    (TORCH, "import keras, hvdsync.keras as hvd; hvd.init()\n"
+            "hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()"
+            "), backward_passes_per_step=2)",
      "use a larger batch, or the TensorFlow backend"),
     ({**TORCH, "OMPI_COMM_WORLD_SIZE": "2"}, "import hvdsync.keras as hvd; hvd.init()",
      "launch with torchrun"),  # started by mpirun as one of 2, not by torchrun
-], ids=["jax", "jit_compile", "config_typo", "accumulation", "mpirun"])
+], ids=["jax", "jit_compile", "config_typo", "accumulation", "scaled_accumulation",
+                          "mpirun"])
 def test_a_bad_setup_is_refused_with_the_fix(env, code, message):
     run = subprocess.run([sys.executable, "-c", HIDE + code], capture_output=True, text=True,
                          env={**os.environ, **env}, timeout=300)

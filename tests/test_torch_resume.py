@@ -24,6 +24,8 @@ CASES = {
     "select": dict(select=dict(k=1, max_wait=3)),
     "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
     "delay": dict(delay=dict(staleness=1, average_every=4)),
+    # folded when due, with momentum: each rank's own momentum travels per rank
+    "delay_due": dict(delay=dict(staleness=1, average_every=4, fold="due")),
 }
 #: streaming outer synchronization, saved at step 8 with fragment 1's int8 exchange (started
 #: after step 8, merged after step 10) in flight, and no flush(); each job ends with an
@@ -37,15 +39,15 @@ IN_FLIGHT = set(OUTER)  # saved without flush()
 #: has *arrived*, which depends on timing, so its runs differ between any two executions;
 #: what a restore must keep for it is the schedule (tested below). Local steps with the outer
 #: synchronization do not fold by arrival: exact.
-EXACT = ["plain", "clip", "threshold", "select", "lowrank", "outer"]
+EXACT = ["plain", "clip", "threshold", "select", "lowrank", "delay_due", "outer"]
 
 
 def _make(options: dict):
     import hvdsync.torch as hvd
     torch.manual_seed(0)
     model = MLP()
-    base = (torch.optim.SGD(model.parameters(), lr=0.05) if "delay" in options
-            else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    base = (torch.optim.SGD(model.parameters(), lr=0.05)
+            if "delay" in options and options["delay"].get("fold") != "due" else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     return model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                            **options)
 

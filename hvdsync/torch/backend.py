@@ -179,8 +179,10 @@ class TorchGradients:
     def hand_over(self, ok: bool) -> None:
         """Leave ``p.grad`` as the user's next move expects: NaN everywhere after a step
         skipped on every rank (so every rank, and its loss scaler, sees it); else scaled
-        again by the loss scaler's current scale, for ``scaler.unscale_(optimizer)``."""
-        scale = None if not ok else self._scale()
+        again by the loss scaler's current scale, for ``scaler.unscale_(optimizer)`` -- unless
+        the scaler applies them unscaled itself (``keeps_gradients_unscaled``: Keras')."""
+        keeps = getattr(self.scaler, "keeps_gradients_unscaled", False)
+        scale = None if not ok or keeps else self._scale()
         if ok and scale is None:
             return  # the common case: nothing to do
         grads = [p.grad for layer in self.layer_params for _, p in layer if p.grad is not None]
