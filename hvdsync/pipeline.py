@@ -30,6 +30,9 @@ from hvdsync.technique import DECIDER, TRANSFORM, TRANSPORT, Decider, Technique,
 #: a few tens of MB is clipped in one or two groups, small enough that big models still send
 #: while backward runs)
 DEFAULT_GROUP_BYTES = 25 * 2**20
+#: the step's first ready group closes sooner (DDP's first bucket): the layers backward makes
+#: first start their sends while the rest of backward runs, even in a model of a few MB
+FIRST_GROUP_BYTES = 2**20
 
 
 class StepPipeline:
@@ -37,10 +40,13 @@ class StepPipeline:
 
     def __init__(self, layer_names: list[str], techniques: list[Technique], grads: Gradients,
                  ops: TensorOps, stats: SyncStats, comm: Optional[Communicator] = None,
-                 group_bytes: int = DEFAULT_GROUP_BYTES):
+                 group_bytes: int = DEFAULT_GROUP_BYTES,
+                 first_group_bytes: Optional[int] = None):
         self.layer_names = layer_names
-        #: a ready group closes once its layers' gradients reach this many bytes
+        #: a ready group closes once its layers' gradients reach this many bytes (the step's
+        #: first one at ``first_group_bytes``, if given)
         self.group_bytes = group_bytes
+        self.first_group_bytes = group_bytes if first_group_bytes is None else first_group_bytes
         self.ops = ops
         self.comm = comm
         #: whether the last step's gradients were finite on every rank (else it was skipped
@@ -106,6 +112,7 @@ class StepPipeline:
         self._taken = 0  # how many of _order are taken
         self._group: list[int] = []  # taken, waiting for the rest of their ready group
         self._group_size = 0  # their bytes
+        self._group_limit = self.first_group_bytes  # when the group goes
         self._bytes = [0] * n  # each layer's gradient bytes this step (as plain Horovod's)
         self._begun = False  # the step's entry is declared (hvdsync.entries)
 
@@ -150,12 +157,13 @@ class StepPipeline:
         if size is None:
             size = self._layer_bytes[li] = self.grads.layer_bytes(li)
         self._group_size += size
-        if self._group_size >= self.group_bytes:
+        if self._group_size >= self._group_limit:
             self._take_group()
 
     def _take_group(self, share: bool = False) -> None:
         if self._group:
             group, self._group, self._group_size = self._group, [], 0
+            self._group_limit = self.group_bytes
             self.stats.count("ready_groups")
             with self.grads.working():
                 self._take(group, share)

@@ -13,6 +13,7 @@ rate times the sum over steps of the rank-averaged gradients, whatever was skipp
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from hvdsync import rules
+from hvdsync.testing import run_threads
 from tests.models import SHARED_JOBS, MLP, job_group, run_cases, shared_runs, teacher_batches
 from tests.test_torch_compositions import BagModel, bag_batches
 
@@ -256,3 +258,34 @@ def test_ready_groups_change_no_bit(request, np_, launcher, case):
     one_group = runs[f"{names}/plain"]
     for key in ("first", "second"):
         np.testing.assert_array_equal(ranks[0][key], one_group[0][key], err_msg=f"{case} {key}")
+
+
+def first_group(group_mb: float | None) -> tuple[int, int]:
+    """Eight 256x256 layers (257 KB of gradients each), one step: the step's ready groups, and
+    how many layers' sends started before backward ended."""
+    import hvdsync.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), clip=1.0,
+                                   **({} if group_mb is None else dict(group_mb=group_mb)))
+    x = torch.randn(4, 256, requires_grad=True)
+    ends: list[float] = []
+    x.register_hook(lambda g: ends.append(time.perf_counter()))  # the end of backward
+    model(x).square().mean().backward()
+    opt.step()
+    return (opt.stats.last.counters["ready_groups"],
+            sum(t < ends[0] for _, t in opt.send_times))
+
+
+@pytest.mark.parametrize("group_mb, groups, early", [
+    (None, 2, 4),  # 25 MiB groups, the first closed at 1 MiB: 4 layers sent during backward
+    (25.0, 1, 0),  # every group 25 MiB: one, sent when backward ends
+    (0.3, 4, 6),  # 2 layers a group
+    (0.0, 8, 7),  # every layer alone
+], ids=["default", "one", "small", "alone"])
+def test_the_default_first_ready_group_closes_at_1_mib_and_sends_during_backward(
+        group_mb, groups, early):
+    for got in run_threads(first_group, 2, args=(group_mb,)):
+        assert got == (groups, early)

@@ -23,6 +23,7 @@ from keras.optimizers import LossScaleOptimizer
 import hvdsync.torch as hvd_torch
 from hvdsync import rules
 from hvdsync.api import SyncAPI
+from hvdsync.config import non_negative_float
 from hvdsync.keras.params import (groups_to_names, keras_layer_of, mixed_in, relative_names,
                                   slots_of)
 from hvdsync.keras.state import SavedState
@@ -43,7 +44,7 @@ _NO_SCALED_PASSES = ("backward_passes_per_step > 1 with a LossScaleOptimizer (mi
 _HOROVOD_ARGS = ("name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
                  "gradient_predivide_factor", "op", "backward_passes_per_step",
                  "average_aggregated_gradients", "num_groups", "groups", "process_set",
-                 "scale_local_gradients")
+                 "scale_local_gradients", "group_mb")
 
 
 class SlotState(MutableMapping):
@@ -306,17 +307,19 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
                          groups: Any = None, process_set: Any = None,
                          scale_local_gradients: bool = True,
+                         group_mb: Optional[float] = None,
                          **keywords: Unpack[rules.TechniqueKeywords],
                          ) -> keras.optimizers.Optimizer:
     """:func:`hvdsync.keras.DistributedOptimizer` on the torch backend: the same arguments,
-    run by hvdsync.torch's engine and step pipeline."""
+    run by hvdsync.torch's engine and step pipeline; and hvdsync.torch's ``group_mb`` (the
+    size of a ready group, :func:`hvdsync.torch.DistributedOptimizer`)."""
     horovod = dict(name=name, device_dense=device_dense, device_sparse=device_sparse,
                    compression=compression, sparse_as_dense=sparse_as_dense,
                    gradient_predivide_factor=gradient_predivide_factor, op=op,
                    backward_passes_per_step=backward_passes_per_step,
                    average_aggregated_gradients=average_aggregated_gradients,
                    num_groups=num_groups, groups=groups, process_set=process_set,
-                   scale_local_gradients=scale_local_gradients)
+                   scale_local_gradients=scale_local_gradients, group_mb=group_mb)
     if isinstance(optimizer, LossScaleOptimizer):  # wrap what it wraps; it decides for all
         if backward_passes_per_step != 1:
             raise NotImplementedError(_NO_SCALED_PASSES)
@@ -338,6 +341,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         options=dict(compression=compression, op=op, sparse_as_dense=sparse_as_dense,
                      gradient_predivide_factor=gradient_predivide_factor,
                      backward_passes_per_step=backward_passes_per_step,
+                     group_mb=None if group_mb is None else non_negative_float("group_mb",
+                                                                               group_mb),
                      process_set=process_set, **configs)))
     if optimizer.built:
         wrapped._hvdsync_build(list(optimizer._trainable_variables))

@@ -26,7 +26,7 @@ from hvdsync import agreement, checkpoint, elastic, rules
 from hvdsync.api import SyncAPI
 from hvdsync.config import non_negative_float, positive_int
 from hvdsync.layers import Grouping, Layer, build_layers
-from hvdsync.pipeline import DEFAULT_GROUP_BYTES, StepPipeline
+from hvdsync.pipeline import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, StepPipeline
 from hvdsync.rules import build_techniques
 from hvdsync.stats import SyncStats
 from hvdsync.torch import engine
@@ -50,7 +50,7 @@ class _DistributedOptimizer(SyncAPI):
     def _hvdsync_init(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
                       layers: Grouping, configs: dict[str, Any], scaler: Any,
-                      group_bytes: int) -> None:
+                      group_bytes: tuple[int, int]) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         names = parameter_names(params, named_parameters)
         by_name = {n: p for p, n in names.items()}
@@ -82,7 +82,7 @@ class _DistributedOptimizer(SyncAPI):
             sparse_exchange=lambda c: row_exchange(c, self._grads, comm, self.stats),
             layer_names=layer_names, stats=self.stats)
         self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, TorchOps(),
-                                      self.stats, comm, group_bytes=group_bytes)
+                                      self.stats, comm, *group_bytes)
         self._param_signatures = [checkpoint.signature(p.shape, p.dtype)
                                   for lp in layer_params for _, p in lp]
         layers_seen = [(name, [checkpoint.signature(p.shape, p.dtype) for _, p in lp])
@@ -318,7 +318,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          process_set: Any = None,
                          *,
                          scaler: Any = None,
-                         group_mb: float = DEFAULT_GROUP_BYTES / 2**20,
+                         group_mb: Optional[float] = None,
                          **keywords: Unpack[rules.TechniqueKeywords]) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across the ranks (on Horovod
     or torch.distributed: :mod:`hvdsync.torch.engine`).
@@ -349,14 +349,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             before evaluating or saving.
         scaler: the ``torch.amp.GradScaler`` of mixed precision: the techniques see unscaled
             gradients; ``synchronize()`` leaves them scaled (docs/mixed_precision.md).
-        group_mb: the size of a *ready group* in MiB (default 25, DDP's bucket size):
-            backward's consecutive layers are clipped, measured and sent a group at a time, a
-            few multi-tensor ops per group (docs/design.md, "Ready groups"); ``0``: every
-            layer alone, sent the moment it is ready.
+        group_mb: the size of a *ready group* in MiB: backward's consecutive layers are
+            clipped, measured and sent a group at a time, a few multi-tensor ops per group
+            (docs/design.md, "Ready groups"). Default: DDP's buckets, the step's first 1 MiB
+            and the others 25 MiB. A number: every group that size (``25``: the fewest ops;
+            ``0``: every layer alone, sent the moment it is ready).
     """
     layers, techniques = rules.given(keywords, _HOROVOD_ARGS + ("scaler", "group_mb"),
                                      "DistributedOptimizer")
-    group_bytes = int(non_negative_float("group_mb", group_mb) * 2**20)
+    # (default: DDP's buckets, the first small so a model of a few MB sends during backward)
+    group_bytes = ((DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES) if group_mb is None else
+                   (int(non_negative_float("group_mb", group_mb) * 2**20),) * 2)
     _check_wrappable(optimizer, scaler)
     compression, op, process_set, configs, groups = checked_arguments(
         compression, op, process_set, backward_passes_per_step, gradient_predivide_factor,
