@@ -299,14 +299,15 @@ def test_the_torch_and_tensorflow_backends_agree_per_technique():
             np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-6, err_msg=name)
 
 
-def nan_on_one_rank() -> dict:
+def nan_on_one_rank(policy: str = "float32") -> dict:
     """Rank 1's third batch holds a NaN (in each of 2 epochs): those steps are skipped on every
     rank (threshold= keeps memory that must not take it in), the replicas stay identical and
-    finite."""
+    finite. ``policy="mixed_float16"``: compile adds the LossScaleOptimizer."""
     import keras
 
     import hvdsync.keras as hvd
     hvd.init()
+    keras.mixed_precision.set_global_policy(policy)
     x, y = _data("mlp", hvd.rank())
     if hvd.rank() == 1:
         x[16, 0] = np.nan
@@ -317,8 +318,10 @@ def nan_on_one_rank() -> dict:
         from_logits=True))
     model.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.FlushCallback()])
+    scale = getattr(model.optimizer, "dynamic_scale", None)
     return dict(weights=_weights(model), skipped=opt.stats.total.counters.get("nonfinite_steps"),
-                iterations=int(opt.iterations.numpy()))
+                iterations=int(opt.iterations.numpy()), wrapped=type(model.optimizer).__name__,
+                scale=None if scale is None else float(scale.numpy()))
 
 
 def test_a_nan_on_one_rank_skips_that_step_on_every_rank():
@@ -364,31 +367,8 @@ def test_loss_scaling_leaves_every_technique_unchanged_bit_for_bit():
             np.testing.assert_array_equal(scaled, plain, err_msg=name)
 
 
-def mixed_float16_nan_on_one_rank() -> dict:
-    """``mixed_float16`` (compile adds the LossScaleOptimizer), threshold= on: rank 1's third
-    batch holds a NaN in each of 2 epochs."""
-    import keras
-
-    import hvdsync.keras as hvd
-    hvd.init()
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    x, y = _data("mlp", hvd.rank())
-    if hvd.rank() == 1:
-        x[16, 0] = np.nan
-    model = _model("mlp")
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                   threshold=dict(threshold=0.3, max_skip=3))
-    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True))
-    model.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0,
-              callbacks=[hvd.callbacks.FlushCallback()])
-    return dict(weights=_weights(model), scale=float(model.optimizer.dynamic_scale.numpy()),
-                wrapped=type(model.optimizer).__name__, iterations=int(opt.iterations.numpy()),
-                skipped=opt.stats.total.counters.get("nonfinite_steps"))
-
-
 def test_mixed_float16_skips_a_nan_on_one_rank_on_every_rank_and_halves_each_scale():
-    ranks = run_ranks(mixed_float16_nan_on_one_rank, 2, timeout=240, **TORCHRUN)
+    ranks = run_ranks(nan_on_one_rank, 2, args=("mixed_float16",), timeout=240, **TORCHRUN)
     a, b = (np.asarray(r["weights"]) for r in ranks)
     assert np.array_equal(a, b) and np.isfinite(a).all()
     assert all(r["wrapped"] == "LossScaleOptimizer" for r in ranks)
