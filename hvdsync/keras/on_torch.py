@@ -220,7 +220,7 @@ class _DistributedOptimizer(SavedState, SyncAPI):
             for v, g in zip(self._trainable_variables, hv.summed):
                 v.value.grad = g
             hv.summed = None
-        if hv.average_passes:
+        if hv.average_passes and hv.passes > 1:
             loss = loss / hv.passes
         return super().scale_loss(loss)
 
