@@ -49,7 +49,7 @@ def token_data(rank: int, n: int, vocab: int = 40, length: int = 6):
     return ids, y
 
 
-def mlp(seed: int = 0, dtype: str = "float32"):
+def mlp(seed: int = 0, dtype: "str | None" = "float32"):
     """Three named Dense layers (fc1, fc2, out); the same initial weights for the same seed."""
     import keras
     keras.utils.set_random_seed(seed)

@@ -4,6 +4,8 @@ different data per rank."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import pytest
 
@@ -118,15 +120,26 @@ RESUME = {
     # local steps, saved with an outer exchange in flight (started after step 8)
     "outer": dict(delay=dict(exchange_gradients=False, average_every=4, fragments=2, overlap=2,
                              mix=0.5, compress="int8", outer_lr=0.7, outer_momentum=0.9)),
+    # (every rank's memory saved through the LossScaleOptimizer that wraps the optimizer)
+    "mixed_float16": dict(threshold=dict(threshold=1.0, max_skip=4)),
 }
 
 
-def _compiled(options: dict):
+def _precision(case: str) -> Optional[str]:
+    """Set the case's precision policy; the MLP's dtype (None: the policy's)."""
+    import keras
+    mixed = case == "mixed_float16"
+    keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
+    return None if mixed else "float64"
+
+
+def _compiled(options: dict, case: str = ""):
+    """The MLP in float64, or for case ``mixed_float16`` under that policy."""
     import keras
 
     import hvdsync.keras as hvd
     from tests.keras_models import mlp
-    model = mlp(dtype="float64")
+    model = mlp(dtype=_precision(case))
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
                                                      **options),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -148,7 +161,7 @@ def keras_first_job(directory: str) -> dict:
     x, y = teacher_data(hvd.rank(), 16 * 16)
     out = {}
     for case, options in RESUME.items():
-        model = _compiled(options)
+        model = _compiled(options, case)
         model.fit(x[:128], y[:128], batch_size=16, shuffle=False, verbose=0,
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
         hvd.save_model(model, os.path.join(directory, f"{case}.keras"))
@@ -173,11 +186,12 @@ def keras_second_job(directory: str, which: str) -> dict:
         name = f"{case}.keras" if which == "every_rank" else f"{case}.rank0.keras"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            _precision(case)
             model = hvd.load_model(os.path.join(directory, name), **options)
         model.fit(x[128:], y[128:], batch_size=16, shuffle=False, verbose=0)
         out[case] = dict(weights=_weights(model),
                          iterations=int(model.optimizer.iterations.numpy()))
-        model.optimizer.flush()
+        getattr(model.optimizer, "inner_optimizer", model.optimizer).flush()
         out[case]["flushed"] = _weights(model)
     return out
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import keras
 
 from hvdsync.keras import collectives
+from hvdsync.keras.callbacks import _hvdsync_optimizer
 
 
 def load_model(filepath: str, custom_optimizers: Optional[list] = None,
@@ -52,7 +53,7 @@ def save_model(model, filepath: str, root_rank: int = 0, **kwargs: Any) -> None:
     ``delay=``, call ``optimizer.flush()`` first (replicas identical)."""
     from hvdsync import checkpoint
 
-    opt = getattr(model, "optimizer", None)
+    opt = _hvdsync_optimizer(model)  # (the one a LossScaleOptimizer wraps: mixed precision)
     hv = getattr(opt, "_hv", None)  # (hvdsync's optimizer, on either backend)
     process_set = hv.process_set if hv is not None else collectives.global_set()
     if hv is not None and opt.built and process_set.size() > 1:  # refused where ranks differ
