@@ -3,14 +3,15 @@ back cost -- steps lost, seconds until training goes on -- and whether the repli
 identical. 3 ranks on this machine (one slot per host name), ``--min-np 2``, the jobs and
 bodies of tests/test_torch_elastic.py (torch: each (technique, fault) its own job) and
 tests/test_keras_elastic.py (``--framework keras``: ``model.fit`` with Horovod's elastic
-callbacks, every technique's model in the one job, hit by the same fault):
+callbacks, every technique's model in the one job, hit by the same fault; ``keras-torch``: the
+same on Keras' torch backend, TensorFlow hidden):
 
 * ``kill``: rank 2 SIGKILLs itself mid-step at step 13 (commits every 4 steps);
 * ``remove``: rank 0 takes a host out of the discovery file at step 13; once the job went on
   as 2 ranks, the host is put back (a new rank joins).
 
     .venv/bin/python -m benchmarks.bench_elastic [--seeds 1] [--cases none threshold ...]
-    .venv/bin/python -m benchmarks.bench_elastic --framework keras [--seeds 1]
+    .venv/bin/python -m benchmarks.bench_elastic --framework keras|keras-torch [--seeds 1]
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import numpy as np
 
 from benchmarks.common import markdown_table, report
 from hvdsync.testing import run_elastic
-from tests.test_keras_elastic import GLOO_TIMEOUT, keras_elastic_body
+from tests.test_keras_elastic import BACKENDS, GLOO_TIMEOUT, keras_elastic_body
+from tests.test_keras_elastic import CASES as KERAS_CASES
 from tests.test_torch_elastic import CASES, GLOO_TIMEOUT_S, elastic_body
 
 
@@ -53,9 +55,11 @@ def _figures(scenario: str, ranks: list[dict]) -> dict:
 
 
 def _job(framework: str, scenario: str, case: str) -> list[dict]:
-    if framework == "keras":
+    if framework.startswith("keras"):
+        backend = BACKENDS["torch" if framework == "keras-torch" else "tensorflow"]
         return run_elastic(keras_elastic_body, np=3, min_np=2, args=(scenario,), timeout=300,
-                           env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT[scenario])})
+                           env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT[scenario]),
+                                **backend})
     return run_elastic(elastic_body, np=3, min_np=2, args=(scenario, (case,)), timeout=300,
                        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT_S)})
 
@@ -63,12 +67,13 @@ def _job(framework: str, scenario: str, case: str) -> list[dict]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=1, help="runs of each job")
-    ap.add_argument("--framework", choices=["torch", "keras"], default="torch")
+    ap.add_argument("--framework", choices=["torch", "keras", "keras-torch"], default="torch")
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES),
                     help="torch: the techniques, one job each (Keras runs all in one job)")
     args = ap.parse_args(argv)
     rows, data = [], {}
-    cases = args.cases if args.framework == "torch" else ["all at once: " + ", ".join(CASES)]
+    cases = (args.cases if args.framework == "torch"
+             else ["all at once: " + ", ".join(KERAS_CASES)])
     for case in cases:
         for scenario in ("kill", "remove"):
             runs = [_figures(scenario, _job(args.framework, scenario, case))
@@ -82,11 +87,12 @@ def main(argv=None) -> None:
     table = markdown_table(["technique", "fault", "event", "sizes", "steps lost (max)",
                             "s to go on (mean)", "s (max)", "replicas identical, finite"],
                            rows)
-    keras = args.framework == "keras"
+    keras = args.framework.startswith("keras")
     timeout = (f"Gloo timeout {GLOO_TIMEOUT['kill']} s, {GLOO_TIMEOUT['remove']} s with a "
                "removal" if keras else f"Gloo timeout {GLOO_TIMEOUT_S} s")
-    report("elastic_keras" if keras else "elastic",
-           f"Horovod Elastic on this machine{', Keras 3 fit' if keras else ''}, 3 ranks, "
+    on = {"torch": "", "keras": ", Keras 3 fit", "keras-torch": ", Keras 3 fit, torch backend"}
+    report("elastic_" + args.framework.replace("-", "_") if keras else "elastic",
+           f"Horovod Elastic on this machine{on[args.framework]}, 3 ranks, "
            f"--min-np 2, {args.seeds} run(s) per cell ({timeout})", table,
            {"args": vars(args), "runs": data}, "benchmarks.bench_elastic", argv)
 

@@ -33,6 +33,16 @@ def one_tensorflow_thread() -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
 
 
+def one_thread() -> None:
+    """On a rank, before the Keras backend runs anything: one intra-op thread."""
+    import keras
+    if keras.backend.backend() == "torch":
+        import torch
+        torch.set_num_threads(1)
+    else:
+        one_tensorflow_thread()
+
+
 def teacher_data(rank: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``n`` samples labelled by a fixed random linear teacher; rank-specific inputs."""
     teacher = np.random.default_rng(seed).standard_normal((IN, CLASSES))

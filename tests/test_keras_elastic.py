@@ -1,6 +1,7 @@
 """Horovod Elastic on Keras 3 with every technique, on real ranks (``horovodrun`` elastic mode,
-a host discovery script written by the test: :func:`hvdsync.testing.run_elastic`); the torch
-twin is tests/test_torch_elastic.py, with the same faults and checks.
+a host discovery script written by the test: :func:`hvdsync.testing.run_elastic`), on both of
+Keras' backends (the torch one with TensorFlow hidden); the torch twin is
+tests/test_torch_elastic.py, with the same faults and checks.
 
 Horovod's recipe: ``model.fit`` inside ``hvd.elastic.run`` with ``KerasState`` and the three
 elastic callbacks. The fit drives the model without a technique; a callback steps one model
@@ -18,8 +19,8 @@ Checked: the job finishes at the expected size with every epoch done (the first 
 reset only runs what it still had to run), no step is lost beyond the last commit, every
 replica is identical after the final ``flush()``, nothing is non-finite, training learns.
 
-Without a fault, one 2-rank job checks ``commit()``/``restore()``/``sync()`` themselves with
-mixed precision and gradient accumulation (:data:`ROUND_TRIP`).
+Without a fault, one 2-rank job per backend checks ``commit()``/``restore()``/``sync()``
+themselves with mixed precision and gradient accumulation (:data:`ROUND_TRIP`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdsync.testing import run_elastic
-from tests.keras_models import (embedding_model, key, mlp, one_tensorflow_thread,
-                                teacher_data, token_data)
+from hvdsync.testing import HIDE_ENV, run_elastic, run_ranks
+from tests.keras_models import embedding_model, key, mlp, one_thread, teacher_data, token_data
 from tests.test_torch_elastic import (COMMIT_EVERY, FINAL, GLOO_TIMEOUT_S, Faults,
                                       check_final_sizes, check_identical_and_finite,
                                       check_learns, check_steps_lost)
@@ -45,6 +45,8 @@ EPOCHS, STEPS_PER_EPOCH, BATCH = 3, 8, 16
 #: rendezvous for a rank that starts (``remove``: a new Keras process imports TensorFlow and
 #: builds its models first, longer than the torch twin's 5 s)
 GLOO_TIMEOUT = {"kill": GLOO_TIMEOUT_S, "remove": 60}
+#: each backend's environment: the torch one runs with TensorFlow hidden
+BACKENDS = {"tensorflow": {}, "torch": {"KERAS_BACKEND": "torch", HIDE_ENV: "tensorflow"}}
 
 
 def _compiled(case: str, options: dict):
@@ -70,11 +72,10 @@ def keras_elastic_body(scenario: str) -> dict:
     its resets (when, the size after, the step reached, the step resumed from), the events'
     times, and each model's losses."""
     import keras
-    import tensorflow as tf
 
     import hvdsync.keras as hvd
     hvd.init()
-    one_tensorflow_thread()
+    one_thread()
     faults = Faults(scenario, hvd)
     models = {case: _compiled(case, options) for case, options in CASES.items()}
     for case, model in models.items():  # built (KerasState needs it): one batch of inputs
@@ -110,9 +111,8 @@ def keras_elastic_body(scenario: str) -> dict:
     def train(state) -> None:
         faults.resumed(step())
         x, y = _data("none", hvd.rank(), BATCH * STEPS_PER_EPOCH)
-        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
-        state.model.fit(data, steps_per_epoch=STEPS_PER_EPOCH, epochs=EPOCHS - state.epoch,
-                        callbacks=callbacks, verbose=0)
+        state.model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=EPOCHS - state.epoch,
+                        callbacks=callbacks, verbose=0)  # (STEPS_PER_EPOCH batches)
 
     train(state)
     for model in models.values():
@@ -125,16 +125,18 @@ def keras_elastic_body(scenario: str) -> dict:
                 stats={c: m.optimizer.stats.as_dict()["total"] for c, m in models.items()})
 
 
-def _run(scenario: str) -> list[dict]:
-    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT[scenario])}
+def _run(backend: str, scenario: str) -> list[dict]:
+    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT[scenario]), **BACKENDS[backend]}
     out = run_elastic(keras_elastic_body, np=3, min_np=2, args=(scenario,), timeout=300,
                       env=env)
     return sorted(out, key=lambda r: r["rank"])
 
 
-@pytest.fixture(scope="module", params=list(FINAL))
+@pytest.fixture(scope="module", params=[(b, s) for b in BACKENDS for s in FINAL],
+                ids=lambda p: "-".join(p))
 def job(request):
-    return request.param, _run(request.param)
+    backend, scenario = request.param
+    return scenario, _run(backend, scenario)
 
 
 def test_the_job_finishes_at_the_new_size(job):
@@ -178,7 +180,7 @@ def round_trip_body() -> dict:
     import hvdsync.keras as hvd
     from hvdsync import checkpoint
     hvd.init()
-    one_tensorflow_thread()
+    one_thread()
     out = {}
     for case, (options, mixed, passes) in ROUND_TRIP.items():
         keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
@@ -219,9 +221,11 @@ def shared_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     return {"round_trips": (round_trip_body,)} if np_ == 2 else {}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=list(BACKENDS))
 def round_trips(request, shared_job):
-    return shared_job(request.module, 2)["round_trips"]
+    if request.param == "tensorflow":
+        return shared_job(request.module, 2)["round_trips"]
+    return run_ranks(round_trip_body, np=2, timeout=240, env=BACKENDS["torch"])
 
 
 @pytest.mark.parametrize("case", list(ROUND_TRIP))
@@ -235,3 +239,24 @@ def test_restore_brings_back_the_commit_and_sync_makes_replicas_one(round_trips,
     assert round_trips[0][case]["scaled"] == ROUND_TRIP[case][1]
     for a, b in zip(round_trips[0][case]["final"], round_trips[1][case]["final"]):
         np.testing.assert_array_equal(a, b, err_msg=case)
+
+
+def elastic_on_torchrun_body() -> list[str]:
+    """What ``elastic.run`` says under torchrun, where Horovod is installed but not the engine,
+    from hvdsync.keras on the torch backend and from hvdsync.torch."""
+    import hvdsync.keras as hvd
+    import hvdsync.torch as hvd_torch
+    hvd.init()
+    said = []
+    for module in (hvd.elastic, hvd_torch.elastic):
+        try:
+            module.run(lambda state: None)
+        except RuntimeError as e:
+            said.append(str(e))
+    return said
+
+
+def test_elastic_under_torchrun_says_to_use_its_restarts():
+    for said in run_ranks(elastic_on_torchrun_body, np=2, timeout=120, launcher="torchrun",
+                          env={"KERAS_BACKEND": "torch"}):
+        assert len(said) == 2 and all("use torchrun --max-restarts" in s for s in said), said

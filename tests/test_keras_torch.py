@@ -483,8 +483,10 @@ TORCH = {"KERAS_BACKEND": "torch"}
      "use a larger batch, or the TensorFlow backend"),
     ({**TORCH, "OMPI_COMM_WORLD_SIZE": "2"}, "import hvdsync.keras as hvd; hvd.init()",
      "launch with torchrun"),  # started by mpirun as one of 2, not by torchrun
+    (TORCH, "import hvdsync.keras as hvd; hvd.elastic.KerasState",
+     "needs Horovod (scripts/install_horovod.sh) and horovodrun; without them, use torchrun"),
 ], ids=["jax", "jit_compile", "config_typo", "accumulation", "scaled_accumulation",
-                          "mpirun"])
+        "mpirun", "elastic_without_horovod"])
 def test_a_bad_setup_is_refused_with_the_fix(env, code, message):
     run = subprocess.run([sys.executable, "-c", HIDE + code], capture_output=True, text=True,
                          env={**os.environ, **env}, timeout=300)

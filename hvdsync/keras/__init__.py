@@ -7,8 +7,8 @@ give them on Keras 3, where it does not work. torch backend (``KERAS_BACKEND=tor
 Horovod build and no TensorFlow needed (:mod:`hvdsync.keras.on_torch`). On both:
 ``DistributedOptimizer`` (for ``model.compile``/``model.fit``), :mod:`hvdsync.keras.callbacks`
 (broadcast, metric average, learning-rate warm-up, ``SyncStatsCallback``, ``FlushCallback``),
-``broadcast_variables``, ``load_model``, ``save_model`` and the config classes; on TensorFlow
-also ``elastic``. docs/keras.md says which backend to choose.
+``broadcast_variables``, ``load_model``, ``save_model``, the config classes and, where Horovod
+is installed, ``elastic``. docs/keras.md says which backend to choose.
 """
 
 import os as _os
@@ -24,8 +24,8 @@ _BACKEND = _keras.backend.backend() if _keras is not None else _os.environ["KERA
 #: hvdsync.torch's names that are Horovod's API, given on the torch backend
 _TORCH_NAMES = ("init", "backend_name", "Compression", "Average", "Sum", "Adasum", "Min", "Max",
                 "Product")
-#: on the TensorFlow backend only, with what to use on the torch backend instead
-_TF_ONLY = {"elastic": "torchrun --max-restarts with checkpoints (docs/elastic.md)"}
+#: what to use where Horovod Elastic cannot run: Horovod is not installed
+_NO_ELASTIC = "torchrun --max-restarts with hvd.save_model checkpoints (docs/elastic.md)"
 
 if _BACKEND == "torch":
     import hvdsync.torch as _hvd_torch
@@ -36,9 +36,14 @@ if _BACKEND == "torch":
     def __getattr__(name: str):
         if name in _hvd_torch._LAZY:  # (their meaning depends on the engine)
             return getattr(_hvd_torch, name)
-        if name in _TF_ONLY:
-            raise AttributeError(f"hvdsync.keras.{name} is not on Keras' torch backend yet; "
-                                 f"use {_TF_ONLY[name]}")
+        if name == "elastic":  # Horovod's, so only where Horovod is installed
+            try:
+                import hvdsync.keras.elastic as elastic
+            except ImportError as e:
+                raise AttributeError("hvdsync.keras.elastic is Horovod Elastic: it needs "
+                                     "Horovod (scripts/install_horovod.sh) and horovodrun; "
+                                     f"without them, use {_NO_ELASTIC}") from e
+            return elastic
         raise AttributeError(f"module 'hvdsync.keras' has no attribute {name!r}")
 elif _BACKEND == "tensorflow":
     try:

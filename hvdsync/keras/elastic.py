@@ -9,7 +9,8 @@ optimizer variables and shared technique state, and drops traced functions, whic
 rank count they were traced for); :func:`run` finishes or drops what the optimizers have in
 flight before Horovod restarts, syncs after every reset (horovod#3494) and reads a failed
 Horovod op as a lost rank; a commit is taken when the next batch or epoch begins, so the
-callbacks' order does not matter. docs/elastic.md has the recipe.
+callbacks' order does not matter. On either backend under horovodrun (on the torch one, over
+Horovod's torch ops). docs/elastic.md has the recipe.
 """
 
 from __future__ import annotations
@@ -19,21 +20,46 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import tensorflow as tf
 from horovod.common.elastic import ObjectState
-from horovod.tensorflow.functions import broadcast_object
-from horovod.tensorflow.mpi_ops import init as _init
-from horovod.tensorflow.mpi_ops import rank as _rank
-from horovod.tensorflow.mpi_ops import shutdown as _shutdown
 
 from hvdsync import elastic as _core
 from hvdsync.keras.callbacks import broadcast_variables
+from hvdsync.keras.collectives import _on_torch
+
+if _on_torch():  # Horovod's torch ops, which hvdsync.torch's engine runs on under horovodrun
+    from horovod.torch.functions import broadcast_object
+    from horovod.torch.mpi_ops import init as _init
+    from horovod.torch.mpi_ops import rank as _rank
+    from horovod.torch.mpi_ops import shutdown as _shutdown
+
+    from hvdsync.keras.on_torch import _DistributedOptimizer
+
+    def _copy(value: Any) -> Any:
+        return value.detach().clone()
+
+    def _lost_rank(e: BaseException) -> bool:
+        """(Horovod's torch ops raise its own ``HorovodInternalError``: the core reads it.)"""
+        return False
+else:
+    import tensorflow as tf
+    from horovod.tensorflow.functions import broadcast_object
+    from horovod.tensorflow.mpi_ops import init as _init
+    from horovod.tensorflow.mpi_ops import rank as _rank
+    from horovod.tensorflow.mpi_ops import shutdown as _shutdown
+
+    from hvdsync.keras.optimizer import _DistributedOptimizer
+
+    _copy = tf.identity
+
+    def _lost_rank(e: BaseException) -> bool:
+        """A Horovod op failed inside TensorFlow (a peer gone, or Horovod shut down after it):
+        TensorFlow raises its own error type, naming the op or Horovod."""
+        return isinstance(e, tf.errors.OpError) and "Horovod" in str(e.message)
 
 
 def _hvdsync_of(optimizer: Any) -> Any:
     """hvdsync's optimizer in ``optimizer`` (itself, or what a LossScaleOptimizer wraps), or
     ``None``."""
-    from hvdsync.keras.optimizer import _DistributedOptimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     return inner if isinstance(inner, _DistributedOptimizer) else None
 
@@ -57,8 +83,8 @@ class _Carried:
     def save(self) -> None:
         technique = (copy.deepcopy(self.hvdsync.technique_state())
                      if self.hvdsync is not None and self.hvdsync._configured else None)
-        self.saved = ([tf.identity(v.value) for v in self.model.variables],
-                      [tf.identity(v.value) for v in self.optimizer.variables], technique)
+        self.saved = ([_copy(v.value) for v in self.model.variables],
+                      [_copy(v.value) for v in self.optimizer.variables], technique)
 
     def restore(self) -> None:
         weights, optimizer_variables, technique = self.saved
@@ -73,7 +99,7 @@ class _Carried:
         opt = self.hvdsync
         if opt is not None:
             opt._join_world()
-            if opt._hv.process_set.included():
+            if opt._sync_included():
                 opt._agree()
         broadcast_variables(self.model.variables)
         broadcast_variables(self.optimizer.variables)
@@ -129,12 +155,6 @@ class KerasState(ObjectState):
         super().sync()
 
 
-def _lost_rank(e: BaseException) -> bool:
-    """A Horovod op failed inside TensorFlow (a peer gone, or Horovod shut down after it):
-    TensorFlow raises its own error type, naming the op or Horovod."""
-    return isinstance(e, tf.errors.OpError) and "Horovod" in str(e.message)
-
-
 def _restart() -> None:
     _shutdown()
     _init()
@@ -144,6 +164,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Horovod's ``elastic.run``: ``func(state, ...)`` runs again whenever the ranks change
     (:func:`hvdsync.elastic.run`: it syncs after every reset, a removal included, and first
     makes the state's hvdsync optimizers finish or drop what they have in flight)."""
+    if _on_torch():
+        from hvdsync.torch.elastic import require_horovod
+        require_horovod()
     return _core.run(func, lambda state: state.hvdsync_optimizers, _restart, _lost_rank)
 
 

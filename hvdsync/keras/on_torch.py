@@ -264,6 +264,29 @@ class _DistributedOptimizer(SavedState, SyncAPI):
                 hv.torch.step()  # (skipped on every rank: this resets the verdict)
         return ok
 
+    # -- Horovod Elastic (hvdsync.keras.elastic): hvdsync.torch's optimizer does each --------
+    def _agree(self) -> None:
+        """Check that every rank built this optimizer alike (raises ``RanksDisagree``)."""
+        self._hv.torch._agree()
+
+    def _leave_world(self) -> None:
+        """Horovod is about to start again: finish or drop what is in flight; the next step,
+        and its window of ``backward_passes_per_step``, start clean."""
+        if self._hv.torch is not None:
+            self._hv.torch._leave_world()
+        self._hv.summed = None
+
+    def _join_world(self) -> None:
+        """Horovod runs again, perhaps with other ranks: read them anew."""
+        if self._hv.torch is not None:
+            self._hv.torch._join_world()
+
+    def take_shared_state(self, root_rank: int = 0) -> None:
+        """Every rank takes ``root_rank``'s shared technique state and drops its own memory
+        (hvdsync.torch's ``broadcast_technique_state``). A collective."""
+        if self._hv.torch is not None:
+            hvd_torch.broadcast_technique_state(self._hv.torch, root_rank)
+
     # -- hvdsync's state in Keras' own saving (docs/checkpoints.md) ---------------------------
     def technique_state(self) -> dict:
         """hvdsync's checkpoint entry for this optimizer: what ``model.save()`` stores beside

@@ -10,6 +10,7 @@ rank nothing is sent: a reduction over one rank is the identity.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -31,6 +32,35 @@ def payload_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+#: how many communicators this thread (a rank; one per simulated rank) has built
+_built = threading.local()
+
+
+class _Prefixed:
+    """An engine's ops whose collectives' names start with ``prefix``. Horovod pairs
+    collectives by name, and two optimizers over layers of the same names (two Keras models of
+    one architecture) would otherwise start collectives of one name while both have some in
+    flight (``delay=`` keeps a step's exchange in flight into the next): each communicator a
+    rank builds after its first has its own prefix. Every rank builds the same optimizers in
+    the same order (each one's setup agreement is a collective), so the names match."""
+
+    def __init__(self, ops: Any, prefix: str):
+        self._ops, self._prefix = ops, prefix
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self._ops, attr)
+        if not callable(value) or isinstance(value, type):
+            return value
+        prefix = self._prefix
+
+        def named(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("name") is not None:
+                kwargs["name"] = prefix + kwargs["name"]
+            return value(*args, **kwargs)
+        setattr(self, attr, named)  # (found directly from now on)
+        return named
+
+
 class TorchCommunicator:
     """Averages (or sums) tensors with Horovod as its ``DistributedOptimizer`` does: the dense
     ones of one request in one grouped allreduce per dtype (with ``compression`` and
@@ -39,8 +69,11 @@ class TorchCommunicator:
 
     def __init__(self, compression, op, gradient_predivide_factor: float,
                  sparse_as_dense: bool, process_set: Any, stats: SyncStats):
-        #: the backend's ops (Horovod's torch API or hvdsync.torch.c10d)
-        self.ops = ops = engine.ops()
+        #: the backend's ops (Horovod's torch API or hvdsync.torch.c10d), their collectives
+        #: named apart from those of the communicators this rank built before (_Prefixed)
+        ops = engine.ops()
+        _built.count = getattr(_built, "count", 0) + 1
+        self.ops = _Prefixed(ops, f"optimizer{_built.count}.") if _built.count > 1 else ops
         self.matches_by_name = engine.active_name() == "horovod"
         self.compression = compression
         self.op = op

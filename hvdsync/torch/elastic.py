@@ -43,10 +43,17 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     (:func:`hvdsync.elastic.run`: it syncs after every reset, a removal included, and first
     makes the state's hvdsync optimizers finish or drop what they have in flight). A lost
     rank surfaces in torch as Horovod's ``HorovodInternalError``."""
-    if _horovod_state is None:
-        raise RuntimeError("hvdsync: Horovod Elastic needs Horovod (scripts/install_horovod.sh); "
-                           "the torch.distributed backend has no elastic mode (docs/backends.md)")
+    require_horovod()
     return _core.run(func, _optimizers, _restart, lost_rank=lambda e: False)
+
+
+def require_horovod() -> None:
+    """Raise, naming the alternative, unless this process runs on Horovod's engine."""
+    from hvdsync.torch import engine
+    if _horovod_state is None or engine.active_name() != "horovod":
+        raise RuntimeError("hvdsync: Horovod Elastic needs Horovod (scripts/install_horovod.sh) "
+                           "and horovodrun; on torch.distributed (torchrun) use torchrun "
+                           "--max-restarts with checkpoints (docs/elastic.md)")
 
 
 def install() -> None:
