@@ -24,7 +24,7 @@ class Pending:
 
     def __init__(self, wait: Optional[Callable[[], Any]] = None,
                  ready: Optional[Callable[[], bool]] = None, nbytes: int = 0,
-                 collectives: int = 0, what: str = "a collective"):
+                 collectives: int = 0, what: str = "a collective", guarded: bool = True):
         self.what = what  # for the watchdog's message
         self._wait = wait
         self._ready = ready
@@ -32,7 +32,7 @@ class Pending:
         self._result: Any = None
         self.nbytes = nbytes
         self.collectives = collectives
-        self._guarded = True
+        self._guarded = guarded  # False: it waits for others whose wait() is guarded
         #: run before the first wait: the communicator's check of the entry tags started
         #: before this collective (hvdsync.entries), which raises if the ranks entered apart
         self.before: Optional[Callable[[], None]] = None
@@ -102,10 +102,8 @@ class Pending:
 
     def then(self, fn: Callable[[Any], Any]) -> "Pending":
         """A pending that waits for this one and returns ``fn(result)``; same counts."""
-        p = Pending(lambda: fn(self.wait()), self.ready, self.nbytes, self.collectives,
-                    self.what)
-        p._guarded = False  # this one's wait() is guarded already
-        return p
+        return Pending(lambda: fn(self.wait()), self.ready, self.nbytes, self.collectives,
+                       self.what, guarded=False)  # (this one's wait() is guarded already)
 
 
 def finish_dropped(pendings: Sequence[Pending], what: str) -> list[Pending]:

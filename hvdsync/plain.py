@@ -39,8 +39,8 @@ class PlainAllreduce(Transport):
         def wait() -> None:
             self._write_back(li, ks, place["group"].wait()[place["lo"]:place["hi"]])
         pending = Pending(wait, lambda: "group" in place and place["group"].ready(),
-                          what=f"the allreduce of layer {self.layer_names[li]!r}'s group")
-        pending._guarded = False  # (the group's own wait is guarded)
+                          what=f"the allreduce of layer {self.layer_names[li]!r}'s group",
+                          guarded=False)  # (the group's own wait is guarded)
         self._queued.append((li, ks, tensors, pending, place))
         return pending
 
