@@ -226,7 +226,8 @@ RESUMED = {"plain": {}, "clip": dict(clip=1.0),
 
 def save_then_resume(folder: str, resume: bool) -> dict:
     """Each case: 2 epochs, ``hvd.save_model`` (its memory unflushed but for delay=), 2 more;
-    or, with ``resume``, ``hvd.load_model`` of that file and the same 2 epochs. The weights at the end, and the layers kept back."""
+    or, with ``resume``, ``hvd.load_model`` of that file and the same 2 epochs. The weights at
+    the end, and the layers kept back."""
     import keras
 
     import hvdsync.keras as hvd
@@ -253,9 +254,10 @@ def save_then_resume(folder: str, resume: bool) -> dict:
     return out
 
 
-def test_a_checkpoint_resumes_bit_for_bit_in_fresh_processes(tmp_path):
-    first = run_ranks(save_then_resume, 2, args=(str(tmp_path), False), timeout=300, **TORCHRUN)
-    again = run_ranks(save_then_resume, 2, args=(str(tmp_path), True), timeout=300, **TORCHRUN)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_checkpoint_resumes_bit_for_bit_in_fresh_processes(tmp_path, np_):
+    first, again = (run_ranks(save_then_resume, np_, args=(str(tmp_path), resume),
+                              timeout=300, **TORCHRUN) for resume in (False, True))
     for a, b in zip(first, again):
         for name in RESUMED:
             np.testing.assert_array_equal(b[name][0], a[name][0], err_msg=name)
