@@ -43,7 +43,7 @@ METHODS: dict[str, Any] = {
     "select (every layer)": dict(select=dict(k=1.0)),
     "delay staleness=0": dict(delay=dict(staleness=0)),
     "hvdsync fp16": dict(compression="fp16"),
-    # the cost of the entry tags (hvdsync.entries): the same, with the tag round left out
+    # the cost of the entry tags (hvdsync.safety.entries): the same, with the tag round left out
     "hvdsync, no entry tags": dict(_entry_tags=False),
     "threshold=0, no entry tags": dict(threshold=0.0, _entry_tags=False),
     "ddp": "ddp",  # torch's DDP on the same process group (--backend torch only)

@@ -1,4 +1,4 @@
-"""The performance model (hvdsync.perfmodel) against every committed bench cell: predicted vs
+"""The performance model (hvdsync.tools.perfmodel) against every committed bench cell: predicted vs
 measured time and bytes per step, method by method, with the cells the constants were fitted
 on named and the others held out (docs/at-scale.md).
 
@@ -6,7 +6,7 @@ on named and the others held out (docs/at-scale.md).
     .venv/bin/python -m benchmarks.bench_perfmodel --at-scale   # docs/at-scale.md's tables
 
 Each workload's compute per step is measured here first (one rank, one thread, forward,
-backward and optimizer; medians), as ``python -m hvdsync.advise --measure`` does; a cell's
+backward and optimizer; medians), as ``python -m hvdsync.tools.advise --measure`` does; a cell's
 ranks share this machine's 2 cores (4 ranks: oversubscribed, a fitted slowdown). Inputs that
 depend on the data, not on the network, come from the cell's own measurement and are named as
 such: the share of bytes ``threshold=`` and ``select=`` sent. Everything else is predicted.
@@ -29,8 +29,8 @@ from torch import nn
 
 from benchmarks.common import RESULTS, markdown_table, report
 from benchmarks.workloads import WORKLOADS
-from hvdsync import perfmodel
-from hvdsync.perfmodel import Cluster, Constants, ModelSizes
+from hvdsync.tools import perfmodel
+from hvdsync.tools.perfmodel import Cluster, Constants, ModelSizes
 
 #: bench method -> (model technique, settings); None: not modelled (why)
 METHODS = {
@@ -304,7 +304,7 @@ def at_scale(argv) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hvdsync import advise
+    from hvdsync.tools import advise
     rows, data = [], {}
     for name, p in advise.presets(tokens=16384, images=256).items():
         compute = p.flops_per_step / 400e12
@@ -357,7 +357,7 @@ def at_scale(argv) -> None:
         plt.close(fig)
         names.append(out.name)
     report("at_scale", "Predicted, not measured: 8 ranks per node, NCCL-like constants "
-           "(hvdsync.advise.GPU_CLUSTER), 16k tokens / 256 images per rank per step at 400 "
+           "(hvdsync.tools.advise.GPU_CLUSTER), 16k tokens / 256 images per rank per step at 400 "
            "TFLOP/s", table, {"cells": data, "plots": names}, "benchmarks.bench_perfmodel",
            argv)
 
@@ -365,7 +365,7 @@ def at_scale(argv) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-fit", action="store_true",
-                    help="use hvdsync.perfmodel.CALIBRATED as it is")
+                    help="use hvdsync.tools.perfmodel.CALIBRATED as it is")
     ap.add_argument("--compute-from", metavar="JSON",
                     help="each workload's compute per step from this earlier run's results "
                          "(e.g. benchmarks/results/perfmodel.json) instead of measuring it "

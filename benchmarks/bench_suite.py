@@ -40,8 +40,8 @@ from typing import Any
 from benchmarks.common import RESULTS, markdown_table, report
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
 from benchmarks.workloads import METRIC_LABEL, WORKLOADS, as_shown
-from hvdsync.delay_policy import STREAMING
-from hvdsync.stats import human_bytes
+from hvdsync.techniques.delay.config import STREAMING
+from hvdsync.core.stats import human_bytes
 from hvdsync.testing import RanksFailed
 
 THRESHOLD = dict(threshold=0.05, relative=True, max_skip=8)

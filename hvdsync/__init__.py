@@ -1,21 +1,22 @@
 """hvdsync: communication-efficient drop-in optimizer wrappers for Horovod.
 
-Import the framework adapter you need; this top-level package holds the framework-neutral
-core -- the technique interface and the step pipeline, the rulebook, the techniques, layer
-grouping, statistics, checkpoints (docs/design.md) -- and imports neither torch nor
-TensorFlow::
+Import the framework adapter you need; this top-level package names the techniques' configs,
+the layer grouping and the statistics, and imports neither torch nor TensorFlow. Its
+folders are its layers (docs/internals.md): ``core`` (the interfaces and one step),
+``safety``, ``techniques`` (one package each), the adapters ``torch`` and ``keras``, and
+``tools`` and ``testing`` beside the product::
 
     import hvdsync.torch as hvd      # instead of: import horovod.torch as hvd
 """
 
-from hvdsync.clipping import ClipConfig
-from hvdsync.delay import DelayConfig
-from hvdsync.layers import Layer, build_layers
-from hvdsync.lowrank import LowRankConfig
-from hvdsync.select import SelectConfig
-from hvdsync.sparse import SparseConfig
-from hvdsync.stats import SyncStats
-from hvdsync.threshold import ThresholdConfig
+from hvdsync.techniques.clip import ClipConfig
+from hvdsync.techniques.delay import DelayConfig
+from hvdsync.core.layers import Layer, build_layers
+from hvdsync.techniques.lowrank import LowRankConfig
+from hvdsync.techniques.select import SelectConfig
+from hvdsync.techniques.sparse import SparseConfig
+from hvdsync.core.stats import SyncStats
+from hvdsync.techniques.threshold import ThresholdConfig
 
 __version__ = "0.1.0"
 

@@ -36,7 +36,7 @@ class MLP(nn.Module):
 
 
 def sparse_embedding(sparse: bool = True) -> nn.Module:
-    """``python -m hvdsync.advise --model tests.models:sparse_embedding``: a 200k-row table
+    """``python -m hvdsync.tools.advise --model tests.models:sparse_embedding``: a 200k-row table
     (row-sparse gradients) and a small head."""
     return nn.Sequential(nn.EmbeddingBag(200_000, 64, mode="mean", sparse=sparse),
                          nn.Linear(64, 10))

@@ -79,7 +79,7 @@ def test_real_checkpoints_need_no_flag_and_restore_the_same_state(technique, tmp
     assert hvd.load_checkpoint(path, fresh_model, fresh_opt) == {"epoch": 3, "lr": [0.1, 0.01]}
     for a, b in zip(model.parameters(), fresh_model.parameters()):
         assert torch.equal(a, b)
-    from hvdsync import checkpoint
+    from hvdsync.safety import checkpoint
     assert (checkpoint.shared_digest(fresh_opt._configured)
             == checkpoint.shared_digest(opt._configured))
     # the optimizer's own state_dict is tensors and plain data: torch's default reads it
@@ -102,7 +102,7 @@ def test_files_written_before_with_numpy_arrays_still_load(tmp_path):
 
 
 def test_keras_per_rank_state_travels_as_arrays_and_json():
-    from hvdsync import checkpoint
+    from hvdsync.safety import checkpoint
     state = {"select": {"residual": {"0": np.arange(6.0).reshape(2, 3)}, "n": 3,
                         "names": ["a", "b"], "none": None}}
     back = checkpoint.state_from_bytes(checkpoint.state_bytes(state))

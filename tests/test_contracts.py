@@ -1,5 +1,5 @@
 """The core's contracts are closed (issue 30): everything the framework-neutral core calls on a
-port or a technique is declared on the interface it goes through (hvdsync/technique.py), so
+port or a technique is declared on the interface it goes through (hvdsync/core/technique.py), so
 an adapter that implements the interfaces runs every technique, and no technique reaches into
 an adapter's extras by name. A static check of the core's source: it fails the moment a core
 module calls a member the interface does not declare."""
@@ -12,17 +12,20 @@ import pathlib
 
 import pytest
 
-from hvdsync import technique
-from hvdsync.carried import Carryable, CarriedCompressor
-from hvdsync.pending import Pending
-from hvdsync.ports import Communicator, Gradients, RowSparse, TensorOps
-from hvdsync.technique import Decider, Technique, Transform, Transport
-from hvdsync.traced import TracedLocalStep
+from hvdsync.core import technique
+from hvdsync.techniques.delay.carried import Carryable, CarriedCompressor
+from hvdsync.core.pending import Pending
+from hvdsync.core.ports import Communicator, Gradients, RowSparse, TensorOps
+from hvdsync.core.technique import Decider, Technique, Transform, Transport
+from hvdsync.core.traced import TracedLocalStep
 
-#: the core's modules (technique.py, ports.py and pending.py define the interfaces; testing.py is
-#: the test harness)
-CORE = sorted(p for p in pathlib.Path(technique.__file__).parent.glob("*.py")
-              if p.name not in ("technique.py", "ports.py", "pending.py", "testing.py"))
+#: the framework-neutral modules: the core, safety and the techniques (core/technique.py,
+#: core/ports.py and core/pending.py define the interfaces), and the tools
+PACKAGE = pathlib.Path(technique.__file__).parent.parent
+CORE = sorted(p for part in ("core", "safety", "techniques", "tools")
+              for p in (PACKAGE / part).rglob("*.py")
+              if p.relative_to(PACKAGE).as_posix() not in ("core/technique.py", "core/ports.py",
+                                                           "core/pending.py"))
 
 #: how the core names each port or technique -> the interfaces that declare what it may call
 RECEIVERS = {
@@ -63,12 +66,15 @@ def calls(path: pathlib.Path, receivers: dict) -> list[tuple[int, str, str]]:
     return out
 
 
-@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.relative_to(PACKAGE).as_posix())
 def test_the_core_calls_only_what_the_interfaces_declare(path):
     receivers = dict(RECEIVERS)
-    if path.name == "pipeline.py":
+    if path.name == "pipeline.py" and path.parent.name == "core":
         receivers.update(PIPELINE_RECEIVERS)
-    if path.name in ("select.py", "perfmodel.py", "advise.py"):  # their own local names
+    if path.relative_to(PACKAGE).as_posix() in ("techniques/select/technique.py",
+                                                "techniques/select/policy.py",
+                                                "tools/perfmodel.py", "tools/advise.py"):
+        # (their own local names)
         receivers = {k: v for k, v in receivers.items() if k not in ("p", "pending")}
     undeclared = [f"{path.name}:{line}: {receiver}.{member}"
                   for line, receiver, member in calls(path, receivers)
@@ -89,9 +95,9 @@ def test_the_check_sees_an_undeclared_call(tmp_path):
 def test_what_delay_carries_implements_the_declared_interface():
     """Every technique ``delay=`` may carry is :class:`Carryable`, and its carried form has
     each method of :class:`CarriedCompressor`, with the same parameters."""
-    from hvdsync.delay import DelayedGradients
-    from hvdsync.lowrank_delay import DelayedLowRank
-    from hvdsync.lowrank_pipeline import LowRankCompression
+    from hvdsync.techniques.delay.technique import DelayedGradients
+    from hvdsync.techniques.lowrank.in_delay import DelayedLowRank
+    from hvdsync.techniques.lowrank.in_step import LowRankCompression
     carried = {"lowrank": (LowRankCompression, DelayedLowRank)}
     assert set(DelayedGradients.carries) == set(carried)
     for before, inside in carried.values():

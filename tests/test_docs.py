@@ -58,8 +58,8 @@ def test_a_link_off_the_site_is_a_warning(hooks, caplog):
         assert hooks.relink("../../docs/clip.md", "results/x.md") == "../clip.md"
         assert hooks.relink("docs/clip.md", "index.md") == "clip.md"
         assert caplog.records == []
-        hooks.relink("../hvdsync/pipeline.py", "design.md")
-    assert "hvdsync/pipeline.py, which is not on the site" in caplog.text
+        hooks.relink("../hvdsync/core/pipeline.py", "design.md")
+    assert "hvdsync/core/pipeline.py, which is not on the site" in caplog.text
 
 
 def test_a_public_name_without_docstring_or_api_entry_is_a_warning(hooks, caplog):

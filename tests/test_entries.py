@@ -1,6 +1,6 @@
 """A collective entry point called on some ranks only -- ``if hvd.rank() == 0: opt.flush()``,
 a save on rank 0 only -- is refused on every rank within seconds, naming what each side
-called (hvdsync.entries, docs/failures.md), with every technique: real ranks on Horovod and
+called (hvdsync.safety.entries, docs/failures.md), with every technique: real ranks on Horovod and
 torchrun for the techniques whose first collective differs in kind, simulated ranks for every
 technique (a refused job is broken, so every case is a job of its own)."""
 
@@ -136,7 +136,7 @@ def test_a_stalled_rank_is_reported_by_the_others(launcher):
 
 def test_the_stall_report_comes_within_75_s_by_default():
     """The defaults: reported after 60 s, looked for every 5 s at most (so by 65 s)."""
-    from hvdsync import watchdog
+    from hvdsync.safety import watchdog
     assert watchdog.stall_s() == 60 and watchdog.period_s() <= 5
 
 

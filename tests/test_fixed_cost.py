@@ -13,7 +13,8 @@ import torch
 
 import hvdsync.torch as hvd
 from benchmarks.bench_fixed_cost import METHODS, ops_body
-from hvdsync.clipping import ClipConfig, ClipPolicy
+from hvdsync.techniques.clip.technique import ClipPolicy
+from hvdsync.techniques.clip.config import ClipConfig
 
 BARE, FOREACH = "bare optimizer (no exchange)", "bare + clip_grad_norm_(foreach)"
 OURS = [name for name, (kind, _) in METHODS.items() if kind == "hvdsync"]
@@ -63,7 +64,7 @@ def test_no_technique_grows_by_more_than_2_ops_per_layer(counts, name):
 def test_the_plain_path_costs_nothing_per_layer_and_less_than_horovod(counts):
     for depth in DEPTHS:
         # the step's finite check (3), the entry tag's detach in Horovod's allreduce (a view
-        # of a host tensor: no kernel on a GPU; hvdsync.entries)
+        # of a host tensor: no kernel on a GPU; hvdsync.safety.entries)
         assert added(counts, "hvdsync (nothing on)", depth) <= 4
         assert added(counts, "hvdsync (nothing on)", depth) < added(counts, "horovod", depth)
 

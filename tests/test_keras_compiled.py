@@ -1,5 +1,5 @@
 """threshold=, select=, lowrank=, sparse= and delay= compiled into Keras' train function
-(hvdsync.keras.graph, with hvdsync.kept_layers for deciders) against the same techniques run eagerly through
+(hvdsync.keras.graph, with hvdsync.core.kept_layers for deciders) against the same techniques run eagerly through
 the step pipeline (``HVDSYNC_KERAS_PIPELINE=1``) and the compiled step run eagerly
 (``run_eagerly=True``): the same layers sent at every step and the same weights, on 2 and 3
 real ranks with different data per rank (float64)."""

@@ -178,7 +178,7 @@ def round_trip_body() -> dict:
     import keras
 
     import hvdsync.keras as hvd
-    from hvdsync import checkpoint
+    from hvdsync.safety import checkpoint
     hvd.init()
     one_thread()
     out = {}

@@ -1,4 +1,4 @@
-"""The performance model and ``python -m hvdsync.advise`` (no ranks, in seconds): the collective
+"""The performance model and ``python -m hvdsync.tools.advise`` (no ranks, in seconds): the collective
 formulas, the byte model against what the bench bed measured, the shape of the predictions,
 and the advisor on presets, on sizes alone and on a demo model (docs/at-scale.md)."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdsync import advise, perfmodel
-from hvdsync.perfmodel import Cluster, Constants, LayerSize, ModelSizes
+from hvdsync.tools import advise, perfmodel
+from hvdsync.tools.perfmodel import Cluster, Constants, LayerSize, ModelSizes
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN = Constants(link_efficiency=1.0, collective_s=0.0, overlap=0.0, layer_s=0.0,
@@ -252,7 +252,7 @@ def test_presets_have_the_sizes_they_are_named_for():
 ])
 def test_python_m_hvdsync_advise_runs_offline_in_seconds(args):
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "hvdsync.advise", *args], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "hvdsync.tools.advise", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "recommended:" in out.stdout and "horovod" in out.stdout
@@ -308,7 +308,7 @@ def test_fewer_steps_than_horovod_on_one_workload_is_not_credited():
 
 
 def test_advise_says_what_is_missing():
-    out = subprocess.run([sys.executable, "-m", "hvdsync.advise", "--params", "1e8", "--ranks",
+    out = subprocess.run([sys.executable, "-m", "hvdsync.tools.advise", "--params", "1e8", "--ranks",
                           "8", "--bandwidth", "1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode != 0 and "--compute-ms" in out.stderr

@@ -1,4 +1,4 @@
-"""The rulebook (hvdsync/rules.py) is one: every pair of techniques is accepted or refused
+"""The rulebook (hvdsync/core/rules.py) is one: every pair of techniques is accepted or refused
 alike by the torch and the Keras factories, refusals name the rule and its reason, and the
 table in docs/design.md lists every refused pair."""
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from hvdsync import rules
+from hvdsync.core import rules
 
 #: one small valid config per technique (global clip is a setting of its own)
 CONFIGS = {"clip": 1.0, "clip_global": dict(max_norm=1.0, mode="global"), "threshold": 0.5,
@@ -100,13 +100,13 @@ def test_ops_each_technique_needs():
 def test_a_typo_inside_a_config_dict_names_the_key_meant_and_the_fields(arg, typo, meant):
     import dataclasses
 
-    from hvdsync.clipping import ClipConfig
-    from hvdsync.config import coerce_config
-    from hvdsync.delay import DelayConfig
-    from hvdsync.lowrank import LowRankConfig
-    from hvdsync.select import SelectConfig
-    from hvdsync.sparse import SparseConfig
-    from hvdsync.threshold import ThresholdConfig
+    from hvdsync.techniques.clip.config import ClipConfig
+    from hvdsync.core.config import coerce_config
+    from hvdsync.techniques.delay.config import DelayConfig
+    from hvdsync.techniques.lowrank.config import LowRankConfig
+    from hvdsync.techniques.select.config import SelectConfig
+    from hvdsync.techniques.sparse.config import SparseConfig
+    from hvdsync.techniques.threshold.config import ThresholdConfig
     cls = {"clip": ClipConfig, "threshold": ThresholdConfig, "select": SelectConfig,
            "sparse": SparseConfig, "lowrank": LowRankConfig, "delay": DelayConfig}[arg]
     with pytest.raises(TypeError) as info:

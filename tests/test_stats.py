@@ -9,8 +9,8 @@ import pathlib
 import re
 
 import hvdsync
-from hvdsync.sparse import ROUTES
-from hvdsync.stats import SyncStats, meaning
+from hvdsync.techniques.sparse.protocol import ROUTES
+from hvdsync.core.stats import SyncStats, meaning
 
 
 def _stats(techniques: list[str], ranks: int) -> SyncStats:

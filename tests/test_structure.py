@@ -1,7 +1,9 @@
-"""The house rules, checked on hvdsync/'s source (issue 68): no function over 80 lines, no
-file over 500, module docstrings of at most 15 lines (the long form lives in docs/), no
-import circle among hvdsync's modules, and no technique named or its config read in the
-adapters (hvdsync/torch, hvdsync/keras): they run techniques through the interfaces only.
+"""The house rules, checked on hvdsync/'s source (issues 68 and 80): no function over 80 lines,
+no file over 500, module docstrings of at most 15 lines (the long form lives in docs/), no
+import circle among hvdsync's modules, the layering of the tree (the core imports no
+technique, a technique no adapter, nothing of the product the tools or the test support),
+and no technique named or its config read in the adapters (hvdsync/torch, hvdsync/keras):
+they run techniques through the interfaces only.
 ``KNOWN`` lists what is still to mend; an entry that no longer breaks its rule fails the test
 too, so the list only shrinks."""
 
@@ -13,7 +15,7 @@ import pathlib
 import pytest
 
 import hvdsync
-from hvdsync.rules import TECHNIQUES
+from hvdsync.core.rules import TECHNIQUES
 
 ROOT = pathlib.Path(hvdsync.__file__).parent
 MODULES = sorted(ROOT.rglob("*.py"))
@@ -164,3 +166,96 @@ def test_the_function_check_counts_lines(tmp_path, lines, over):
     path = tmp_path / "probe.py"
     path.write_text("def f():\n" + "    x = 1\n" * (lines - 1))
     assert long_functions(path) == ({"probe.py:f"} if over else set())
+
+
+#: the tree's layers, lowest first: what each may import of hvdsync (docs/internals.md)
+LAYERS = {
+    "core": ("core", "safety"),
+    "safety": ("core", "safety"),
+    "techniques": ("core", "safety", "techniques"),
+    "torch": ("core", "safety", "techniques", "torch"),
+    "keras": ("core", "safety", "techniques", "torch", "keras"),
+    "tools": ("core", "tools"),
+    "testing": ("core", "safety", "torch", "testing"),
+}
+#: imports between two techniques' packages, each with its reason (empty: none)
+BETWEEN_TECHNIQUES = {
+    ("delay", "outer"): "delay='s K-step synchronization runs the outer synchronization",
+}
+#: what the framework-neutral layers must never import
+FRAMEWORKS = ("torch", "tensorflow", "keras", "horovod")
+
+
+def _layer(module: str) -> str:
+    """The layer a module of hvdsync belongs to (``""``: the package's own ``__init__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _technique(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "techniques" else ""
+
+
+def layering_breaks(graph: dict[str, set[str]]) -> list[str]:
+    """``importer -> imported`` for every import the layers do not allow."""
+    out = []
+    for importer, imported in sorted(graph.items()):
+        layer = _layer(importer)
+        if not layer:
+            continue
+        for other in sorted(imported):
+            theirs = _layer(other)
+            if theirs and theirs not in LAYERS[layer]:
+                out.append(f"{importer} -> {other}")
+            mine, its = _technique(importer), _technique(other)
+            if mine and its and mine != its and (mine, its) not in BETWEEN_TECHNIQUES:
+                out.append(f"{importer} -> {other} (another technique)")
+    return out
+
+
+def framework_imports(path: pathlib.Path) -> list[str]:
+    """The frameworks a module imports at its top level or in a function."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                 else [])
+        found += [n for n in names if n.split(".")[0] in FRAMEWORKS]
+    return found
+
+
+def test_the_tree_is_layered():
+    """The core imports no technique and no adapter; a technique no adapter and no other
+    technique (but the pairs of BETWEEN_TECHNIQUES); nothing imports the tools but the tools,
+    nor the test support but itself."""
+    known = {module_name(p) for p in MODULES}
+    graph = {module_name(p): imports_of(p, known) for p in MODULES}
+    assert set(LAYERS) == {_layer(m) for m in known} - {""}, "a folder without a layer"
+    assert layering_breaks(graph) == []
+    for pair in BETWEEN_TECHNIQUES:
+        assert any(_technique(a) == pair[0] and _technique(b) == pair[1]
+                   for a, bs in graph.items() for b in bs), f"{pair} is not imported: drop it"
+
+
+def test_the_neutral_layers_import_no_framework():
+    """The core and the techniques import no framework; safety only Horovod (Elastic's reset
+    loop is Horovod's)."""
+    neutral = [p for p in MODULES if _name(p).split("/")[0] in ("core", "safety", "techniques")]
+    found = {_name(p): [n for n in framework_imports(p)
+                        if not (_name(p).startswith("safety/") and n.startswith("horovod"))]
+             for p in neutral}
+    assert neutral and {k: v for k, v in found.items() if v} == {}
+
+
+def test_the_layering_check_sees_a_break():
+    graph = {"hvdsync.core.pipeline": {"hvdsync.techniques.clip.technique"},
+             "hvdsync.techniques.clip.technique": {"hvdsync.torch.ops",
+                                                   "hvdsync.techniques.select.policy"},
+             "hvdsync.torch.optimizer": {"hvdsync.tools.advise"}}
+    assert layering_breaks(graph) == [
+        "hvdsync.core.pipeline -> hvdsync.techniques.clip.technique",
+        "hvdsync.techniques.clip.technique -> hvdsync.techniques.select.policy (another "
+        "technique)",
+        "hvdsync.techniques.clip.technique -> hvdsync.torch.ops",
+        "hvdsync.torch.optimizer -> hvdsync.tools.advise"]

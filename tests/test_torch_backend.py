@@ -61,7 +61,7 @@ def api_semantics() -> dict:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     out["params"] = model.weight.flatten().tolist()
     if out["backend"] == "torch":  # the tensors c10d held are kept until it let go of them
-        from hvdsync.torch import c10d_runtime as rt
+        from hvdsync.torch.c10d import runtime as rt
         lent = rt.PROCESS.lent
         out["lent"] = len(lent) > 0 and all(t._use_count() >= 1 for t in lent)
         out["lent_returned"] = rt._await_returns() and not lent

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdsync import rules
+from hvdsync.core import rules
 from hvdsync.testing import run_threads
 from tests.models import SHARED_JOBS, MLP, job_group, run_cases, shared_runs, teacher_batches
 from tests.test_torch_compositions import BagModel, bag_batches

@@ -1,4 +1,4 @@
-"""A decider's traced form (hvdsync.kept_layers: what Keras' compiled train function builds
+"""A decider's traced form (hvdsync.core.kept_layers: what Keras' compiled train function builds
 for threshold= and select=, with lowrank= beside or not), driven by hand on torch tensors in
 process, against the eager step: the same plans, parameters and memory, bit for bit. The real-rank, both-adapter check
 of the same form is tests/test_keras_compiled.py."""
@@ -17,14 +17,14 @@ HIDDEN = 32
 def traced_decider_body(kind: str, cfg: dict, steps: int, nan_rank: int,
                         nan_step: int, lowrank: dict | None = None) -> dict:
     """The same float64 model and batches twice: the eager step, then
-    :class:`hvdsync.kept_layers.KeptLayers` with blocking collectives (its memory in
+    :class:`hvdsync.core.kept_layers.KeptLayers` with blocking collectives (its memory in
     :class:`tests.models.DeviceMemory`). Parameters after every step, the plan each step ran
     with, the decider's status and memory. With ``lowrank``: that transport beside the
     decider, each sent layer's rounds built in the send branch (``trace_exchange``), its
     memory carried out of the branch (``staged``, ``restage``) and committed after the step,
     as Keras' compiled step does; its status and error feedback too."""
     import hvdsync.torch as hvd
-    from hvdsync.kept_layers import KeptLayers
+    from hvdsync.core.kept_layers import KeptLayers
     from hvdsync.torch.optimizer import _DistributedOptimizer
     hvd.init()
     torch.set_num_threads(1)

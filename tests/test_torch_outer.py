@@ -1,6 +1,6 @@
 """``delay=``'s outer synchronization (torch, 2 and 3 real ranks, different data per rank):
 DiLoCo's outer optimizer on the pseudo-gradient, streamed in fragments that overlap the next
-inner steps, compressed (hvdsync/outer.py, docs/delay.md).
+inner steps, compressed (hvdsync/techniques/outer/sync.py, docs/delay.md).
 
 Each claim is checked against something written independently of hvdsync's pipeline: plain
 parameter averaging (post-local SGD), Horovod's own DistributedOptimizer, and Streaming
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hvdsync import DelayConfig
-from hvdsync.outer import INT8_CHUNK, fragment_layers, start_offsets
+from hvdsync.techniques.outer.sync import INT8_CHUNK, fragment_layers, start_offsets
 from hvdsync.testing import run_ranks
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS, DeviceMemory,
                           assert_construction_fails, eager_or_traced_steps, job_group,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hvdsync import SelectConfig
-from hvdsync.select import SelectPolicy
+from hvdsync.techniques.select.policy import SelectPolicy
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, REAL_NP, REAL_NP_IDS, assert_construction_fails,
                           call, check_pushes, job_group, logic_runs, teacher_batches)
 

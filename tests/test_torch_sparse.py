@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hvdsync import SparseConfig
-from hvdsync.sparse import choose_route, gradient_layouts
+from hvdsync.techniques.sparse.protocol import choose_route, gradient_layouts
 from hvdsync.testing import run_ranks
 from tests.models import LOGIC_IDS, LOGIC_JOBS, assert_construction_fails, job_group, logic_runs
 

@@ -287,7 +287,7 @@ def checks_in_training() -> dict:
     import torch
 
     import hvdsync.torch as hvd
-    from hvdsync.torch import c10d_checks
+    from hvdsync.torch.c10d import checks as c10d_checks
     from tests.models import MLP, teacher_batches
     hvd.init()
     counted = {"n": 0}
@@ -324,7 +324,7 @@ def step_while_a_rank_joined() -> Any:
     import torch
 
     import hvdsync.torch as hvd
-    from hvdsync.agreement import RanksDisagree
+    from hvdsync.safety.agreement import RanksDisagree
     hvd.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)

@@ -82,7 +82,7 @@ def main() -> None:
         if i == 0:
             print("  ".join("-" * w for w in widths))
     print("\nNext: which technique for your model and network -- the README's table, and "
-          "python -m hvdsync.advise (docs/at-scale.md); each technique: docs/<name>.md")
+          "python -m hvdsync.tools.advise (docs/at-scale.md); each technique: docs/<name>.md")
 
 
 if __name__ == "__main__":

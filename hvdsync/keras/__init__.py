@@ -65,14 +65,14 @@ else:  # (JAX, NumPy, OpenVINO: no per-layer hooks, no collectives hvdsync can s
         f"{_BACKEND!r}. Set KERAS_BACKEND=torch and launch with torchrun (no Horovod needed), "
         "or KERAS_BACKEND=tensorflow with horovodrun (docs/keras.md)")
 
-from hvdsync.agreement import RanksDisagree  # noqa: E402
-from hvdsync.clipping import ClipConfig  # noqa: E402
-from hvdsync.delay import DelayConfig  # noqa: E402
+from hvdsync.safety.agreement import RanksDisagree  # noqa: E402
+from hvdsync.techniques.clip import ClipConfig
+from hvdsync.techniques.delay import DelayConfig
 from hvdsync.keras import callbacks  # noqa: E402
 from hvdsync.keras.callbacks import broadcast_variables  # noqa: E402,F811
 from hvdsync.keras.saving import load_model, save_model  # noqa: E402
-from hvdsync.lowrank import LowRankConfig  # noqa: E402
-from hvdsync.select import SelectConfig  # noqa: E402
-from hvdsync.sparse import SparseConfig  # noqa: E402
-from hvdsync.stats import SyncStats  # noqa: E402
-from hvdsync.threshold import ThresholdConfig  # noqa: E402
+from hvdsync.techniques.lowrank import LowRankConfig
+from hvdsync.techniques.select import SelectConfig
+from hvdsync.techniques.sparse import SparseConfig
+from hvdsync.core.stats import SyncStats  # noqa: E402
+from hvdsync.techniques.threshold import ThresholdConfig

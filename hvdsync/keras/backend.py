@@ -37,7 +37,7 @@ class Slots:
 
 
 class KerasGradients:
-    """:class:`hvdsync.technique.Gradients` over one step's gradient list. Layer ``li``'s
+    """:class:`hvdsync.core.technique.Gradients` over one step's gradient list. Layer ``li``'s
     parameters are its variables present in the step (Keras drops variables without a
     gradient); keys are a variable's position among the optimizer's variables."""
 

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from hvdsync.keras import collectives
-from hvdsync.watchdog import guard
+from hvdsync.safety.watchdog import guard
 
 
 def _hvdsync_optimizer(model):

@@ -1,5 +1,5 @@
 """The arithmetic of ``clip=`` on Keras gradients, one layer at a time (the rules and their
-running statistics are :class:`hvdsync.clipping.LayerClip`'s). The same function runs in the
+running statistics are :class:`hvdsync.techniques.clip.technique.LayerClip`'s). The same function runs in the
 compiled train function (the plain path: each layer's clip depends only on that layer's
 gradient, so the graph executor clips and sends a layer as soon as backward produced it) and
 eagerly in the step pipeline."""
@@ -10,7 +10,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hvdsync.clipping import ClipConfig
+from hvdsync.techniques.clip.config import ClipConfig
 from hvdsync.keras.ops import norm_of
 from hvdsync.keras.comm import coalesce
 
@@ -49,7 +49,7 @@ def clip_layer(grads: list, params: list, c: ClipConfig, limit) -> tuple[list, t
 def clip_layers(layers: list, params: list, c: ClipConfig, limits) -> tuple[list, Any]:
     """:func:`clip_layer` for a group of layers (the step pipeline's form: Keras' eager step
     has every layer at once): the clipped layers and the group's record
-    (:data:`hvdsync.clipping.ClipLayers`: row 0 the norms, row 1 0.0 where a layer was
+    (:data:`hvdsync.techniques.clip.technique.ClipLayers`: row 0 the norms, row 1 0.0 where a layer was
     clipped, else 1.0; ``None`` for no layer)."""
     if not layers:
         return layers, None

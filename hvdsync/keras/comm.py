@@ -29,10 +29,10 @@ from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import FP16Compressor
 from horovod.tensorflow.mpi_ops import Average, ProcessSet, Sum
 
-from hvdsync.entries import Entries
-from hvdsync.stats import SyncStats
-from hvdsync.pending import Pending
-from hvdsync.watchdog import guard
+from hvdsync.safety.entries import Entries
+from hvdsync.core.stats import SyncStats
+from hvdsync.core.pending import Pending
+from hvdsync.safety.watchdog import guard
 
 
 def payload_bytes(g) -> int:
@@ -108,7 +108,7 @@ class KerasCommunicator:
         self._after: list[tuple[Callable[[], Any], Future]] = []
         self.matches_by_name = True  # Horovod
         #: what this rank is doing, compared before each entry's first collective
-        #: (hvdsync.entries); eager Horovod ops block, so each tag is checked at once
+        #: (hvdsync.safety.entries); eager Horovod ops block, so each tag is checked at once
         self.entries = Entries(process_set, self._tag_round)
 
     def _tag_round(self, values: list[float], name: str, what: str) -> Pending:
@@ -240,7 +240,7 @@ class KerasCommunicator:
     def control(self, values: Any, name: str, dtype: str = "float64") -> list[float]:
         """The control plane (eager): average a small vector of per-layer statistics across
         ranks in one collective, so every rank decides from the same numbers (``values``:
-        floats or a device vector; ``dtype``: :func:`hvdsync.technique.control_dtype`)."""
+        floats or a device vector; ``dtype``: :func:`hvdsync.core.technique.control_dtype`)."""
         if tf.is_tensor(values):  # a device vector (KerasOps.concat)
             x = tf.cast(values, dtype)
             if self.size == 1:

@@ -22,7 +22,7 @@ from typing import Any
 import keras
 from horovod.common.elastic import ObjectState
 
-from hvdsync import elastic as _core
+from hvdsync.safety import elastic as _core
 from hvdsync.keras.callbacks import broadcast_variables
 from hvdsync.keras.collectives import _on_torch
 
@@ -162,7 +162,7 @@ def _restart() -> None:
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Horovod's ``elastic.run``: ``func(state, ...)`` runs again whenever the ranks change
-    (:func:`hvdsync.elastic.run`: it syncs after every reset, a removal included, and first
+    (:func:`hvdsync.safety.elastic.run`: it syncs after every reset, a removal included, and first
     makes the state's hvdsync optimizers finish or drop what they have in flight)."""
     if _on_torch():
         from hvdsync.torch.elastic import require_horovod

@@ -2,10 +2,10 @@
 bridge that runs the step pipeline eagerly inside it.
 
 * **Graph path** (every technique ``traceable``: plain, ``clip=``, a decider's traced form
-  (:mod:`hvdsync.kept_layers`), ``lowrank=``'s and ``sparse=``'s traced rounds, ``delay=``):
+  (:mod:`hvdsync.core.kept_layers`), ``lowrank=``'s and ``sparse=``'s traced rounds, ``delay=``):
   the step pipeline's moments built into the train function
   (:class:`hvdsync.keras.traced_step.TracedStep`).
-* **Pipeline path** (every other combination): the step pipeline (:mod:`hvdsync.pipeline`)
+* **Pipeline path** (every other combination): the step pipeline (:mod:`hvdsync.core.pipeline`)
   runs as Python inside ``tf.py_function``; a second one after the update closes the step.
 """
 
@@ -18,15 +18,15 @@ import tensorflow as tf
 
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.traced_step import HostFlags, TracedStep, Traffic, apply_if, on_host
-from hvdsync.kept_layers import KeptLayers
-from hvdsync.pipeline import StepPipeline
-from hvdsync.technique import Technique
+from hvdsync.core.kept_layers import KeptLayers
+from hvdsync.core.pipeline import StepPipeline
+from hvdsync.core.technique import Technique
 
 
 def graph_runs(techniques: list[Technique]) -> bool:
     """Whether the compiled graph path can run these techniques (else: the pipeline path):
-    every one declares a traced form (:attr:`hvdsync.technique.Technique.traceable`) that is
-    built beside the others (:attr:`~hvdsync.technique.Technique.traced_with`)."""
+    every one declares a traced form (:attr:`hvdsync.core.technique.Technique.traceable`) that is
+    built beside the others (:attr:`~hvdsync.core.technique.Technique.traced_with`)."""
     names = {t.name for t in techniques}
     return all(t.traceable and (t.traced_with is None or names - {t.name} <= set(t.traced_with))
                for t in techniques)
@@ -41,7 +41,7 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     (global); then ``apply(grads, variables)`` and record the step's statistics. With a
     decider (``kept``, its traced form), each layer's reduce runs only where the step's plan
     sends it, and the decider's memory and control round are built around. A
-    transport with rounds of its own (:meth:`hvdsync.traced.TracedRounds.traced_groups`:
+    transport with rounds of its own (:meth:`hvdsync.core.traced.TracedRounds.traced_groups`:
     ``lowrank=``) builds its layers' exchange itself; what it sent is counted in ``traffic``
     (bytes and collectives per layer, a variable: which branch ran is known at run time).
     ``restored``: set when a checkpoint was restored; the step then first runs the

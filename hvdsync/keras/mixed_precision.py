@@ -21,7 +21,7 @@ from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.mpi_ops import Min, ProcessSet
 from keras.optimizers import LossScaleOptimizer
 
-from hvdsync.watchdog import guard
+from hvdsync.safety.watchdog import guard
 
 __all__ = ["LossScaleOptimizer", "share_loss_scale_decision"]
 

@@ -21,19 +21,21 @@ import torch
 from keras.optimizers import LossScaleOptimizer
 
 import hvdsync.torch as hvd_torch
-from hvdsync import rules
-from hvdsync.api import SyncAPI
-from hvdsync.config import non_negative_float
+from hvdsync.core import rules
+from hvdsync.core.api import SyncAPI
+from hvdsync.core.config import non_negative_float
 from hvdsync.keras.params import (groups_to_names, keras_layer_of, mixed_in, relative_names,
                                   slots_of)
 from hvdsync.keras.state import SavedState
-from hvdsync.layers import Layer, build_layers
-from hvdsync.stats import SyncStats
+from hvdsync.core.layers import Layer, build_layers
+from hvdsync.core.stats import SyncStats
 from hvdsync.torch.optimizer import checked_arguments
 from hvdsync.torch.saving import tensors_only
 
 if TYPE_CHECKING:  # (typing.Unpack is Python 3.11's)
     from typing_extensions import Unpack
+
+    from hvdsync.techniques import TechniqueKeywords
 
 _NO_COMPILE = ("hvdsync.keras.DistributedOptimizer starts its collectives from backward hooks "
                "and between the train step's ops, which torch.compile cannot keep in order: "
@@ -331,7 +333,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                          groups: Any = None, process_set: Any = None,
                          scale_local_gradients: bool = True,
                          group_mb: Optional[float] = None,
-                         **keywords: Unpack[rules.TechniqueKeywords],
+                         **keywords: Unpack[TechniqueKeywords],
                          ) -> keras.optimizers.Optimizer:
     """:func:`hvdsync.keras.DistributedOptimizer` on the torch backend: the same arguments,
     run by hvdsync.torch's engine and step pipeline; and hvdsync.torch's ``group_mb`` (the

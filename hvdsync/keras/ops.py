@@ -1,5 +1,5 @@
 """The tensor arithmetic the framework-neutral techniques ask of Keras' TensorFlow backend
-(:class:`hvdsync.ports.TensorOps`), eager or inside a traced step, and the float32 norms both
+(:class:`hvdsync.core.ports.TensorOps`), eager or inside a traced step, and the float32 norms both
 adapters compute alike (docs/design.md)."""
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _decode(parts: list, like: tuple, codec: str, chunk: int) -> list:
 
 
 class KerasOps:
-    """:class:`hvdsync.technique.TensorOps` on TensorFlow tensors (immutable: new tensors)."""
+    """:class:`hvdsync.core.technique.TensorOps` on TensorFlow tensors (immutable: new tensors)."""
 
     @staticmethod
     def add(a, b):

@@ -25,9 +25,12 @@ from horovod.tensorflow.mpi_ops import Average, ProcessSet, global_process_set
 if TYPE_CHECKING:  # (typing.Unpack is Python 3.11's)
     from typing_extensions import Unpack
 
-from hvdsync import agreement, checkpoint, elastic, rules
-from hvdsync.api import SyncAPI
-from hvdsync.config import check_bool
+    from hvdsync.techniques import TechniqueKeywords
+
+from hvdsync.safety import agreement, checkpoint, elastic
+from hvdsync.core import rules
+from hvdsync.core.api import SyncAPI
+from hvdsync.core.config import check_bool
 from hvdsync.keras.graph import eager_step, graph_runs, graph_step, in_xla_context
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
 from hvdsync.keras.backend import KerasGradients, Slots
@@ -39,11 +42,12 @@ from hvdsync.keras.params import groups_to_names, keras_layer_of, mixed_in, rela
 from hvdsync.keras.sparse import TracedSparseExchange
 from hvdsync.keras.traced_step import HostFlags, Traffic
 from hvdsync.keras.state import KerasCheckpointing
-from hvdsync.kept_layers import KeptLayers
-from hvdsync.layers import Layer, build_layers
-from hvdsync.pipeline import StepPipeline
-from hvdsync.rules import build_techniques
-from hvdsync.stats import SyncStats
+from hvdsync.core.kept_layers import KeptLayers
+from hvdsync.core.layers import Layer, build_layers
+from hvdsync.core.pipeline import StepPipeline
+from hvdsync.core.rules import build_techniques
+from hvdsync.core.stats import SyncStats
+from hvdsync.core.technique import Parts
 
 _HOROVOD_ARGS = ("name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
                  "gradient_predivide_factor", "op", "backward_passes_per_step",
@@ -86,10 +90,9 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
                                     hv.process_set, hv.stats)
         hv.grads = KerasGradients(layer_vars, Slots(self.variables, variables),
                                   update=self._update_uncounted)
-        hv.techniques = build_techniques(
-            hv.configs, grads=hv.grads, ops=KerasOps(), comm=hv.comm, clip_layers=clip_layers,
-            sparse_exchange=lambda c: TracedSparseExchange(c, hv.grads, hv.comm, hv.stats),
-            layer_names=names, stats=hv.stats, traces=True)
+        hv.techniques = build_techniques(hv.configs, Parts(
+            hv.grads, KerasOps(), hv.comm, hv.stats, names, traces=True, clip_layers=clip_layers,
+            sparse_exchange=lambda c: TracedSparseExchange(c, hv.grads, hv.comm, hv.stats)))
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)
         # HVDSYNC_KERAS_PIPELINE=1: every step through the eager step pipeline (to compare)
         hv.graph_path = (graph_runs(hv.techniques)
@@ -97,7 +100,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         hv.signatures = [checkpoint.signature(v.shape, v.dtype) for vs in layer_vars for v in vs]
         with tf.init_scope():  # build may run while the train function is traced: go eager
             decider = hv.pipeline.decider
-            #: the decider's traced form, its memory in variables (hvdsync.kept_layers)
+            #: the decider's traced form, its memory in variables (hvdsync.core.kept_layers)
             hv.kept = (KeptLayers(decider, hv.grads, KerasOps(),
                                   VariableMemory.of_parameters(hv.grads, False, "held"),
                                   VariableMemory.of_parameters(hv.grads, True, "copy"))
@@ -246,7 +249,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
                          groups: Any = None,
                          process_set: ProcessSet = global_process_set,
                          scale_local_gradients: bool = True,
-                         **keywords: Unpack[rules.TechniqueKeywords],
+                         **keywords: Unpack[TechniqueKeywords],
                          ) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so its updates use gradients reduced across Horovod ranks.
 
@@ -276,7 +279,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
         **keywords: hvdsync's ``layers=`` (by Keras layer, or a callable / mapping) and its
             techniques ``clip=``, ``threshold=``, ``select=``, ``sparse=``, ``lowrank=``,
             ``delay=``, each a config, a dict of its fields or a shorthand
-            (:class:`hvdsync.rules.TechniqueKeywords`).
+            (:class:`hvdsync.techniques.TechniqueKeywords`).
     """
     layers, techniques = rules.given(keywords, _HOROVOD_ARGS, "DistributedOptimizer")
     if isinstance(optimizer, LossScaleOptimizer):  # wrap what it wraps; it decides for all

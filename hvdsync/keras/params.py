@@ -1,12 +1,12 @@
 """Which variables a Keras ``DistributedOptimizer`` reduces, grouped how: Horovod's
-``groups`` as the name-based grouping of :mod:`hvdsync.layers`, and the default grouping by
+``groups`` as the name-based grouping of :mod:`hvdsync.core.layers`, and the default grouping by
 Keras layer."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from hvdsync.layers import Grouping, groups_by_name
+from hvdsync.core.layers import Grouping, groups_by_name
 
 
 def keras_layer_of(path: str) -> str:

@@ -51,7 +51,7 @@ def save_model(model, filepath: str, root_rank: int = 0, **kwargs: Any) -> None:
     ``model.save`` on one rank holds that rank's, which ``load_model`` drops on every rank).
     A collective: call it on every rank; every rank returns once the file is written. With
     ``delay=``, call ``optimizer.flush()`` first (replicas identical)."""
-    from hvdsync import checkpoint
+    from hvdsync.safety import checkpoint
 
     opt = _hvdsync_optimizer(model)  # (the one a LossScaleOptimizer wraps: mixed precision)
     hv = getattr(opt, "_hv", None)  # (hvdsync's optimizer, on either backend)

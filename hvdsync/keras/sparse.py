@@ -1,9 +1,9 @@
 """``sparse=`` compiled into Keras' train function: the core's sparse exchange
-(:class:`hvdsync.sparse_exchange.SparseExchange`, which runs the eager steps) with its traced
+(:class:`hvdsync.techniques.sparse.exchange.SparseExchange`, which runs the eager steps) with its traced
 form. Each variable's route is a device boolean -- the host writes last step's choice
 (:meth:`host_flags`), or, where the codes go first (the first step, ``one_round=False``), a
 branch gathers them and picks the route on the device by
-:func:`hvdsync.sparse.choose_route`'s rule -- and each row-sparse variable is one
+:func:`hvdsync.techniques.sparse.protocol.choose_route`'s rule -- and each row-sparse variable is one
 ``tf.cond(dense, allreduce, allgather)``; the codes reach the host in a variable, where the
 protocol takes them in after the step (:meth:`end_traced_step`).
 """
@@ -15,11 +15,12 @@ import tensorflow as tf
 from hvdsync.keras.backend import KerasGradients
 from hvdsync.keras.comm import KerasCommunicator, coalesce, payload_bytes
 from hvdsync.keras.rows import KerasRows, from_values
-from hvdsync.pending import Pending
-from hvdsync.sparse import ABSENT, DENSE, SparseConfig
-from hvdsync.sparse_exchange import SparseExchange
-from hvdsync.stats import SyncStats
-from hvdsync.traced import TracedRounds
+from hvdsync.core.pending import Pending
+from hvdsync.techniques.sparse.protocol import ABSENT, DENSE
+from hvdsync.techniques.sparse.config import SparseConfig
+from hvdsync.techniques.sparse.exchange import SparseExchange
+from hvdsync.core.stats import SyncStats
+from hvdsync.core.traced import TracedRounds
 
 
 class TracedSparseExchange(SparseExchange, TracedRounds):
@@ -146,7 +147,7 @@ class TracedSparseExchange(SparseExchange, TracedRounds):
 
     def _routes_from(self, shared: tf.Tensor) -> tf.Tensor:
         """Per variable, whether this step's shared codes route it dense
-        (:func:`hvdsync.sparse.choose_route` on the device)."""
+        (:func:`hvdsync.techniques.sparse.protocol.choose_route` on the device)."""
         counts = tf.reduce_sum(tf.maximum(shared[:, 0::2], 0), axis=0)
         row, limit = self.dense_limits()
         gathered = tf.cast(counts, tf.float64) * tf.constant(row, tf.float64)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdsync import checkpoint
+from hvdsync.safety import checkpoint
 
 
 class SavedState:

@@ -18,10 +18,10 @@ from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.mpi_ops import Average
 
 from hvdsync.keras.comm import KerasCommunicator, payload_bytes
-from hvdsync.kept_layers import KeptLayers
-from hvdsync.pipeline import StepPipeline
-from hvdsync.technique import Technique
-from hvdsync.traced import TracedRounds
+from hvdsync.core.kept_layers import KeptLayers
+from hvdsync.core.pipeline import StepPipeline
+from hvdsync.core.technique import Technique
+from hvdsync.core.traced import TracedRounds
 
 
 class Traffic:
@@ -54,7 +54,7 @@ class Traffic:
 
 class HostFlags:
     """What the host decides between steps that the traced step branches on
-    (:meth:`hvdsync.technique.Technique.host_flags`: ``delay=``'s anchors taken before the
+    (:meth:`hvdsync.core.technique.Technique.host_flags`: ``delay=``'s anchors taken before the
     first update only, ``lowrank=``'s warm-up, a decider's plan): a boolean variable (or
     vector) each. The step's host call returns them for the next step and the graph assigns
     them (:meth:`next_values`); outside a step -- at a trace, after a checkpoint or shared

@@ -83,14 +83,14 @@ def backend_name() -> str:
     return _engine.active_name()
 
 
-from hvdsync.agreement import RanksDisagree  # noqa: E402
-from hvdsync.clipping import ClipConfig  # noqa: E402
-from hvdsync.delay import DelayConfig  # noqa: E402
-from hvdsync.lowrank import LowRankConfig  # noqa: E402
-from hvdsync.select import SelectConfig  # noqa: E402
-from hvdsync.sparse import SparseConfig  # noqa: E402
-from hvdsync.stats import SyncStats  # noqa: E402
-from hvdsync.threshold import ThresholdConfig  # noqa: E402
+from hvdsync.safety.agreement import RanksDisagree  # noqa: E402
+from hvdsync.techniques.clip import ClipConfig
+from hvdsync.techniques.delay import DelayConfig
+from hvdsync.techniques.lowrank import LowRankConfig
+from hvdsync.techniques.select import SelectConfig
+from hvdsync.techniques.sparse import SparseConfig
+from hvdsync.core.stats import SyncStats  # noqa: E402
+from hvdsync.techniques.threshold import ThresholdConfig
 from hvdsync.torch.optimizer import DistributedOptimizer  # noqa: E402,F811
 from hvdsync.torch.optimizer import _DistributedOptimizer  # noqa: E402
 from hvdsync.torch.saving import (UntrustedCheckpoint, broadcast_technique_state,  # noqa: E402

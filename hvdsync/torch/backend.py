@@ -19,7 +19,7 @@ _AS_IT_IS = nullcontext()  # reusable: it does nothing
 
 
 class TorchGradients:
-    """:class:`hvdsync.technique.Gradients` over ``p.grad`` of the wrapped optimizer's
+    """:class:`hvdsync.core.technique.Gradients` over ``p.grad`` of the wrapped optimizer's
     parameters, layer by layer. Keys (checkpoints, technique memory) are a parameter's
     position in layer order."""
 

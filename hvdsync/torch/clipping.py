@@ -1,5 +1,5 @@
 """The arithmetic of ``clip=`` on torch gradients, a group of layers at a time (the rules
-and their running statistics are :class:`hvdsync.clipping.LayerClip`'s).
+and their running statistics are :class:`hvdsync.techniques.clip.technique.LayerClip`'s).
 
 Clipping runs inside backward hooks, so it must not stall the host on a GPU: every decision
 is a tensor op on the gradients' device; the norms go to the host once per step. And it must
@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from hvdsync.clipping import ClipConfig
+from hvdsync.techniques.clip.config import ClipConfig
 from hvdsync.torch.foreach import layer_norms, value_views, views_norms
 
 _ONE: dict[torch.device, torch.Tensor] = {}
@@ -53,7 +53,7 @@ def clip_layers(layers: list[list[torch.Tensor]], params: list[list[torch.Tensor
     each row counts once in the norm). ``limits``: each layer's norm limit from ``max_norm``
     and the adaptive rules (one float for all, or one per layer; ``inf``: none); ``params``:
     the layers' parameters, read by the ``ratio`` rule only. Returns the gradients and the
-    group's record (:data:`hvdsync.clipping.ClipLayers`): a float32 device matrix, row 0 each
+    group's record (:data:`hvdsync.techniques.clip.technique.ClipLayers`): a float32 device matrix, row 0 each
     layer's pre-clip norm, row 1 a factor below 1 exactly where the layer was clipped
     (``None`` when the group holds no values)."""
     layers = [[g.coalesce() if g.is_sparse and not g.is_coalesced() else g for g in layer]

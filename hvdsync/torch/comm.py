@@ -2,7 +2,7 @@
 the active backend (:mod:`hvdsync.torch.engine`: Horovod, or torch.distributed).
 
 Every call launches Horovod collectives asynchronously (in backward, as layers become ready)
-and returns a :class:`hvdsync.technique.Pending` whose ``wait()`` blocks and returns the
+and returns a :class:`hvdsync.core.technique.Pending` whose ``wait()`` blocks and returns the
 reduced tensors (written in place into the tensors given). When the process set has a single
 rank nothing is sent: a reduction over one rank is the identity.
 """
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from hvdsync.entries import Entries
-from hvdsync.stats import SyncStats
-from hvdsync.pending import Pending
+from hvdsync.safety.entries import Entries
+from hvdsync.core.stats import SyncStats
+from hvdsync.core.pending import Pending
 from hvdsync.torch import engine
-from hvdsync.watchdog import guard
+from hvdsync.safety.watchdog import guard
 
 
 def payload_bytes(t: torch.Tensor) -> int:
@@ -90,7 +90,7 @@ class TorchCommunicator:
             self.prescale, self.postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
         else:
             self.prescale = self.postscale = 1.0
-        #: what this rank is doing, sent before each entry's first collective (hvdsync.entries)
+        #: what this rank is doing, sent before each entry's first collective (hvdsync.safety.entries)
         self.entries = Entries(process_set, self._tag_round)
         self._tag_buffers: dict[str, torch.Tensor] = {}
 
@@ -162,7 +162,7 @@ class TorchCommunicator:
         """The control plane: one small allreduce (average) of per-layer statistics, so that
         decisions changing which collectives run are taken from values every rank shares.
         Counted in ``stats`` when a collective runs (not on a single rank). ``dtype``: the
-        vector's precision (:func:`hvdsync.technique.control_dtype`)."""
+        vector's precision (:func:`hvdsync.core.technique.control_dtype`)."""
         return self.control_async(values, name, dtype).wait()
 
     def control_async(self, values: Any, name: str, dtype: str = "float64") -> Pending:

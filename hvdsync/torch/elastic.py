@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hvdsync import elastic as _core
+from hvdsync.safety import elastic as _core
 
 try:
     from horovod.torch.elastic import ElasticSampler, TorchState  # noqa: F401 - Horovod's names
@@ -40,7 +40,7 @@ def _restart() -> None:
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Horovod's ``elastic.run``: ``func(state, ...)`` runs again whenever the ranks change
-    (:func:`hvdsync.elastic.run`: it syncs after every reset, a removal included, and first
+    (:func:`hvdsync.safety.elastic.run`: it syncs after every reset, a removal included, and first
     makes the state's hvdsync optimizers finish or drop what they have in flight). A lost
     rank surfaces in torch as Horovod's ``HorovodInternalError``."""
     require_horovod()

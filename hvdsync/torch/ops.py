@@ -1,5 +1,5 @@
 """The tensor arithmetic the framework-neutral techniques ask of torch
-(:class:`hvdsync.ports.TensorOps`): in place where allowed, many tensors at once where a
+(:class:`hvdsync.core.ports.TensorOps`): in place where allowed, many tensors at once where a
 multi-tensor op exists (each op is a kernel launch on a GPU)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hvdsync.torch.foreach import (decode_average, decoded, encode, in_layer_ord
 
 
 class TorchOps:
-    """:class:`hvdsync.technique.TensorOps` on torch tensors (in place where allowed)."""
+    """:class:`hvdsync.core.technique.TensorOps` on torch tensors (in place where allowed)."""
 
     @staticmethod
     def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

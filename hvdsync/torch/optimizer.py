@@ -1,8 +1,8 @@
 """hvdsync's torch ``DistributedOptimizer``: Horovod's contract, hvdsync's control of sends.
 
 The wrapper owns one post-accumulate-grad hook per parameter. When the last parameter of a
-*layer* (see :mod:`hvdsync.layers`) has its gradient for this step, the layer goes to the
-step pipeline (:mod:`hvdsync.pipeline`), which runs the configured techniques on it and
+*layer* (see :mod:`hvdsync.core.layers`) has its gradient for this step, the layer goes to the
+step pipeline (:mod:`hvdsync.core.pipeline`), which runs the configured techniques on it and
 starts its send at once, overlapping the rest of backward; ``synchronize()`` (called by
 ``step()``) hands the pipeline the rest (unused parameters get zero gradients, as in
 Horovod), waits, and leaves the reduced gradients in ``p.grad`` for the wrapped optimizer.
@@ -22,13 +22,17 @@ import torch
 if TYPE_CHECKING:  # (typing.Unpack is Python 3.11's)
     from typing_extensions import Unpack
 
-from hvdsync import agreement, checkpoint, elastic, rules
-from hvdsync.api import SyncAPI
-from hvdsync.config import non_negative_float, positive_int
-from hvdsync.layers import Grouping, Layer, build_layers
-from hvdsync.pipeline import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, StepPipeline
-from hvdsync.rules import build_techniques
-from hvdsync.stats import SyncStats
+    from hvdsync.techniques import TechniqueKeywords
+
+from hvdsync.safety import agreement, checkpoint, elastic
+from hvdsync.core import rules
+from hvdsync.core.api import SyncAPI
+from hvdsync.core.config import non_negative_float, positive_int
+from hvdsync.core.layers import Grouping, Layer, build_layers
+from hvdsync.core.pipeline import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, StepPipeline
+from hvdsync.core.rules import build_techniques
+from hvdsync.core.stats import SyncStats
+from hvdsync.core.technique import Parts
 from hvdsync.torch import engine
 from hvdsync.torch.backend import TorchGradients
 from hvdsync.torch.ops import TorchOps
@@ -77,10 +81,9 @@ class _DistributedOptimizer(SyncAPI):
                                      base_step=super(_DistributedOptimizer, self).step)
         self._comm = comm = TorchCommunicator(compression, op, gradient_predivide_factor,
                                               sparse_as_dense, process_set, self.stats)
-        self._techniques = build_techniques(
-            configs, grads=self._grads, ops=TorchOps(), comm=comm, clip_layers=clip_layers,
-            sparse_exchange=lambda c: row_exchange(c, self._grads, comm, self.stats),
-            layer_names=layer_names, stats=self.stats)
+        self._techniques = build_techniques(configs, Parts(
+            self._grads, TorchOps(), comm, self.stats, layer_names, clip_layers=clip_layers,
+            sparse_exchange=lambda c: row_exchange(c, self._grads, comm, self.stats)))
         self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, TorchOps(),
                                       self.stats, comm, *group_bytes)
         self._param_signatures = [checkpoint.signature(p.shape, p.dtype)
@@ -319,7 +322,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          *,
                          scaler: Any = None,
                          group_mb: Optional[float] = None,
-                         **keywords: Unpack[rules.TechniqueKeywords]) -> torch.optim.Optimizer:
+                         **keywords: Unpack[TechniqueKeywords]) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across the ranks (on Horovod
     or torch.distributed: :mod:`hvdsync.torch.engine`).
 
@@ -345,7 +348,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         **keywords: hvdsync's ``layers=`` (its grouping of parameters into layers) and its
             techniques ``clip=``, ``threshold=``, ``select=``, ``sparse=``, ``lowrank=``,
             ``delay=``, each a config, a dict of its fields or a shorthand
-            (:class:`hvdsync.rules.TechniqueKeywords`). With ``delay=`` call ``flush()``
+            (:class:`hvdsync.techniques.TechniqueKeywords`). With ``delay=`` call ``flush()``
             before evaluating or saving.
         scaler: the ``torch.amp.GradScaler`` of mixed precision: the techniques see unscaled
             gradients; ``synchronize()`` leaves them scaled (docs/mixed_precision.md).

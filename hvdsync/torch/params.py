@@ -1,6 +1,6 @@
 """Which parameters a torch ``DistributedOptimizer`` reduces, by which names, grouped how:
 Horovod's ``named_parameters`` and ``groups`` checked as Horovod checks them, as the
-name-based grouping of :mod:`hvdsync.layers`."""
+name-based grouping of :mod:`hvdsync.core.layers`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from hvdsync.layers import Grouping, groups_by_name
+from hvdsync.core.layers import Grouping, groups_by_name
 
 
 def parameter_names(params: list[torch.Tensor],

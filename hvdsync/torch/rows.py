@@ -1,6 +1,6 @@
 """Row-sparse gradients in torch -- sparse COO tensors (``nn.Embedding(sparse=True)``,
-``nn.EmbeddingBag(sparse=True)``) -- as :class:`hvdsync.ports.RowSparse`: what the core's
-sparse exchange (hvdsync/sparse_exchange.py) packs, scatters and sums. Rows travel in the
+``nn.EmbeddingBag(sparse=True)``) -- as :class:`hvdsync.core.ports.RowSparse`: what the core's
+sparse exchange (hvdsync/techniques/sparse/exchange.py) packs, scatters and sums. Rows travel in the
 communicator's compression (fp16 halves them), their int64 indices bit for bit."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from hvdsync.sparse import SparseConfig
-from hvdsync.sparse_exchange import SparseExchange
-from hvdsync.stats import SyncStats
+from hvdsync.techniques.sparse.config import SparseConfig
+from hvdsync.techniques.sparse.exchange import SparseExchange
+from hvdsync.core.stats import SyncStats
 from hvdsync.torch.backend import TorchGradients
 from hvdsync.torch.comm import TorchCommunicator
 
@@ -30,7 +30,7 @@ def row_exchange(config: SparseConfig, grads: TorchGradients, comm: TorchCommuni
 
 
 class TorchRows:
-    """:class:`hvdsync.ports.RowSparse` over torch sparse COO gradients."""
+    """:class:`hvdsync.core.ports.RowSparse` over torch sparse COO gradients."""
 
     def __init__(self, compression: Any):
         self.compression = compression

@@ -18,10 +18,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from hvdsync import checkpoint
-from hvdsync.api import SyncAPI
+from hvdsync.safety import checkpoint
+from hvdsync.core.api import SyncAPI
 from hvdsync.torch import engine
-from hvdsync.watchdog import guard
+from hvdsync.safety.watchdog import guard
 
 
 class UntrustedCheckpoint(pickle.UnpicklingError):

@@ -1,0 +1,111 @@
+"""The traced forms of a transport, declared once: what a tracing adapter (Keras' compiled
+train function, :mod:`hvdsync.keras.graph`) builds into the step in place of the eager
+moments. A transport with rounds of its own (``lowrank=``, ``sparse=``) is
+:class:`TracedRounds`; one whose step updates with this rank's gradient (``delay=``) is
+:class:`TracedLocalStep`. The plain exchange is neither: the adapter builds its one
+collective per layer itself. docs/design.md, "One lifecycle: roles and moments".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+
+class TracedLocalStep:
+    """A traced step that updates locally (:attr:`hvdsync.core.technique.Transport.updates_locally`):
+    :meth:`trace_local` in place of ``layer_ready``/``start``/``flush``, and
+    :meth:`end_local_step` in place of ``end_step``."""
+
+    name: str
+
+    def trace_local(self, layers: list[tuple[int, list[int], list]],
+                    reduce: Callable[[int, str, list], list], flags: dict[str, Any]
+                    ) -> tuple[list[list], Any]:
+        """A traced step that updates locally (:attr:`updates_locally`), every layer of it
+        (``(li, ks, gradients)``): per layer the gradients to apply -- from this rank's, its
+        non-finite ones replaced by zeros (no exchange of the step tells the other ranks, so
+        the step cannot be skipped on all) -- and a device count of those replaced.
+        ``reduce(li, name, tensors)`` gives their average over ranks (new tensors: its
+        inputs stay as they were), one collective for layer ``li``; ``flags``:
+        :meth:`host_flags` as device values."""
+        raise NotImplementedError(f"{self.name} does not update locally")
+
+    def traced_traffic(self, li: int, tensors: list, wire_bytes: Callable[[Any], int],
+                       flags: dict[str, Any]) -> Optional[tuple[Any, Any]]:
+        """A traced step that updates locally: the bytes and collectives its exchange of
+        layer ``li``'s gradient ``tensors`` counts (device values where the step decides;
+        ``wire_bytes``: a tensor's bytes on the wire, ``flags``: :meth:`host_flags` as device
+        values), or ``None``: the plain exchange's."""
+        return None
+
+    def host_before_update(self) -> bool:
+        """Whether the next traced step that updates locally must run
+        :meth:`before_optimizer_step` on the host before its update (it reads the parameters
+        as they are then); if not, the step runs it after the update, in the same host call
+        as the rest."""
+        return True
+
+    def end_local_step(self, bad: int) -> None:
+        """Closes a traced step that updated locally, in place of :meth:`end_step`: ``bad``
+        is the count :meth:`trace_local` built, read on the host."""
+        raise NotImplementedError(f"{self.name} exchanges in every step")
+
+
+class TracedRounds:
+    """A traced step that exchanges through this transport's own rounds: the adapter asks
+    :meth:`traced_groups`, builds each group's :meth:`trace_exchange`, then
+    :meth:`trace_commit` once, and on the host :meth:`end_traced_step` in place of
+    ``end_step``."""
+
+    name: str
+
+    def traced_groups(self, one_layer_each: bool = False) -> list[list[int]]:
+        """The layers whose exchange :meth:`trace_exchange` builds, by group (the layers of
+        one group share their collectives), in sending order; called at trace time with the
+        step's (symbolic) gradients in the adapter's ``Gradients``. ``one_layer_each``: the
+        layers go where a decider's plan says, each in its own branch, so every group must be
+        one layer (a transport whose groups only share collectives splits them)."""
+        raise NotImplementedError
+
+    def trace_exchange(self, layers: list[tuple[int, list[int]]],
+                       reduce: Callable[[str, list], list],
+                       plain: Callable[[int, list], list], flags: dict[str, Any],
+                       count: Optional[Callable[[int, Any, int], None]] = None
+                       ) -> dict[int, list]:
+        """Build one group's exchange (:meth:`traced_groups`; ``layers``: its layers in the
+        step, each ``(li, ks)``, their gradients in the adapter's ``Gradients``):
+        ``reduce(name, tensors)`` averages over ranks (one collective), ``plain(li,
+        tensors)`` is a layer's plain exchange (both count what they send); ``flags``:
+        ``host_flags()`` as device values; ``count(li, nbytes, collectives)`` records what a
+        collective of the transport's own sent for layer ``li`` where it runs (``nbytes`` a
+        device scalar where sizes are known at run time only). Returns each layer's
+        gradients to apply; what the memory should become waits for :meth:`trace_commit`."""
+        raise NotImplementedError(f"{self.name} has no traced exchange")
+
+    def staged(self, layers: list[tuple[int, list[int]]], built: bool) -> list:
+        """What the memory should become after :meth:`trace_exchange` of ``layers``, as a
+        flat list of tensors, so it can leave a branch (a decider's, that sends the layers
+        only where the plan says). ``built``: inside the branch that just built the exchange
+        (what it staged, taken back from :meth:`trace_commit`'s list); else, in the other
+        branch, the memory as it stands. :meth:`restage` gives it back after the branch.
+        Default: nothing staged."""
+        return []
+
+    def restage(self, layers: list[tuple[int, list[int]]], values: list, taken: Any) -> None:
+        """Stage ``values`` (:meth:`staged`, as they left the branch) for
+        :meth:`trace_commit`, written only where the device boolean ``taken`` holds (the
+        branch that built the exchange ran)."""
+
+    def trace_commit(self, ok: Any) -> Optional[list]:
+        """Build the step's memory update, once a step (after every exchange): what the
+        step's :meth:`trace_exchange` calls computed becomes the memory where ``ok`` (a device
+        boolean, the same on every rank: the step was finite everywhere) holds. Returns what
+        :meth:`end_traced_step` reads on the host, if anything (device values the host call
+        must wait for: it reads them outside the graph's view)."""
+        raise NotImplementedError(f"{self.name} has no traced exchange")
+
+    def end_traced_step(self, ok: bool) -> None:
+        """Closes a traced step that exchanged through :meth:`trace_exchange`, in place of
+        :meth:`end_step` (``ok``: the step was finite on every rank)."""
+        raise NotImplementedError(f"{self.name} has no traced exchange")

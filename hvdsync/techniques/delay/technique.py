@@ -1,0 +1,383 @@
+"""``delay=``: local steps -- update with the local gradient at once, fold in the global
+(averaged) gradient up to ``staleness`` steps later, and synchronize the models every K steps,
+by plain averaging or by an outer optimizer on the pseudo-gradient (:mod:`hvdsync.techniques.outer.sync`;
+with ``exchange_gradients=False``, DiLoCo). A transport: it replaces the plain exchange of
+dense layers.
+
+Step ``t`` starts the allreduce of its local gradient ``g_t`` in backward and updates with
+``g_t + sum_j (G_j - g_j)`` over the global gradients ``G_j`` that have arrived (or are due):
+each replaces its own step's local contribution, so each is used exactly once. Which have
+arrived differs between ranks; it decides only what is added locally, never which
+collectives run (docs/design.md, the no-hang rule). docs/delay.md has the whole scheme, its
+optimizer-state modes and why replicas stay close; the config and the schedule live in
+:mod:`hvdsync.techniques.delay.policy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hvdsync.techniques.delay.carried import Carryable, CarriedCompressor
+from hvdsync.techniques.delay.policy import DelayPolicy, staleness_histogram
+from hvdsync.techniques.delay.config import DelayConfig
+from hvdsync.techniques.delay.traced import TracedDelay
+from hvdsync.techniques.outer.sync import OuterSync, rank_values, restore_rank_values
+from hvdsync.core.stats import SyncStats
+from hvdsync.core.pending import Pending, finish_dropped
+from hvdsync.core.ports import Communicator, Gradients, TensorOps
+from hvdsync.core.technique import Technique, Transport
+
+@dataclass
+class _InFlight:
+    """One layer's part of one step's global gradient."""
+
+    ks: list[int]
+    local: list  # g_j, as the update of step j used it
+    pending: Pending  # its wait() gives G_j
+
+
+class DelayedGradients(TracedDelay, Transport):
+    """Starts each step's background allreduce, folds arrived global gradients into the
+    update, and averages the parameters on the shared schedule.
+
+    Memory: for every step ``j`` whose global gradient has not been folded in yet, each
+    layer's local gradients ``g_j`` (kept as backward left them) and the allreduce of a copy
+    of them, which becomes ``G_j``. Folding in is local arithmetic on those tensors; the
+    collectives (one gradient allreduce per layer per step, one parameter allreduce per layer
+    every K steps) are the same on every rank.
+    """
+
+    name = "delay"
+    checks_own = True  # a non-finite local gradient becomes zeros on its rank (start, flush)
+    updates_locally = True
+    carries = ("lowrank",)  # with lowrank=, each step's exchange is the compressed one
+    #: each rank's own memory: the outer exchange's error-feedback residuals, and its
+    #: parameters and optimizer state (they differ between ranks between synchronizations;
+    #: ``local``: the optimizer state, with the stale global gradient and ``"local"`` state)
+    per_rank = ("outer_residual", "outer_local", "local")
+
+    def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
+                 comm: Communicator, layer_names: list[str], stats: SyncStats,
+                 compressor: Optional[CarriedCompressor] = None, traces: bool = False):
+        config = config.for_adapter(traces)
+        if config.fragments > len(layer_names):  # a fragment is one layer at least
+            config = dataclasses.replace(config, fragments=len(layer_names))
+        self.config = config
+        self.policy = DelayPolicy(config, stats)
+        self.grads = grads
+        self.ops = ops
+        self.comm = comm
+        self.layer_names = layer_names
+        self.stats = stats
+        #: ``lowrank=``'s compression, reached through :class:`CarriedCompressor` only; or
+        #: None: plain exchanges
+        self.compressor: Optional[CarriedCompressor] = compressor
+        self._in_flight: dict[int, dict[int, _InFlight]] = {}  # step id -> layer -> part
+        self._average_after_step = False
+        self._outer_due = False  # the outer synchronization's turn after this step's update
+        self._bad = 0  # this step's layers whose local gradient was non-finite (zeroed)
+        self._local: list[tuple[int, list[int]]] = []  # local steps: this step's layers
+        #: exchanging: this ready group's layers, sent together at group_started
+        self._queued: list[tuple[int, list[int], Pending]] = []
+        #: whether the last step replaced a non-finite local gradient by zeros
+        self.local_nonfinite = False
+        #: the outer synchronization (DiLoCo class), or None: plain K-step averaging
+        self.outer = (OuterSync(config, grads, ops, comm, layer_names, stats)
+                      if config.outer else None)
+        self.sends_in_step = config.exchange_gradients
+        #: the traced step's memory (:meth:`use_memory`), or None: the step runs eagerly
+        self._memory: Optional[dict[str, Any]] = None
+
+    @property
+    def traceable(self) -> bool:
+        """Local steps (nothing sent but the synchronization, on the host around the
+        update), or global gradients folded when due (:meth:`trace_local`). Folding what has
+        arrived asks the host mid-step whether an exchange is done: that runs the step
+        pipeline (docs/keras.md). ``lowrank=``'s rounds are built in
+        (:meth:`hvdsync.techniques.lowrank.in_delay.DelayedLowRank.trace_in_delay`)."""
+        c = self.config
+        due = c.fold == "due" or c.synchronous  # (synchronous: every step folds its own)
+        return not c.exchange_gradients or due
+
+    @property
+    def outstanding(self) -> list[int]:
+        """Ids (step numbers) of the global gradients not folded in yet."""
+        return sorted(self._in_flight)
+
+    def start(self, li: int, ks: list[int]) -> Optional[Pending]:
+        """Queue the layer's local gradient for this step's background allreduce (it starts
+        with its ready group's, :meth:`group_started`); the returned pending only carries the
+        byte and collective counts (nothing to wait for). Without ``exchange_gradients``
+        nothing is sent (``None``)."""
+        for k in ks:
+            if self.grads.is_row_sparse(li, k):
+                raise ValueError("delay= supports dense gradients only; a row-sparse gradient "
+                                 "reached it (pass sparse_as_dense=True or no delay)")
+        if not self.config.exchange_gradients:  # local steps: nothing goes until the sync
+            self._local.append((li, ks))  # checked once for the whole step in flush()
+            return None
+        counts = Pending()
+        self._queued.append((li, list(ks), counts))
+        return counts
+
+    def group_started(self) -> None:
+        """Start the ready group's allreduces, one per layer: the group's local gradients
+        checked for NaN/Inf at once (one read), copied at once (one multi-tensor op)."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        g, ops = self.grads, self.ops
+        step = self.policy.current
+        local = [[g.get(li, k) for k in ks] for li, ks, _ in queued]
+        # Non-finite on this rank: its steps are not exchanged synchronously, so the step
+        # cannot be skipped everywhere; this rank contributes (and applies) zeros instead.
+        if not ops.all_finite([x for xs in local for x in xs]):  # (rare: then per layer)
+            for (li, ks, _), xs in zip(queued, local):
+                if not ops.all_finite(xs):
+                    xs[:] = ops.zero_if(ops.bad(xs), xs)
+                    self._bad += 1
+                    for k, x in zip(ks, xs):
+                        g.set(li, k, x)
+        copies = iter(ops.clone_all([x for xs in local for x in xs]))
+        # In-flight ids span at most staleness + 1 consecutive steps, so this slot keeps
+        # collective names unique while letting Horovod's response cache reuse them.
+        slot = step % (self.config.staleness + 1)
+        for (li, ks, counts), xs in zip(queued, local):
+            name = f"hvdsync.{self.layer_names[li]}.delay{slot}"
+            sent = [next(copies) for _ in ks]
+            pending = (self.compressor.exchange(li, list(ks), sent, step,
+                                                self.config.staleness + 1, name)
+                       if self.compressor is not None else self.comm.allreduce(name, sent))
+            self._in_flight.setdefault(step, {})[li] = _InFlight(ks, xs, pending)
+            counts.nbytes, counts.collectives = pending.nbytes, pending.collectives
+
+    def flush(self) -> dict[int, Pending]:
+        if self._local:  # local steps: one finiteness check for the step, before the verdict
+            layers, self._local = self._local, []
+            local = [self.grads.get(li, k) for li, ks in layers for k in ks]
+            if not self.ops.all_finite(local):  # one read; zeroing only when needed
+                zeroed, _ = self._zeroed(local)
+                self._bad += 1  # (one check for the step)
+                it = iter(zeroed)
+                for li, ks in layers:
+                    for k in ks:
+                        self.grads.set(li, k, next(it))
+        self.comm.flush(background=True)  # Keras: the step's allreduce goes to a thread
+        return {}
+
+    def _zeroed(self, tensors: list) -> tuple[list, Any]:
+        """``tensors``, zeros where any is non-finite, and that device flag."""
+        bad = self.ops.bad(tensors)
+        return self.ops.zero_if(bad, tensors), bad
+
+    def before_optimizer_step(self) -> None:
+        """Set this step's update ``g_t + sum_j (G_j - g_j)`` over the arrived (or due) global
+        gradients."""
+        if self.outer is not None:
+            self.outer.before_first_update()
+            self._outer_due = True
+        if not self.config.exchange_gradients:
+            self.policy.finish_step([], None, [], 0)
+            return
+        t = self.policy.current
+        if self._memory is not None:  # traced: the step folded in the graph (trace_local)
+            self._in_flight[t] = {}  # its global gradient, held in the trace's memory
+            _, fold = self.policy.plan(self.outstanding, set())
+            for j in fold:
+                del self._in_flight[j]
+            self._average_after(fold, None, [])
+            return
+        ids = self.outstanding
+        ready = {j for j in ids if all(part.pending.ready()
+                                       for part in self._in_flight[j].values())}
+        wait_for, fold = self.policy.plan(ids, ready)
+        waited: Optional[float] = None
+        if wait_for:
+            start = time.perf_counter()
+            for j in wait_for:
+                for part in self._in_flight[j].values():
+                    part.pending.wait_idle()  # without spinning: the peers are computing
+            waited = time.perf_counter() - start
+        parts = [self._in_flight.pop(j) for j in fold]
+        reduced = [{li: layer.pending.wait() for li, layer in part.items()} for part in parts]
+        for part in parts:  # lowrank=: the residuals of what is folded in join its memory
+            for layer in part.values():
+                layer.pending.used()
+        own = bool(fold) and fold[0] == t  # this step's global gradient is back: use it
+        current = parts[0] if own else self._in_flight[t]
+        corrections = list(zip(parts[1:], reduced[1:])) if own else list(zip(parts, reduced))
+        ops = self.ops
+        # every layer's update at once (a few multi-tensor ops per correction)
+        order = [(li, i, k) for li, layer in current.items() for i, k in enumerate(layer.ks)]
+        updates = ([reduced[0][li][i] for li, i, _ in order] if own
+                   else ops.clone_all([current[li].local[i] for li, i, _ in order]))
+        for part, red in corrections:  # (update + G_j) - g_j, for the layers step j sent
+            at = [n for n, (li, _, _) in enumerate(order) if li in part]
+            if not at:
+                continue
+            targets = ops.accumulate_all([updates[n] for n in at],
+                                         [red[order[n][0]][order[n][1]] for n in at])
+            targets = ops.accumulate_all(targets, [part[order[n][0]].local[order[n][1]]
+                                                   for n in at], sign=-1)
+            for n, x in zip(at, targets):
+                updates[n] = x
+        for (li, _, k), update in zip(order, updates):
+            self.grads.set(li, k, update)
+        self._average_after(fold, waited, wait_for)
+
+    def _average_after(self, fold: list[int], waited: Optional[float],
+                       wait_for: list[int]) -> None:
+        """Close the step's schedule: whether the parameters are averaged after its update,
+        and what it folded and waited for."""
+        self._average_after_step = self.policy.averages_now() and self.outer is None
+        if self._average_after_step:
+            self.stats.count("averaged")
+            self.stats.control(*self._averaging_size())
+        self.policy.finish_step(fold, waited, wait_for, len(self._in_flight))
+
+    def end_step(self, ok: bool) -> None:
+        bad, self._bad = self._bad, 0
+        self._count_nonfinite(bad)
+
+    def _count_nonfinite(self, bad_layers: int) -> None:
+        """``bad_layers`` non-finite local gradients (a step's whole check counts once with
+        local steps) were replaced by zeros on this rank this step."""
+        self.local_nonfinite = bad_layers > 0
+        if bad_layers:
+            self.stats.count("nonfinite", bad_layers)
+
+    def after_optimizer_step(self) -> None:
+        """Average the parameters (and, if configured, the optimizer state) when this step
+        was an averaging step."""
+        if self._outer_due:  # not after a step that skipped synchronize() (a state init)
+            self._outer_due = False
+            self.outer.after_update(self.policy.step)
+        elif self._average_after_step:
+            self._average_after_step = False
+            self.comm.average(self._averaged())
+
+    def flush_replicas(self) -> int:
+        """Wait for every outstanding global gradient and average the replicas; returns how
+        many outstanding global gradients this rank discarded. A no-op (on every rank alike)
+        right after an averaging step or when synchronous."""
+        c = self.config
+        if self.outer is not None:
+            return self._discard_gradients() + self.outer.synchronize_all()
+        if c.synchronous or self.policy.step % c.average_every == 0:
+            return 0
+        dropped = self._discard_gradients(finish_newest=True)
+        self.stats.control(*self._averaging_size())
+        self.comm.average(self._averaged())
+        return dropped
+
+    def discard(self) -> int:
+        """Finish and drop every outstanding global gradient and outer exchange."""
+        return self._discard_gradients() + (self.outer.discard() if self.outer else 0)
+
+    def _discard_gradients(self, finish_newest: bool = False) -> int:
+        """Drop the outstanding global gradients. ``finish_newest`` (a flush, every rank
+        here): a traced step leaves the newest step's exchange to the next one; with
+        ``lowrank=`` it runs now, as the eager step ran it (its Q is used later). Not on a
+        restore or when the world changes: no new collective then."""
+        self._local = []
+        self._queued = []
+        n = len(self._in_flight)
+        newest_held = finish_newest and self.policy.step in self._in_flight
+        layers = [layer for part in self._in_flight.values() for layer in part.values()]
+        for pending in finish_dropped([layer.pending for layer in layers],
+                                      "outstanding global gradients"):
+            pending.discard()  # lowrank=: the error feedback comes back
+        self._in_flight.clear()
+        self._average_after_step = False
+        if self._memory is not None and n:  # (host writes: when needed)
+            if self.compressor is not None:  # what the exchanges in flight took comes back
+                held = self._memory.get("held")
+                self.compressor.discard_in_delay(
+                    {key: held.read(key) for li in range(len(self.layer_names))
+                     for key in self.grads.param_keys(li)}
+                    if newest_held and not self.config.synchronous else None)
+            for memory in self._memory.values():
+                memory.clear()
+        if n:
+            self.stats.count("discarded", n)
+        return n
+
+    def carry(self, other: Technique) -> Technique:
+        """``lowrank=``: each step's exchange is its compressed one (its carried form owns
+        nothing in the step pipeline)."""
+        carryable: Carryable = other  # type: ignore[assignment] -- carries names it
+        self.compressor = carryable.in_delay(self.config.staleness, lambda: self.policy.step)
+        return self.compressor  # type: ignore[return-value] -- a technique too
+
+    def forget(self) -> None:
+        self.discard()
+        if self.outer is not None:
+            self.outer.forget()
+
+    def drop_per_rank(self) -> None:
+        """Drop this rank's residuals; the anchors, momentum and schedule are shared."""
+        if self.outer is not None:
+            self.outer.residual.clear()
+
+    def state_dict(self) -> dict:
+        """Shared: the step counter (the schedule) and the outer synchronization's anchors,
+        momentum and exchanges in flight; per rank: its residuals, and its optimizer state
+        where each rank keeps its own (``optimizer_state="local"``). Outstanding stale global
+        gradients (``exchange_gradients``) are not saved: call ``flush()`` before saving
+        (docs/checkpoints.md)."""
+        state = {"policy": self.policy.state_dict()}
+        if self.outer is None and self.config.optimizer_state == "local":
+            state["local"] = rank_values(self.grads, len(self.layer_names))
+        if self.outer is not None:
+            outer = self.outer.state_dict()
+            state["outer_residual"] = outer.pop("residual")
+            state["outer_local"] = outer.pop("local")
+            state["outer"] = outer
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.discard()
+        self.policy.load_state_dict(state["policy"])
+        if "local" in state:
+            restore_rank_values(self.grads, self.ops, len(self.layer_names), state["local"])
+        if self.outer is not None:
+            self.outer.load_state_dict({**state.get("outer", {}),
+                                        "residual": state.get("outer_residual", {}),
+                                        "local": state.get("outer_local", {})})
+
+    def status(self) -> dict:
+        """Finished ``step`` count, ids (step numbers) of the ``outstanding`` global
+        gradients, the ids the last step folded in (``last_folded``, newest first), the ids it
+        had to wait for (``last_waited``: due by the bound or a drain, not arrived), the
+        ``staleness`` histogram ``{lag in steps: count}``, and with the outer synchronization
+        ``outer`` (:meth:`hvdsync.techniques.outer.sync.OuterSync.status`)."""
+        status = {"step": self.policy.step, "outstanding": self.outstanding,
+                  "last_folded": list(self.policy.last_folded),
+                  "last_waited": list(self.policy.last_waited),
+                  "staleness": staleness_histogram(self.stats.total.counters)}
+        if self.outer is not None:
+            status["outer"] = self.outer.status()
+        return status
+
+    # -- parameter averaging ------------------------------------------------------------------
+    def _averaged(self) -> list[tuple[str, list]]:
+        """Per layer and dtype, what is averaged: the parameters, then (``"average"``) their
+        optimizer state shaped like them, in a fixed order."""
+        groups = []
+        with_state = self.config.optimizer_state == "average"
+        for li, name in enumerate(self.layer_names):
+            by_dtype: dict[str, list] = {}
+            for x in self.grads.replica_tensors(li, with_state):
+                by_dtype.setdefault(self.ops.dtype_key(x), []).append(x)
+            groups += [(f"hvdsync.average.{name}.{d}", xs) for d, xs in by_dtype.items()]
+        return groups
+
+    def _averaging_size(self) -> tuple[int, int]:
+        """Bytes and collectives of one averaging."""
+        if self.comm.size == 1:
+            return 0, 0
+        groups = self._averaged()
+        return sum(self.ops.nbytes(x) for _, xs in groups for x in xs), len(groups)

@@ -1,0 +1,1 @@
+"""The outer synchronization of ``delay=`` (DiLoCo, Streaming DiLoCo; docs/delay.md)."""
