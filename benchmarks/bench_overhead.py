@@ -17,7 +17,10 @@ Loopback links by default: what is measured is hvdsync's own work per step, not 
 exchange and what counts is how well sends overlap backward.
 ``--backend torch`` runs hvdsync on torch.distributed instead of Horovod (docs/backends.md),
 with DDP (``ddp``, ``ddp fp16``) in the same rounds; Horovod's optimizer stays the baseline
-of both, so the two runs' ratios compare the engines.
+of both, so the two runs' ratios compare the engines. ``--baseline-tree <checkout>`` adds
+each hvdsync method as that checkout's code too (``<method> @base``,
+:mod:`benchmarks.baseline_tree`), in the same rounds: a change's host time against the code
+before it, as the ratio of the two in each round.
 Results: ``benchmarks/results/overhead_np<N>[_<rate>mbit][_torch].{json,md}``.
 """
 
@@ -65,6 +68,10 @@ def t95(df: int) -> float:
     return _T95[max(k for k in _T95 if k <= df)]
 
 
+#: a method's suffix for the baseline checkout's code (``--baseline-tree``)
+BASE = " @base"
+
+
 def overhead_body(workload: str, methods: list[str], rounds: int, steps: int,
                   backend: str = "horovod", addr: str = "127.0.0.1", iface: str = "lo") -> dict:
     """One rank: every method on its own model copy, rounds interleaved; per round and
@@ -83,6 +90,11 @@ def overhead_body(workload: str, methods: list[str], rounds: int, steps: int,
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{DDP_PORT}",
                                 rank=horovod.rank(), world_size=horovod.size())
     hvd.init(backend=backend)
+    versions = {"": hvd}
+    if any(name.endswith(BASE) for name in methods):  # (benchmarks.baseline_tree)
+        import importlib
+        versions[BASE] = importlib.import_module("hvdsync_base.torch")
+        versions[BASE].init(backend=backend)
     os.sched_setaffinity(0, {hvd.rank() % os.cpu_count()})
     torch.set_num_threads(1)
     w = WORKLOADS[workload]
@@ -95,7 +107,8 @@ def overhead_body(workload: str, methods: list[str], rounds: int, steps: int,
         model = w.make_model(False)
         model.load_state_dict(template.state_dict())
         base = w.make_optimizer(model, hvd.size())
-        net, spec = model, METHODS[name]
+        version = BASE if name.endswith(BASE) else ""
+        net, spec, lib = model, METHODS[name.removesuffix(BASE)], versions[version]
         if spec is None:
             opt = horovod.DistributedOptimizer(base, named_parameters=model.named_parameters())
         elif isinstance(spec, str):  # DDP
@@ -106,8 +119,8 @@ def overhead_body(workload: str, methods: list[str], rounds: int, steps: int,
             options = dict(spec)
             tags = options.pop("_entry_tags", True)
             if options.get("compression") == "fp16":
-                options["compression"] = hvd.Compression.fp16
-            opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                options["compression"] = lib.Compression.fp16
+            opt = lib.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                            **options)
             if not tags:  # no tag round before a step's first collective
                 opt._comm.entries.before = lambda what="": 0
@@ -182,6 +195,13 @@ def ratio_cells(s: dict) -> list[str]:
             f"[{s['median_ci95'][0]:.3f}, {s['median_ci95'][1]:.3f}]"]
 
 
+def _vs_base(per_round: dict[str, list[float]], name: str) -> list[str]:
+    """A method's time per step against the baseline checkout's in the same round: the mean
+    ratio over rounds and its 95 % interval (Student t)."""
+    s = summarize({name: per_round[name], "base": per_round[name + BASE]}, base="base")[name]
+    return [f"{s['ratio']:.3f}", f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=["teacher_cnn", "digits_mlp"],
@@ -197,12 +217,18 @@ def main(argv=None) -> None:
                     help="the engine hvdsync runs on (torch: torch.distributed, with DDP)")
     ap.add_argument("--name", default=None, help="results file name (default: "
                     "overhead_np<N>[_<rate>mbit][_torch])")
+    ap.add_argument("--baseline-tree", default=None,
+                    help="another checkout: its hvdsync in the same rounds (<method> @base)")
     args = ap.parse_args(argv)
     if args.backend == "horovod" and any(isinstance(METHODS[m], str) for m in args.methods):
         ap.error("the ddp methods need --backend torch (a torch.distributed process group)")
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (the interval needs a spread)")
     methods = ["horovod"] + [m for m in args.methods if m != "horovod"]
+    if args.baseline_tree:
+        from benchmarks.baseline_tree import install
+        install(args.baseline_tree)
+        methods += [m + BASE for m in methods if isinstance(METHODS[m], dict)]
     rows, data = [], {}
     for wl in args.workloads:
         call = (wl, methods, args.rounds, args.steps, args.backend)
@@ -217,9 +243,14 @@ def main(argv=None) -> None:
                 per_rank = run_ranks_on(net, overhead_body, args.np, args=call, timeout=3600)
         summary = data[wl] = summarize(per_rank[0])  # every rank holds the same maxima
         for name in methods:
+            if args.baseline_tree and name.endswith(BASE):
+                continue
+            vs_base = ([] if not args.baseline_tree else ["-"] * 2 if name + BASE not in methods
+                       else _vs_base(per_rank[0], name))
             rows.append([wl, name, f"{summary[name]['step_ms']:.1f}",
-                         *ratio_cells(summary[name])])
-    table = markdown_table(["workload", "method", "ms/step (median)", *RATIO_COLUMNS], rows)
+                         *ratio_cells(summary[name]), *vs_base])
+    table = markdown_table(["workload", "method", "ms/step (median)", *RATIO_COLUMNS] + (
+        ["vs @base", "95 % CI"] if args.baseline_tree else []), rows)
     link = "loopback" if args.net == "loopback" else f"{args.net} Mbit/s emulated links"
     suffix = ("" if args.net == "loopback" else f"_{args.net}mbit") + (
         "_torch" if args.backend == "torch" else "")

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hvdsync.techniques.outer.sync import fragment_layers
+from hvdsync.techniques.outer.technique import fragment_layers
 
 
 def own_address(peer: str) -> str:

@@ -1,6 +1,6 @@
 """``delay=``'s outer synchronization in Keras 3 ``model.fit`` (2 and 3 real ranks): the
 compressed exchanges run through Keras' background thread, ``FlushCallback`` leaves identical
-replicas (hvdsync/techniques/outer/sync.py, docs/delay.md). That the same float64 model gives torch's result
+replicas (hvdsync/techniques/outer/, docs/delay.md). That the same float64 model gives torch's result
 step for step: tests/test_adapters_agree.py."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from torch import nn
 
 import hvdsync.torch as hvd
 from hvdsync import DelayConfig
-from hvdsync.techniques.delay.policy import DelayPolicy, staleness_histogram
+from hvdsync.techniques.delay.technique import DelayPolicy, staleness_histogram
 from hvdsync.core.stats import SyncStats
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS,
                           assert_construction_fails, job_group, logic_runs,

@@ -1,6 +1,6 @@
 """``delay=``'s outer synchronization (torch, 2 and 3 real ranks, different data per rank):
 DiLoCo's outer optimizer on the pseudo-gradient, streamed in fragments that overlap the next
-inner steps, compressed (hvdsync/techniques/outer/sync.py, docs/delay.md).
+inner steps, compressed (hvdsync/techniques/outer/, docs/delay.md).
 
 Each claim is checked against something written independently of hvdsync's pipeline: plain
 parameter averaging (post-local SGD), Horovod's own DistributedOptimizer, and Streaming
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hvdsync import DelayConfig
-from hvdsync.techniques.outer.sync import INT8_CHUNK, fragment_layers, start_offsets
+from hvdsync.techniques.outer.technique import INT8_CHUNK, fragment_layers, start_offsets
 from hvdsync.testing import run_ranks
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS, DeviceMemory,
                           assert_construction_fails, eager_or_traced_steps, job_group,
@@ -227,7 +227,7 @@ def compressed_body(cfg: dict, steps: int, nan_rank: int = -1, nan_step: int = -
         opt.step()
         losses.append(loss.item())
     total = opt.stats.as_dict()["total"]
-    residuals = len(opt._pipeline.by_name["delay"].outer.residual)
+    residuals = len(opt._pipeline.by_name["outer"].residual)
     in_flight = opt.delay_status["outer"]["in_flight"]
     dropped = opt.flush()
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -320,7 +320,7 @@ def traced_moments_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> 
     """The same float64 model and batches twice: the eager step (``backward``, ``step()``),
     then the moments a tracing adapter runs instead (StepPipeline.local_step: the transport's
     ``trace_local`` on every layer -- its memory in dicts, its host flags as tensors, blocking
-    collectives --, ``before_local_update`` before the update where ``host_before_update``
+    collectives --, ``before_local_update`` before the update where the pipeline's ``host_before_update``
     asks, else after it, ``end_local_step``, the step's statistics closed,
     ``after_local_update``). The parameters after every step, the counters."""
     import hvdsync.torch as hvd
@@ -354,7 +354,7 @@ def traced_moments_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> 
             for ps, gs in zip(layer_params, out):
                 for p, g in zip(ps, gs):
                     p.grad = g
-            before = t.host_before_update()
+            before = pipeline.host_before_update()
             before_asked.append(before)
             if before:
                 pipeline.before_local_update()

@@ -453,7 +453,7 @@ def test_restoring_drops_a_step_whose_collectives_failed():
 
     def gone():
         raise RuntimeError("Horovod has been shut down")
-    opt._pipeline._pending[0] = [Pending(gone, what="an allreduce of a lost world")]
+    opt._pipeline.state.pending[0] = [(Pending(gone, what="an allreduce of a lost world"), [])]
     with pytest.warns(RuntimeWarning, match="1 collective.* of the abandoned step failed .*shut down"):
         opt.load_state_dict(saved)
     assert not opt._pipeline.busy

@@ -29,7 +29,7 @@ CASES = {
 }
 #: streaming outer synchronization, saved at step 8 with fragment 1's int8 exchange (started
 #: after step 8, merged after step 10) in flight, and no flush(); each job ends with an
-#: exchange in flight too (finished at exit: hvdsync.techniques.outer.sync's exit hook)
+#: exchange in flight too (finished at exit: hvdsync.techniques.outer.technique's exit hook)
 OUTER = {"outer": dict(delay=dict(exchange_gradients=False, average_every=4, fragments=2,
                                   overlap=2, mix=0.5, compress="int8", outer_lr=0.7,
                                   outer_momentum=0.9))}

@@ -22,8 +22,9 @@ class SyncAPI:
 
     @property
     def techniques(self) -> dict[str, Technique]:
-        """The configured techniques by keyword, in pipeline order (read-only use: their
-        ``policy``, memory and ``status()``)."""
+        """The configured techniques by name, in pipeline order (read-only use: their
+        ``policy``, memory and ``status()``): one per keyword, and ``delay=``'s
+        synchronization of the models after the update as ``outer``."""
         pipeline = self._sync_pipeline()
         if pipeline is None:
             return {}
@@ -77,7 +78,8 @@ class SyncAPI:
         the ``staleness`` histogram ``{lag in steps: count}``; with the outer synchronization
         also ``outer``: the ``fragments`` (layer indices), the fragments ``in_flight`` and those
         the last step merged (``last_merged``). Empty without ``delay=``."""
-        return self._status("delay")
+        status, outer = self._status("delay"), self._status("outer")
+        return {**status, "outer": outer} if outer else status
 
     @property
     def sparse_routes(self) -> dict[str, tuple[str, tuple[int, ...], int]]:

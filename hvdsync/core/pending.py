@@ -106,6 +106,11 @@ class Pending:
                        self.what, guarded=False)  # (this one's wait() is guarded already)
 
 
+def wait_all(pendings: Sequence[Pending]) -> list:
+    """Every pending's :meth:`Pending.wait`, in order: their results."""
+    return [p.wait() for p in pendings]
+
+
 def finish_dropped(pendings: Sequence[Pending], what: str) -> list[Pending]:
     """Wait for collectives whose results are thrown away; one that fails is dropped with them
     (one ``RuntimeWarning`` for all, naming ``what``): it belonged to a world that is gone --

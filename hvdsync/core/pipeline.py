@@ -3,13 +3,13 @@
 The adapters feed it: torch calls :meth:`StepPipeline.layer_ready` from its backward hooks
 and :meth:`finish_backward` from ``synchronize()``; Keras calls both from its eager step. It
 never names a technique: it asks each one, in the rulebook's order (:mod:`hvdsync.core.rules`),
-what its role does at that moment (:mod:`hvdsync.core.technique`). The no-hang rule holds here:
-which collectives run depends only on shared decisions, shared layouts and the fixed layer
-order, and where the engine pairs collectives by order (torch.distributed) layers are taken
-in one fixed order, last first, a layer ready early held until those before it are. Layers
-go a *ready group* at a time (``group_bytes`` of gradients; ``0``: each alone), so the
-techniques' tensor work is a few multi-tensor ops per group. docs/walk.md walks a gradient
-through; docs/design.md has "Ready groups" and "The no-hang rule".
+what its role does at that moment (:mod:`hvdsync.core.technique`), and only the techniques
+that do something then. Layers go a *ready group* at a time (:mod:`hvdsync.core.groups`:
+which go together, and the fixed order where collectives pair by order), so the techniques'
+tensor work is a few multi-tensor ops per group; what the step has done so far is its
+:class:`StepState`. The end of backward is a sequence of named phases
+(:meth:`finish_backward`). docs/walk.md walks a gradient through; docs/design.md has "Ready
+groups" and "The no-hang rule".
 """
 
 from __future__ import annotations
@@ -18,21 +18,42 @@ import time
 import warnings
 from typing import Any, Optional
 
+from hvdsync.core.groups import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, ReadyGroups
+from hvdsync.core.pending import Pending, finish_dropped, wait_all
+from hvdsync.core.ports import Communicator, Gradients, TensorOps
+from hvdsync.core.stats import SyncStats
+from hvdsync.core.technique import (DECIDER, SYNC, TRANSFORM, TRANSPORT, Decider, Technique,
+                                    Transform, Transport)
 from hvdsync.safety import checkpoint
 from hvdsync.safety.agreement import RanksDisagree
-from hvdsync.core.stats import SyncStats
-from hvdsync.core.pending import Pending, finish_dropped
-from hvdsync.core.ports import Communicator, Gradients, TensorOps
-from hvdsync.core.technique import DECIDER, TRANSFORM, TRANSPORT, Decider, Technique, Transport
+
+__all__ = ["DEFAULT_GROUP_BYTES", "FIRST_GROUP_BYTES", "StepPipeline", "StepState"]
 
 
-#: the default size of a ready group (torch DDP's bucket size: large enough that a model of
-#: a few tens of MB is clipped in one or two groups, small enough that big models still send
-#: while backward runs)
-DEFAULT_GROUP_BYTES = 25 * 2**20
-#: the step's first ready group closes sooner (DDP's first bucket): the layers backward makes
-#: first start their sends while the rest of backward runs, even in a model of a few MB
-FIRST_GROUP_BYTES = 2**20
+class StepState:
+    """What one step has done so far, layer by layer (a new one each step)."""
+
+    def __init__(self, n: int):
+        #: layers taken in a group and handled (sent, kept back or left to their transport)
+        self.ready = [False] * n
+        #: per layer, each transport's parameters (``(transport, ks)``)
+        self.parts: list[list[tuple[Transport, list[int]]]] = [[] for _ in range(n)]
+        #: per layer, the parameters a decider governs (those of decidable transports)
+        self.governed: list[list[int]] = [[] for _ in range(n)]
+        self.kept: list = []  # this rank's gradients of the layers the decider kept back
+        #: layer -> parameters exchanged this step, whose values tell whether it was finite
+        self.sent: dict[int, list[int]] = {}
+        #: layer -> what it waits for: ``(pending, ks)``, the parameters it reduces (a
+        #: pending's result is their reduced gradients, or ``None``: the transport wrote them)
+        self.pending: dict[int, list[tuple[Pending, list[int]]]] = {}
+        self.started = [False] * n
+        self.any_started = False
+        self.dense_bytes = 0  # what plain Horovod would have sent this step
+        self.skipped: list[str] = []  # the layers the decider kept back
+        self.groups = 0
+        #: per layer sent: ``(name, bytes, collectives)`` (for the statistics)
+        self.sent_stats: list[tuple[str, int, int]] = []
+        self.begun = False  # the step's entry is declared (hvdsync.safety.entries)
 
 
 class StepPipeline:
@@ -43,18 +64,11 @@ class StepPipeline:
                  group_bytes: int = DEFAULT_GROUP_BYTES,
                  first_group_bytes: Optional[int] = None):
         self.layer_names = layer_names
-        #: a ready group closes once its layers' gradients reach this many bytes (the step's
-        #: first one at ``first_group_bytes``, if given)
-        self.group_bytes = group_bytes
-        self.first_group_bytes = group_bytes if first_group_bytes is None else first_group_bytes
         self.ops = ops
         self.comm = comm
         #: whether the last step's gradients were finite on every rank (else it was skipped
         #: everywhere: the adapter does not let the wrapped optimizer step)
         self.step_ok = True
-        #: whether a technique replaced a non-finite gradient of this rank by zeros in the
-        #: last step (delay=: the step is not skipped; a loss scaler should back off)
-        self.local_nonfinite = False
         self._warned_nonfinite = False
         self._after_load: Optional[bool] = None
         self.techniques = list(techniques)
@@ -67,7 +81,25 @@ class StepPipeline:
         if len(deciders) > 1 or not self.transports:
             raise ValueError("a pipeline takes at most one decider and at least one transport")
         self.by_name = {t.name: t for t in techniques}
-        self._layer_bytes: dict[int, int] = {}  # each layer's parameters' bytes (static)
+        self._set_local_step()
+        # each moment asks only the techniques that do something then
+        self._doing = {moment: [t for t in techniques if _does(t, moment)] for moment in (
+            "layer_ready", "group_started", "backward_done", "holds", "start_early", "fill",
+            "before_optimizer_step", "end_step", "after_optimizer_step", "after_wait")}
+        self._ready_transports = [t for t in self._doing["layer_ready"] if t.role == TRANSPORT]
+        self._ranges: dict[int, list[int]] = {}  # [0..n-1] by n, shared (read only)
+        #: ``(layer name, time.perf_counter())`` when each layer's first send of the current
+        #: (or last) step started: shows sends overlapping backward
+        self.send_times: list[tuple[str, float]] = []
+        #: which layers go together (and in which order, where collectives pair by order)
+        self.groups = ReadyGroups(len(layer_names), grads.layer_bytes, group_bytes,
+                                  first_group_bytes,
+                                  in_order=comm is not None and not comm.matches_by_name)
+        if comm is not None:
+            comm.entries.name_after(layer_names)
+        self.state = StepState(len(layer_names))
+
+    def _set_local_step(self) -> None:
         local = [t for t in self.transports if t.updates_locally]
         beside = [t for t in self.transports if local and t is not local[0]
                   and t.name not in local[0].carries]
@@ -76,95 +108,49 @@ class StepPipeline:
                              "(but for those it carries)")
         #: the transport of a step that updates locally (:attr:`Transport.updates_locally`),
         #: or None. A tracing adapter builds such a step as: its ``trace_local``
-        #: (:class:`hvdsync.core.traced.TracedLocalStep`)
-        #: on every layer (graph ops: the gradients to apply), then on the host
-        #: :meth:`before_local_update` (before the update where the transport needs it there,
-        #: else after it), the update, :meth:`end_local_step`, the step's statistics closed,
-        #: :meth:`after_local_update` -- the eager step's moments in its order
+        #: (:class:`hvdsync.core.traced.TracedLocalStep`) on every layer (graph ops: the
+        #: gradients to apply), then on the host :meth:`before_local_update` (before the
+        #: update where :meth:`host_before_update` asks, else after it), the update,
+        #: :meth:`end_local_step`, the step's statistics closed, :meth:`after_local_update`
+        #: -- the eager step's moments in its order
         self.local_step: Optional[Transport] = local[0] if local else None
-        # [0..n-1] by n, built once and shared (read only): a layer's positions, on the hot
-        # path (sizes are known only per step in Keras, so not precomputed per layer)
-        self._ranges: dict[int, list[int]] = {}
-        #: ``(layer name, time.perf_counter())`` when each layer's first send of the current
-        #: (or last) step started: shows sends overlapping backward
-        self.send_times: list[tuple[str, float]] = []
-        #: the fixed order layers are taken in where collectives pair by order (None: as they
-        #: come, Horovod)
-        self._order: Optional[list[int]] = (
-            None if comm is None or comm.matches_by_name
-            else list(reversed(range(len(layer_names)))))
-        if comm is not None:
-            comm.entries.name_after(layer_names)
-        self._new_step()
+        #: what a traced local step runs on the host around its update: the local step's
+        #: transport, then the techniques that synchronize the replicas after the update
+        self._around_update = ([self.local_step] if self.local_step else []) + [
+            t for t in self.techniques if t.role == SYNC]
 
     def _new_step(self) -> None:
-        n = len(self.layer_names)
-        self._ready = [False] * n
-        self._parts: list[list[tuple[Transport, list[int]]]] = [[] for _ in range(n)]
-        self._governed: list[list[int]] = [[] for _ in range(n)]
-        self._kept: list = []  # this rank's gradients of the layers the decider kept back
-        #: layer -> parameters exchanged this step, whose values tell whether it was finite
-        self._sent: dict[int, list[int]] = {}
-        self._pending: dict[int, list[Pending]] = {}
-        self._started = [False] * n
-        self._any_started = False
-        self._arrived = [False] * n  # ready from backward, maybe not taken yet (_order)
-        self._taken = 0  # how many of _order are taken
-        self._group: list[int] = []  # taken, waiting for the rest of their ready group
-        self._group_size = 0  # their bytes
-        self._group_limit = self.first_group_bytes  # when the group goes
-        self._bytes = [0] * n  # each layer's gradient bytes this step (as plain Horovod's)
-        self._begun = False  # the step's entry is declared (hvdsync.safety.entries)
+        self.state = StepState(len(self.layer_names))
+        self.groups.new_step()
 
     def _begin(self) -> None:
         """The step's first moment on this rank: its collectives, and the ones after its
         update, are a training step's (compared between ranks: hvdsync.safety.entries)."""
-        self._begun = True
-        if self.comm is not None:
+        self.state.begun = True
+        if self.comm is not None and self.comm.size > 1:  # (alone, no rank to tell)
             self.comm.entries.begin("step", self.stats.total.step + 1)
 
     @property
     def busy(self) -> bool:
         """Whether the current step has begun (backward made layers ready, or started
         sends)."""
-        return bool(self._pending or self._group)
+        return bool(self.state.pending or self.groups.open)
 
     # -- in backward ---------------------------------------------------------------------------
     def layer_ready(self, li: int) -> None:
-        """Layer ``li``'s local gradient is final: transform it and send it (or decide) --
-        now, or where collectives pair by order, once the layers before it in ``_order`` are
-        taken."""
-        if not self._begun:
+        """Layer ``li``'s local gradient is final: it joins the open ready group, and every
+        group that closes goes (transformed, decided, sent) -- now, or where collectives pair
+        by order, once the layers before it are taken."""
+        if not self.state.begun:
             self._begin()
         if self._after_load is not None:  # before any layer of the step uses the memory
             self.check_load()
-        if self._order is None:
-            self._join(li)
-            return
-        self._arrived[li] = True
-        order = self._order
-        while self._taken < len(order) and self._arrived[order[self._taken]]:
-            self._taken += 1
-            self._join(order[self._taken - 1])
+        for group in self.groups.arrive(li):
+            self._take_group(group)
 
-    def _join(self, li: int) -> None:
-        """Layer ``li`` joins the ready group; the group goes once it is big enough."""
-        self._group.append(li)
-        self._bytes[li] = self.grads.payload_bytes(li)
-        # by the parameters' bytes, not this step's payload (a sparse gradient's varies): where
-        # collectives pair by order, every rank cuts the same groups from the same order
-        size = self._layer_bytes.get(li)
-        if size is None:
-            size = self._layer_bytes[li] = self.grads.layer_bytes(li)
-        self._group_size += size
-        if self._group_size >= self._group_limit:
-            self._take_group()
-
-    def _take_group(self, share: bool = False) -> None:
-        if self._group:
-            group, self._group, self._group_size = self._group, [], 0
-            self._group_limit = self.group_bytes
-            self.stats.count("ready_groups")
+    def _take_group(self, group: list[int], share: bool = False) -> None:
+        if group:
+            self.state.groups += 1
             with self.grads.working():
                 self._take(group, share)
 
@@ -172,64 +158,77 @@ class StepPipeline:
         """A ready group: each layer's transports, then the group's transforms (clip) and the
         decider's statistics at once, then each layer sent (or kept back) in turn; ``share``:
         the step's last group, the decider's control round starts before its data."""
-        grads = self.grads
-        for li in group:
-            grads.prepare(li)
-            self.stats.dense(self._bytes[li])  # what plain Horovod would send
-            parts = self._parts[li] = self._split(li)
-            self._governed[li] = [k for t, ks in parts if t.decidable for k in ks]
-            # transports first: sparse sums duplicate rows before anything measures them
-            if len(self.transports) == 1:
-                self.transports[0].layer_ready(li, parts[0][1])
-            else:
-                owned = dict(parts)
-                for t in self.transports:
-                    t.layer_ready(li, owned.get(t, []))
+        state = self.state
+        state.dense_bytes += sum(self.grads.ready(group))  # what plain Horovod would send
+        sizes = [len(layer) for layer in self.grads.layers(group)]
+        for li, n in zip(group, sizes):
+            parts = state.parts[li] = self._split(li, n)
+            state.governed[li] = [k for t, ks in parts if t.decidable for k in ks]
+        # transports first: sparse sums duplicate rows before anything measures them (each
+        # is told of every layer: lowrank's buckets wait for layers it owns nothing of now)
+        for t in self._ready_transports:
+            for li in group:
+                t.layer_ready(li, next((ks for owner, ks in state.parts[li] if owner is t), []))
         # then the transforms (clip), then the decider (its statistics see the clipped
         # gradients): each once for the group
         if self.transforms:
-            everything = [(li, self._positions(li)) for li in group]
+            everything = [(li, self._positions(n)) for li, n in zip(group, sizes)]
             for t in self.transforms:
                 t.group_ready(everything)
-        decider = self.decider
+        sends = self._decide(group)
+        if share:
+            self.decider.share(self.ops.bad(state.kept))
+        self._start(group, sends)
+        for t in self._doing["group_started"]:
+            t.group_started()
+
+    def _decide(self, group: list[int]) -> list[int]:
+        """The group's layers that a transport no decider governs sends go at once; of the
+        rest, those the decider's plan sends (what they kept back joins them), the others
+        are kept back. Returns the layers the decider lets go."""
+        state, decider = self.state, self.decider
         if decider is not None:
-            decider.group_ready([(li, self._governed[li]) for li in group])
+            decider.group_ready([(li, state.governed[li]) for li in group])
         sends = []
         for li in group:
-            self._ready[li] = True
-            for t, ks in self._parts[li]:  # not decidable: goes every step (sparse rows)
-                if not t.decidable and ks:
-                    self._start(li, t, ks)
-            if not self._governed[li]:
+            state.ready[li] = True
+            if not state.governed[li]:
                 continue
             if decider is None or decider.decision(li):
                 sends.append(li)
             else:
                 self._keep(li)
         if decider is not None and sends:  # what they kept back joins them, at once
-            decider.on_send_group([(li, self._governed[li]) for li in sends])
-        if share:
-            decider.share(self.ops.bad(self._kept))
-        for li in sends:
-            for t, part in self._parts[li]:
-                if t.decidable and part:
-                    self._start(li, t, part)
-        for t in self.transports:
-            t.group_started()
+            decider.on_send_group([(li, state.governed[li]) for li in sends])
+        return sends
 
-    def _split(self, li: int) -> list[tuple[Transport, list[int]]]:
-        """Each parameter of the layer to the first transport that owns it."""
+    def _start(self, group: list[int], sends: list[int]) -> None:
+        """The group's sends start, its gradients as they are now read at once: what no
+        decider governs (sparse rows: every step), then what the decider lets go."""
+        parts = self.state.parts
+        layers = dict(zip(group, self.grads.layers(group)))
+        for li in group:
+            for t, ks in parts[li]:
+                if not t.decidable and ks:
+                    self._send(li, t, ks, layers[li])
+        for li in sends:
+            for t, part in parts[li]:
+                if t.decidable and part:
+                    self._send(li, t, part, layers[li])
+
+    def _split(self, li: int, n: int) -> list[tuple[Transport, list[int]]]:
+        """Each of the layer's ``n`` parameters to the first transport that owns it."""
         last = self.transports[-1]
         if len(self.transports) == 1:
-            return [(last, self._positions(li))]
+            return [(last, self._positions(n))]
         owned: dict[Transport, list[int]] = {}
-        for k in range(self.grads.size(li)):
+        for k in range(n):
             t = next((t for t in self.transports[:-1] if t.owns(li, k)), last)
             owned.setdefault(t, []).append(k)
         return list(owned.items())
 
-    def _positions(self, li: int) -> list[int]:
-        n = self.grads.size(li)
+    def _positions(self, n: int) -> list[int]:
+        """``[0, .., n-1]``, made once per ``n`` and shared (read only)."""
         r = self._ranges.get(n)
         if r is None:
             r = self._ranges[n] = list(range(n))
@@ -237,103 +236,127 @@ class StepPipeline:
 
     def _keep(self, li: int) -> None:
         """The decider keeps layer ``li`` back this step."""
-        ks = self._governed[li]
+        ks = self.state.governed[li]
         # checked for NaN/Inf by the decider's control plane (no data goes to tell)
-        self._kept.extend(self.grads.get(li, k) for k in ks)
+        self.state.kept.extend(self.grads.get(li, k) for k in ks)
         self.decider.on_skip(li, ks)
-        self.stats.skipped(self.layer_names[li])
+        self.state.skipped.append(self.layer_names[li])
 
-    def _start(self, li: int, t: Transport, ks: list[int]) -> None:
+    def _send(self, li: int, t: Transport, ks: list[int], layer: list) -> None:
+        state = self.state
         if not t.checks_own:
-            self._sent.setdefault(li, []).extend(ks)
-        if not self._started[li]:
-            if not self._any_started:
-                self.send_times = []
-                self._any_started = True
-            self._started[li] = True
+            state.sent.setdefault(li, []).extend(ks)
+        if not state.started[li]:
+            if not state.any_started:
+                self.send_times, state.any_started = [], True
+            state.started[li] = True
             self.send_times.append((self.layer_names[li], time.perf_counter()))
-        pending = t.start(li, ks)
+        pending = t.start(li, ks, layer)
         if pending is not None:
-            self._pending.setdefault(li, []).append(pending)
+            state.pending.setdefault(li, []).append((pending, ks))
 
     def _add(self, pendings: dict[int, Pending]) -> None:
         for li, p in pendings.items():
-            self._pending.setdefault(li, []).append(p)
+            self.state.pending.setdefault(li, []).append((p, []))
 
-    def _fill(self, li: int) -> None:
+    def _fill(self, li: int) -> list[list[int]]:
         """Give layer ``li``'s parameters without a gradient one (what a transport knows of
-        its layout, else zeros) and let it join the ready group."""
+        its layout, else zeros); it joins the open ready group (the groups that closed)."""
         for k in self.grads.missing(li):
-            value = next((v for v in (t.fill(li, k) for t in self.transports) if v is not None),
-                         None)
+            value = next((v for v in (t.fill(li, k) for t in self._doing["fill"])
+                          if v is not None), None)
             self.grads.set(li, k, value if value is not None else self.grads.zeros(li, k))
-        self._join(li)
+        return self.groups.join(li)
 
-    # -- synchronize() -----------------------------------------------------------------------
+    # -- synchronize(): the end of backward, in named phases ---------------------------------
     def finish_backward(self) -> None:
         """Make every layer ready (parameters without a gradient get zeros, as in Horovod),
         send everything queued, start the decider's control exchange, wait for all of it, and
         close the step up to the wrapped optimizer's update."""
         with self.grads.working():
-            self._finish_backward()
+            if not self.state.begun:  # (a step in which no layer became ready in backward)
+                self._begin()
+            self.check_load()
+            shared = self._last_group()
+            self._fill_missing()
+            self._send_rest(shared)
+            self._wait()
+            self._close()
         self.grads.joined()
 
-    def _finish_backward(self) -> None:
-        if not self._begun:  # (a step in which no layer became ready in backward)
-            self._begin()
-        self.check_load()
-        n = len(self.layer_names)
-        waiting = set(self._group)
-        # The last group backward made ready. If it is the step's last one, the decider's
-        # control round starts before its data, so that Horovod takes both in one cycle (and
-        # fuses them) instead of the control round waiting a cycle after the data: measured,
-        # threshold=0 on a 2.4 ms step 1.24x -> 1.15x plain Horovod (median). Only where
-        # collectives pair by name: whether a layer is missing is this rank's own.
-        shared = (self.decider is not None and self._order is None and bool(self._group)
-                  and all(self._ready[li] or li in waiting for li in range(n)))
-        self._take_group(share=shared)
-        missing = [li for li in range(n) if not self._ready[li]]
-        for t in self.transports:
+    def _last_group(self) -> bool:
+        """Phase 1: the last group backward made ready goes. If it is the step's last one,
+        the decider's control round starts before its data, so that Horovod takes both in
+        one cycle (and fuses them) instead of the control round waiting a cycle after the
+        data: measured, threshold=0 on a 2.4 ms step 1.24x -> 1.15x plain Horovod (median).
+        Only where collectives pair by name: whether a layer is missing is this rank's own.
+        Returns whether the control round has started."""
+        open_ = set(self.groups.open)
+        shared = (self.decider is not None and self.groups.order is None and bool(open_)
+                  and all(r or li in open_ for li, r in enumerate(self.state.ready)))
+        self._take_group(self.groups.close(), share=shared)
+        return shared
+
+    def _fill_missing(self) -> None:
+        """Phase 2: the layers backward did not make ready on this rank, filled and taken in
+        one fixed order, so every rank starts the rest alike -- those whose layout a
+        transport learns only from its early round (``holds``) after that round."""
+        missing = [li for li, r in enumerate(self.state.ready) if not r]
+        for t in self._doing["backward_done"]:
             t.backward_done()
-        held = [li for li in missing if any(t.holds(li) for t in self.transports)]
-        # fixed order, so every rank starts the rest alike
-        rest = missing if self._order is None else self._order[self._taken:]
-        for li in rest:
+        held = [li for li in missing if any(t.holds(li) for t in self._doing["holds"])]
+        for li, arrived in self.groups.rest(missing):
             if li in held:
                 continue
-            if self._arrived[li]:  # ready, held back by an earlier layer (_order)
-                self._join(li)
-            else:
-                self._fill(li)
-        self._take_group()
-        for t in self.transports:
+            for group in (self.groups.join(li) if arrived else self._fill(li)):
+                self._take_group(group)
+        self._take_group(self.groups.close())
+        for t in self._doing["start_early"]:
             self._add(t.start_early())
         for li in held:
-            self._fill(li)
-        self._take_group()
+            for group in self._fill(li):
+                self._take_group(group)
+        self._take_group(self.groups.close())
+
+    def _send_rest(self, shared: bool) -> None:
+        """Phase 3: what the transports queued goes; the decider's control round starts with
+        the data (unless phase 1 started it)."""
         for t in self.transports:
-            self._add(t.flush())
+            self._add(t.send_rest())
         if self.decider is not None and not shared:  # in flight with the data, waited on in
-            self.decider.share(self.ops.bad(self._kept))  # _settle
-        for li in sorted(self._pending):
-            ps = self._pending[li]
-            self.stats.sent(self.layer_names[li], sum(p.nbytes for p in ps),
-                            sum(p.collectives for p in ps))
-        arrived = sorted(self._pending)
-        for li in arrived:
-            for p in self._pending[li]:
-                p.wait()
-        for t in self.transforms:
+            self.decider.share(self.ops.bad(self.state.kept))  # _settle
+
+    def _wait(self) -> None:
+        """Phase 4: every layer's exchange arrives (in layer order); the reduced gradients a
+        transport's pendings return are written back at once; the transforms that change an
+        average (clip's global mode) run on them."""
+        state, names = self.state, self.layer_names
+        arrived = sorted(state.pending)
+        state.sent_stats = [(names[li], sum(p.nbytes for p, _ in state.pending[li]),
+                             sum(p.collectives for p, _ in state.pending[li])) for li in arrived]
+        waits = [(li, p, ks) for li in arrived for p, ks in state.pending[li]]
+        results = wait_all([p for _, p, _ in waits])
+        writes = [(li, ks, result) for (li, _, ks), result in zip(waits, results)
+                  if result is not None]
+        if writes:
+            self.grads.write(writes)
+        for t in self._doing["after_wait"]:
             t.after_wait(arrived)
-        self._pending.clear()
+        state.pending.clear()
+
+    def _close(self) -> None:
+        """Phase 5: the step's shared verdict, the techniques' moments before the update,
+        the step's statistics."""
         self.step_ok = self._settle()
-        for t in self.techniques:
+        for t in self._doing["before_optimizer_step"]:
             t.before_optimizer_step()
         self.grads.before_optimizer_step(self.step_ok)
-        for t in self.techniques:
+        for t in self._doing["end_step"]:
             t.end_step(self.step_ok)
-        self.local_nonfinite = any(t.local_nonfinite for t in self.techniques)
-        self.stats.end_step()
+        state = self.state
+        if state.groups:
+            self.stats.count("ready_groups", state.groups)
+        self.stats.end_step(state.dense_bytes, state.sent_stats, state.skipped)
         self._new_step()
 
     def _settle(self) -> bool:
@@ -341,8 +364,10 @@ class StepPipeline:
         has alike: the exchanged gradients (a NaN anywhere is in every rank's sum) and, for
         layers a decider kept back, the decider's control plane. A bad step is skipped on
         every rank; warned once, counted as ``nonfinite_steps``."""
-        sent = [self.grads.get(li, k) for li, ks in sorted(self._sent.items()) for k in ks]
-        data_ok = self.ops.all_finite(sent)  # one check, one device read
+        sent = sorted(self.state.sent.items())
+        layers = self.grads.layers([li for li, _ in sent]) if sent else []
+        tensors = [layer[k] for (_, ks), layer in zip(sent, layers) for k in ks]
+        data_ok = self.ops.all_finite(tensors)  # one check, one device read
         ok = self.decider.settle(data_ok) if self.decider else data_ok
         if not ok:
             self.note_nonfinite()
@@ -360,13 +385,13 @@ class StepPipeline:
 
     def after_optimizer_step(self) -> None:
         self.grads.after_optimizer_step()
-        for t in self.techniques:
+        for t in self._doing["after_optimizer_step"]:
             t.after_optimizer_step()
 
     def abandon_step(self) -> None:
         """Finish what is in flight and forget the step (before loading a checkpoint). A
         collective that fails here is dropped with the step (:func:`finish_dropped`)."""
-        finish_dropped([p for ps in self._pending.values() for p in ps],
+        finish_dropped([p for ps in self.state.pending.values() for p, _ in ps],
                        "the abandoned step")
         self._new_step()
 
@@ -379,21 +404,28 @@ class StepPipeline:
             t.discard()
 
     # -- a traced step that updates locally (delay= in Keras' compiled function) -------------
+    def host_before_update(self) -> bool:
+        """Whether the next traced step that updates locally must run
+        :meth:`before_local_update` on the host before its update (a technique reads the
+        parameters as they are then: :meth:`Technique.host_before_update`); if not, it runs
+        after the update, in the step's one host call."""
+        return any(t.host_before_update() for t in self._around_update)
+
     def before_local_update(self) -> None:
         """Host, before the update of a traced step that updates locally -- or, where
-        its ``host_before_update`` (:class:`hvdsync.core.traced.TracedLocalStep`) says it need
-        not, after the update."""
-        self.local_step.before_optimizer_step()
+        :meth:`host_before_update` says it need not, after the update: the local step's
+        transport, then the synchronization after it, as the eager step runs them."""
+        for t in self._around_update:
+            t.before_optimizer_step()
 
     def end_local_step(self, bad: int) -> None:
         """Host, after that update: ``bad``, the count of the step's ``trace_local``."""
-        t = self.local_step
-        t.end_local_step(bad)
-        self.local_nonfinite = t.local_nonfinite
+        self.local_step.end_local_step(bad)
 
     def after_local_update(self) -> None:
         """Host, after the step's statistics are closed (as the eager step's moments run)."""
-        self.local_step.after_optimizer_step()
+        for t in self._around_update:
+            t.after_optimizer_step()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def after_load(self, restored_own: Optional[bool]) -> None:
@@ -434,8 +466,7 @@ class StepPipeline:
         if self.comm is not None:
             entries = self.comm.entries
             entries.begin("flush", self.stats.total.step)
-            if any(type(t).flush_replicas is not Technique.flush_replicas
-                   for t in self.techniques):
+            if any(_does(t, "flush_replicas") for t in self.techniques):
                 # told (and checked) now, before the flush waits for anything: with the
                 # first collective, a rank that first waits for a round another rank starts
                 # only after its own tag would wait for ever
@@ -445,3 +476,14 @@ class StepPipeline:
     def status(self, name: str) -> dict[str, Any]:
         t = self.by_name.get(name)
         return t.status() if t is not None else {}
+
+
+def _does(t: Technique, moment: str) -> bool:
+    """Whether technique ``t`` does something at ``moment``: it has the moment and does not
+    leave it to its role's default (which does nothing)."""
+    own = getattr(type(t), moment, None)
+    base = getattr(_ROLES.get(t.role, Technique), moment, None)
+    return own is not None and own is not base
+
+
+_ROLES = {TRANSFORM: Transform, DECIDER: Decider, TRANSPORT: Transport}

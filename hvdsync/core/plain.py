@@ -15,7 +15,7 @@ from hvdsync.core.ports import Communicator, Gradients
 from hvdsync.core.technique import Transport
 
 
-class PlainAllreduce(Transport):
+class Plain(Transport):
     name = "plain"
     traceable = True
     scale_sensitive = False  # a sum is linear: Horovod's AMP recipe unscales it afterwards
@@ -29,24 +29,19 @@ class PlainAllreduce(Transport):
         #: the ready group's layers so far: (li, ks, tensors, the layer's pending, its place)
         self._queued: list[tuple[int, list[int], list[Any], Pending, dict]] = []
 
-    def start(self, li: int, ks: list[int]) -> Optional[Pending]:
-        tensors = [self.grads.get(li, k) for k in ks]
+    def start(self, li: int, ks: list[int], layer: list) -> Optional[Pending]:
+        """The layer's allreduce (on Horovod), or its part of its ready group's
+        (:meth:`group_started`); the pending gives the reduced gradients."""
+        tensors = [layer[k] for k in ks]
         if not self.fuses:
-            return self.comm.allreduce(f"hvdsync.{self.layer_names[li]}", tensors).then(
-                lambda outputs: self._write_back(li, ks, outputs))
+            return self.comm.allreduce(f"hvdsync.{self.layer_names[li]}", tensors)
         place: dict = {}  # the group's pending and this layer's span in it (group_started)
-
-        def wait() -> None:
-            self._write_back(li, ks, place["group"].wait()[place["lo"]:place["hi"]])
-        pending = Pending(wait, lambda: "group" in place and place["group"].ready(),
+        pending = Pending(lambda: place["group"].wait()[place["lo"]:place["hi"]],
+                          lambda: "group" in place and place["group"].ready(),
                           what=f"the allreduce of layer {self.layer_names[li]!r}'s group",
                           guarded=False)  # (the group's own wait is guarded)
         self._queued.append((li, ks, tensors, pending, place))
         return pending
-
-    def _write_back(self, li: int, ks: list[int], outputs: list) -> None:
-        for k, out in zip(ks, outputs):
-            self.grads.set(li, k, out)
 
     def group_started(self) -> None:
         """The layers :meth:`start` queued for this ready group go in one allreduce."""
@@ -68,6 +63,6 @@ class PlainAllreduce(Transport):
             counted += pending.nbytes
             pending.collectives = group.collectives if i == 0 else 0
 
-    def flush(self) -> dict[int, Pending]:
-        self.comm.flush()
+    def send_rest(self) -> dict[int, Pending]:
+        self.comm.dispatch()
         return {}

@@ -5,7 +5,8 @@ factories call :func:`configure`, then :func:`build_techniques`).
 :data:`PACKAGES` is the one line a technique has here: its keyword, in role order (clip
 transforms; threshold and select decide; sparse, lowrank and delay transport -- without
 ``delay`` dense layers take the plain exchange), and the package that builds it
-(``CONFIG`` and ``build(config, parts)``). The core imports no technique: a package is
+(``CONFIG`` and ``build(config, parts)``: a technique, or a list of them). The core
+imports no technique: a package is
 looked up by name when an optimizer is built. docs/design.md shows the exclusions as a table;
 docs/internals.md, "Adding a technique", the steps.
 """
@@ -21,7 +22,7 @@ from typing import Any, Optional
 from hvdsync.core.config import (check_bool, check_reduce_op, positive_float, positive_int,
                                  reject_unknown_kwargs)
 from hvdsync.core.layers import Grouping
-from hvdsync.core.plain import PlainAllreduce
+from hvdsync.core.plain import Plain
 from hvdsync.core.technique import Parts, Technique
 
 #: every technique keyword, in role order (the order techniques run in), and its package
@@ -196,9 +197,11 @@ def enabled(configs: dict[str, Optional[Any]]) -> list[str]:
 def build_techniques(configs: dict[str, Any], parts: Parts) -> list[Technique]:
     """The techniques of one wrapped optimizer, in the rulebook's order, each built by its
     package from ``parts`` (the adapter's gradients, arithmetic, communicator and kernels)."""
-    techniques = [PlainAllreduce(parts.grads, parts.comm, parts.layer_names) if name == "plain"
-                  else package(name).build(configs[name], parts)
-                  for name in pipeline_order(configs)]
+    techniques: list[Technique] = []
+    for name in pipeline_order(configs):  # (a keyword may build more than one: delay=)
+        built = (Plain(parts.grads, parts.comm, parts.layer_names) if name == "plain"
+                 else package(name).build(configs[name], parts))
+        techniques += built if isinstance(built, list) else [built]
     parts.stats.describe(enabled(configs), lambda: parts.comm.size)
     for t in list(techniques):  # compositions the techniques declare (Technique.carries)
         for name in t.carries:

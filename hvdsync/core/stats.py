@@ -92,8 +92,18 @@ class SyncStats:
         """Add ``value`` to the technique counter ``name`` for this step."""
         self._current.counters[name] = self._current.counters.get(name, 0) + value
 
-    def end_step(self) -> StepRecord:
-        """Close the current step: fold it into ``total`` and make it ``last``."""
+    def end_step(self, dense: int = 0, sent: Sequence[tuple[str, int, int]] = (),
+                 skipped: Sequence[str] = ()) -> StepRecord:
+        """Close the current step: fold it into ``total`` and make it ``last``. The step
+        pipeline hands over what it recorded as it went (:meth:`dense`, and per layer
+        :meth:`sent` as ``(layer, bytes, collectives)`` and :meth:`skipped`) in this one
+        call."""
+        if dense:
+            self.dense(dense)
+        for layer, nbytes, collectives in sent:
+            self.sent(layer, nbytes, collectives)
+        for layer in skipped:
+            self.skipped(layer)
         c = self._current
         t = self.total
         t.step += 1

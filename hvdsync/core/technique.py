@@ -25,6 +25,9 @@ from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.stats import SyncStats
 
 TRANSFORM, DECIDER, TRANSPORT = "transform", "decider", "transport"
+#: the role of a technique that synchronizes the replicas after the update (delay='s K-step
+#: synchronization: :mod:`hvdsync.techniques.outer`)
+SYNC = "sync"
 
 
 def control_part(values: Sequence[float], control: Sequence[str], name: str,
@@ -78,8 +81,8 @@ def refill(mapping: Any, items: dict) -> None:
 class Parts:
     """What a technique is built from (its package's ``build(config, parts)``): the adapter's
     ports, the optimizer's layer names and statistics, whether the adapter traces its step
-    (Keras), and the two pieces an adapter writes for one technique: clip's arithmetic
-    (``clip_layers``) and the sparse exchange (``sparse_exchange(config)``)."""
+    (Keras), and the sparse exchange an adapter builds over its row-sparse primitives
+    (``sparse_exchange(config)``)."""
 
     grads: Gradients
     ops: TensorOps
@@ -87,7 +90,6 @@ class Parts:
     stats: SyncStats
     layer_names: list[str]
     traces: bool = False
-    clip_layers: Any = None
     sparse_exchange: Any = None
 
 
@@ -95,9 +97,18 @@ class Parts:
 class Technique:
     """Base of every technique: each moment does nothing unless overridden."""
 
-    #: the keyword that configures it ("clip", "threshold", ...; "plain" for the plain exchange)
+    #: what it is called in stats, status and ``opt.techniques`` ("clip", "threshold", ...;
+    #: "plain" for the plain exchange)
     name: str = ""
     role: str = ""
+
+    @property
+    def keyword(self) -> str:
+        """The keyword that configures it (its :attr:`name`, but for a technique one keyword
+        builds beside another: ``delay=``'s synchronization): techniques of one keyword share
+        its checkpoint entry, each with keys of its own."""
+        return self.name
+
     #: whether it reads parameter values during the step (Keras then hands them to the step
     #: with the gradients, read by the compiled function before the update)
     reads_values: bool = False
@@ -107,10 +118,6 @@ class Technique:
     #: whether its result depends on the gradients' scale (it reads their values, or keeps
     #: them across steps): under loss scaling it must see them unscaled (``scaler=``)
     scale_sensitive: bool = True
-    #: set by :meth:`end_step`: this rank's own gradients were non-finite this step and the
-    #: technique kept them to this rank (``delay=``: zeros sent, the step not skipped), so a
-    #: loss scaler on this rank should back off
-    local_nonfinite: bool = False
     #: whether a tracing adapter builds it into the traced step itself (Keras' compiled train
     #: function, :mod:`hvdsync.keras.graph`; else the step pipeline runs eagerly inside it)
     traceable: bool = False
@@ -155,6 +162,12 @@ class Technique:
 
     def before_optimizer_step(self) -> None:
         """Every reduced gradient is in place; the wrapped optimizer steps next."""
+
+    def host_before_update(self) -> bool:
+        """Whether the next traced step must run :meth:`before_optimizer_step` on the host
+        before its update (it reads the parameters as they are then); if not, a traced step
+        runs it after the update, in the one host call of the step. Default: no."""
+        return False
 
     def end_step(self, ok: bool) -> None:
         """The exchange of this step is over (read device values once); ``ok``: the step's
@@ -344,8 +357,11 @@ class Transport(Technique):
         moves whatever no other claims)."""
         return True
 
-    def start(self, li: int, ks: list[int]) -> Optional[Pending]:
-        """Start sending (``None``: queued until :meth:`start_early` / :meth:`flush`)."""
+    def start(self, li: int, ks: list[int], layer: list) -> Optional[Pending]:
+        """Start sending parameters ``ks`` of layer ``li`` (``layer``: its gradients as they
+        are now, by position); ``None``: queued until :meth:`start_early` / :meth:`send_rest`.
+        The pending's result is their reduced gradients (written back by the pipeline), or
+        ``None`` where the transport writes them itself."""
         raise NotImplementedError
 
     def group_started(self) -> None:
@@ -368,8 +384,9 @@ class Transport(Technique):
         """Collectives that must run before held layers can be filled."""
         return {}
 
-    def flush(self) -> dict[int, Pending]:
-        """Send what was queued; returns what each layer waits for."""
+    def send_rest(self) -> dict[int, Pending]:
+        """The end of backward: every layer is started or kept back -- send what is still
+        queued; returns what each layer waits for."""
         return {}
 
     def use_memory(self, memory: dict[str, Any]) -> None:

@@ -39,13 +39,6 @@ class TracedLocalStep:
         values), or ``None``: the plain exchange's."""
         return None
 
-    def host_before_update(self) -> bool:
-        """Whether the next traced step that updates locally must run
-        :meth:`before_optimizer_step` on the host before its update (it reads the parameters
-        as they are then); if not, the step runs it after the update, in the same host call
-        as the rest."""
-        return True
-
     def end_local_step(self, bad: int) -> None:
         """Closes a traced step that updated locally, in place of :meth:`end_step`: ``bad``
         is the count :meth:`trace_local` built, read on the host."""

@@ -90,6 +90,15 @@ class KerasGradients:
     def set(self, li: int, k: int, value) -> None:
         self.grads[self._positions[li][k]] = value
 
+    def layers(self, lis: list[int]) -> list[list]:
+        grads, positions = self.grads, self._positions
+        return [[grads[p] for p in positions[li]] for li in lis]
+
+    def write(self, items: list[tuple[int, list[int], list]]) -> None:
+        for li, ks, values in items:
+            for k, value in zip(ks, values):
+                self.grads[self._positions[li][k]] = value
+
     def missing(self, li: int) -> list[int]:
         return []
 
@@ -138,9 +147,14 @@ class KerasGradients:
         self._restore.append((v, v.path, self.value(li, k), self.slots.snapshot(v.path)))
         self.set(li, k, tf.zeros_like(self.get(li, k)))
 
-    def prepare(self, li: int) -> None:
-        pass  # Keras' LossScaleOptimizer hands over unscaled gradients
+    @staticmethod
+    def kept_nonfinite() -> None:
+        """Nothing: Keras' LossScaleOptimizer judges the step by its own finite check."""
 
+    def ready(self, lis: list[int]) -> list[int]:
+        """Each layer's payload bytes (Keras' LossScaleOptimizer unscales the gradients
+        itself)."""
+        return [self.payload_bytes(li) for li in lis]
     def before_optimizer_step(self, ok: bool) -> None:
         pass  # a skipped step: the compiled function does not apply (see graph.eager_step)
 

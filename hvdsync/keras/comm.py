@@ -8,7 +8,7 @@ Two execution contexts use it:
   Horovod's TensorFlow optimizer);
 * the step pipeline runs eagerly inside ``tf.py_function``. Eager Horovod ops block until
   done and are matched across ranks by the name they are given, so eager requests are
-  queued and :meth:`KerasCommunicator.flush` sends all of a step's layers in **one** grouped
+  queued and :meth:`KerasCommunicator.dispatch` sends all of a step's layers in **one** grouped
   allreduce (one negotiation round instead of one per layer), named from the requests'
   names, which every rank has alike -- or hands it to a background thread (``delay=``).
 """
@@ -173,7 +173,7 @@ class KerasCommunicator:
 
     # -- the pipeline's interface (eager) -----------------------------------------------------
     def allreduce(self, name: str, tensors: list) -> Pending:
-        """Queue ``tensors`` for the next :meth:`flush`; the pending gives their reduction."""
+        """Queue ``tensors`` for the next :meth:`dispatch`; the pending gives their reduction."""
         tensors = list(tensors)
         request = _Request(name, tensors, Pending())
         nbytes = sum(self.wire_bytes(t) for t in tensors) if self.size > 1 else 0
@@ -182,7 +182,7 @@ class KerasCommunicator:
         self._queue.append(request)
         return request.pending
 
-    def flush(self, background: bool = False) -> None:
+    def dispatch(self, background: bool = False) -> None:
         """Send every queued request in one grouped allreduce (``background``: in a thread,
         so the step returns at once)."""
         requests, self._queue = self._queue, []
@@ -213,9 +213,9 @@ class KerasCommunicator:
             r.future, r.index = future, i
             i += len(r.tensors)
 
-    def after_flush(self, fn: Callable[[Callable[[str, list], list]], Any]) -> Future:
-        """Run ``fn(reduce)`` in the background thread right after the next background flush
-        (eager Horovod ops block, so collectives that depend on that flush's result -- low-rank
+    def after_dispatch(self, fn: Callable[[Callable[[str, list], list]], Any]) -> Future:
+        """Run ``fn(reduce)`` in the background thread right after the next background dispatch
+        (eager Horovod ops block, so collectives that depend on that dispatch's result -- low-rank
         Q rounds inside ``delay=`` -- are queued behind it, in the same order on every rank);
         ``reduce(name, tensors)``: a blocking allreduce, under the watchdog."""
         placeholder: Future = Future()
@@ -229,7 +229,7 @@ class KerasCommunicator:
     @staticmethod
     def _result(request: _Request) -> list:
         if request.future is None:
-            raise RuntimeError("hvdsync: a queued allreduce was waited on before flush()")
+            raise RuntimeError("hvdsync: a queued allreduce was waited on before dispatch()")
         out = request.future.result()
         return out[request.index:request.index + len(request.tensors)]
 

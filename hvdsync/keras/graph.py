@@ -17,7 +17,8 @@ from typing import Optional
 import tensorflow as tf
 
 from hvdsync.keras.comm import KerasCommunicator
-from hvdsync.keras.traced_step import HostFlags, TracedStep, Traffic, apply_if, on_host
+from hvdsync.keras.flags import HostFlags, Traffic
+from hvdsync.keras.traced_step import TracedStep, apply_if, on_host
 from hvdsync.core.kept_layers import KeptLayers
 from hvdsync.core.pipeline import StepPipeline
 from hvdsync.core.technique import Technique

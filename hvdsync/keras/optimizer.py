@@ -35,12 +35,11 @@ from hvdsync.keras.graph import eager_step, graph_runs, graph_step, in_xla_conte
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
 from hvdsync.keras.backend import KerasGradients, Slots
 from hvdsync.keras.ops import KerasOps
-from hvdsync.keras.clipping import clip_layers
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.memory import VariableMemory
 from hvdsync.keras.params import groups_to_names, keras_layer_of, mixed_in, relative_names
-from hvdsync.keras.sparse import TracedSparseExchange
-from hvdsync.keras.traced_step import HostFlags, Traffic
+from hvdsync.keras.sparse import TracedSparse
+from hvdsync.keras.flags import HostFlags, Traffic
 from hvdsync.keras.state import KerasCheckpointing
 from hvdsync.core.kept_layers import KeptLayers
 from hvdsync.core.layers import Layer, build_layers
@@ -91,8 +90,8 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         hv.grads = KerasGradients(layer_vars, Slots(self.variables, variables),
                                   update=self._update_uncounted)
         hv.techniques = build_techniques(hv.configs, Parts(
-            hv.grads, KerasOps(), hv.comm, hv.stats, names, traces=True, clip_layers=clip_layers,
-            sparse_exchange=lambda c: TracedSparseExchange(c, hv.grads, hv.comm, hv.stats)))
+            hv.grads, KerasOps(), hv.comm, hv.stats, names, traces=True,
+            sparse_exchange=lambda c: TracedSparse(c, hv.grads, hv.comm, hv.stats)))
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)
         # HVDSYNC_KERAS_PIPELINE=1: every step through the eager step pipeline (to compare)
         hv.graph_path = (graph_runs(hv.techniques)
@@ -107,7 +106,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
                        if hv.graph_path and decider is not None else None)
             #: what the compiled step branches on that the host decides, and what a
             #: transport's traced rounds sent (hvdsync.keras.graph)
-            hv.flags = HostFlags(hv.techniques) if hv.graph_path else None
+            hv.flags = HostFlags(hv.pipeline) if hv.graph_path else None
             hv.traffic = Traffic(len(names)) if hv.graph_path else None
             if hv.graph_path:  # technique memory in variables, for the compiled step
                 params = {hv.grads.key_of(v): v for vs in layer_vars for v in vs}

@@ -1,5 +1,5 @@
 """Row-sparse gradients in Keras -- ``tf.IndexedSlices`` (an ``Embedding``'s) -- as
-:class:`hvdsync.core.ports.RowSparse`: what the core's sparse exchange (hvdsync/techniques/sparse/exchange.py)
+:class:`hvdsync.techniques.sparse.ports.RowSparse`: what the core's sparse exchange (hvdsync/techniques/sparse/exchange.py)
 packs, scatters and sums, eagerly and in Keras' compiled step alike. Rows travel in their own
 dtype (Horovod's TensorFlow path compresses dense tensors only)."""
 
@@ -15,7 +15,7 @@ from hvdsync.keras.comm import coalesce, payload_bytes
 
 
 class KerasRows:
-    """:class:`hvdsync.core.ports.RowSparse` over ``tf.IndexedSlices`` (one sparse dimension)."""
+    """:class:`hvdsync.techniques.sparse.ports.RowSparse` over ``tf.IndexedSlices`` (one sparse dimension)."""
 
     @staticmethod
     def coalesce(g: tf.IndexedSlices) -> tuple[tf.IndexedSlices, Any]:

@@ -1,5 +1,5 @@
 """``sparse=`` compiled into Keras' train function: the core's sparse exchange
-(:class:`hvdsync.techniques.sparse.exchange.SparseExchange`, which runs the eager steps) with its traced
+(:class:`hvdsync.techniques.sparse.exchange.Sparse`, which runs the eager steps) with its traced
 form. Each variable's route is a device boolean -- the host writes last step's choice
 (:meth:`host_flags`), or, where the codes go first (the first step, ``one_round=False``), a
 branch gathers them and picks the route on the device by
@@ -18,12 +18,12 @@ from hvdsync.keras.rows import KerasRows, from_values
 from hvdsync.core.pending import Pending
 from hvdsync.techniques.sparse.protocol import ABSENT, DENSE
 from hvdsync.techniques.sparse.config import SparseConfig
-from hvdsync.techniques.sparse.exchange import SparseExchange
+from hvdsync.techniques.sparse.exchange import Sparse
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.traced import TracedRounds
 
 
-class TracedSparseExchange(SparseExchange, TracedRounds):
+class TracedSparse(Sparse, TracedRounds):
     """The sparse exchange of a Keras model, eager or compiled."""
 
     traceable = True

@@ -3,8 +3,8 @@ one step of Keras' compiled train function as the step pipeline's moments in tra
 Horovod's ops in the train function, one grouped allreduce per layer fed only by that
 layer's gradient, so a layer is clipped and sent as soon as backward produced it; the
 step's statistics reach the host once, through one ``tf.numpy_function``. What the host
-decides between steps reaches the graph in :class:`HostFlags`; what a transport's rounds
-sent, counted on the device, in :class:`Traffic`.
+decides between steps reaches the graph in :class:`hvdsync.keras.flags.HostFlags`; what a
+transport's rounds sent, counted on the device, in :class:`hvdsync.keras.flags.Traffic`.
 """
 
 from __future__ import annotations
@@ -18,86 +18,11 @@ from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.mpi_ops import Average
 
 from hvdsync.keras.comm import KerasCommunicator, payload_bytes
+from hvdsync.keras.flags import HostFlags, Traffic
 from hvdsync.core.kept_layers import KeptLayers
 from hvdsync.core.pipeline import StepPipeline
 from hvdsync.core.technique import Technique
 from hvdsync.core.traced import TracedRounds
-
-
-class Traffic:
-    """Bytes and collectives per layer that a transport's traced rounds sent, counted on the
-    device (which branch ran -- warm-up or compressed -- is known at run time only): a
-    growing ``[layers, 2]`` variable; :meth:`since_last` gives the step's share on the host."""
-
-    def __init__(self, n_layers: int):
-        self.variable = tf.Variable(tf.zeros([n_layers, 2], tf.int64), trainable=False,
-                                    name="hvdsync_traffic")
-        self._seen = np.zeros([n_layers, 2], np.int64)
-
-    def add(self, li: int, nbytes, collectives: int) -> None:
-        """In the step: layer ``li`` sent ``nbytes`` (an int, or a device scalar where the
-        size is known at run time only) in ``collectives`` (where this runs)."""
-        if isinstance(nbytes, int):
-            row = np.zeros(self._seen.shape, np.int64)
-            row[li] = (nbytes, collectives)
-            self.variable.assign_add(tf.constant(row))
-            return
-        self.variable.scatter_nd_add([[li, 0], [li, 1]], tf.stack(
-            [tf.cast(nbytes, tf.int64), tf.constant(collectives, tf.int64)]))
-
-    def since_last(self, total: np.ndarray) -> np.ndarray:
-        """On the host: what was counted since the last call (``total``: the variable read
-        at the end of a step)."""
-        step, self._seen = total - self._seen, total
-        return step
-
-
-class HostFlags:
-    """What the host decides between steps that the traced step branches on
-    (:meth:`hvdsync.core.technique.Technique.host_flags`: ``delay=``'s anchors taken before the
-    first update only, ``lowrank=``'s warm-up, a decider's plan): a boolean variable (or
-    vector) each. The step's host call returns them for the next step and the graph assigns
-    them (:meth:`next_values`); outside a step -- at a trace, after a checkpoint or shared
-    state was taken in, after a flush -- the host writes what changed (:meth:`refresh`)."""
-
-    def __init__(self, techniques: list[Technique]):
-        self.techniques = techniques
-        self._written = self._now()
-        self.variables = {name: tf.Variable(value, trainable=False, name=f"hvdsync_{name}")
-                          for name, value in self._written.items()}
-
-    def _now(self) -> dict[str, Any]:
-        return {f"{t.name}.{flag}": ([bool(x) for x in value] if isinstance(value, list)
-                                     else bool(value))
-                for t in self.techniques for flag, value in t.host_flags().items()}
-
-    def of(self, technique: Technique) -> dict[str, tf.Tensor]:
-        """``technique``'s flags, read in the step."""
-        prefix = f"{technique.name}."
-        return {name[len(prefix):]: v.read_value() for name, v in self.variables.items()
-                if name.startswith(prefix)}
-
-    def refresh(self) -> None:
-        """Write what changed (eagerly: outside a step -- at a trace, after a flush or a
-        restore)."""
-        for name, value in self._now().items():
-            if value != self._written[name]:  # an eager assign costs ~0.1 ms: on change only
-                self.variables[name].assign(value)
-                self._written[name] = value
-
-    def next_values(self) -> list[np.ndarray]:
-        """In the step's host call: every flag for the next step, which the graph assigns
-        after the call (:meth:`assign_in_graph`). Not an eager assign from inside the host
-        call: that one left, in about one 10-step fit in 40, one rank taking the other
-        branch of a flag in the next step -- a collective on one rank only, a hang
-        (benchmarks/results/keras_lab_notes.md, "Host flags")."""
-        self._written = self._now()
-        return [np.asarray(self._written[name], bool) for name in self.variables]
-
-    def assign_in_graph(self, values: list) -> None:
-        """In the step, after the host call: assign its :meth:`next_values`."""
-        for v, x in zip(self.variables.values(), values):
-            v.assign(tf.reshape(x, v.shape))
 
 
 class TracedStep:
@@ -302,7 +227,7 @@ class TracedStep:
                 for p, x in zip(positions_of[li], xs):
                     grads[p] = x
             self.ok = tf.constant(True)
-            self.before = tf.cond(self.flags.of(local)["before_update"],
+            self.before = tf.cond(self.flags.before_update(),
                                   lambda: on_host(self.pipeline.before_local_update),
                                   lambda: tf.constant(False))
             with tf.control_dependencies([self.before]):

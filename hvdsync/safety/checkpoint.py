@@ -8,10 +8,10 @@ torch keeps it in ``optimizer.state_dict()["hvdsync"]``, Keras in ``model.save()
      "techniques": {"clip": {...}, "threshold": {...}, ...},
      "per_rank": [{"threshold": {...}}, ...]}   # optional: every rank's own memory
 
-Each technique's entry is its ``state_dict()``: plain data and tensors, memory keyed by a
-parameter's position in layer order. The keys a technique lists in ``per_rank`` are restored
-only on the rank that wrote them, in a job of the same size; anywhere else they are dropped on
-every rank (with a warning), never given to another rank.
+A keyword's entry holds the ``state_dict()`` of the techniques it builds (``delay=``: two),
+plain data and tensors, memory keyed by a parameter's position in layer order. The keys a
+technique lists in ``per_rank`` are restored only on the rank that wrote them, in a job of
+the same size; anywhere else they are dropped on every rank (with a warning).
 """
 
 from __future__ import annotations
@@ -34,15 +34,26 @@ STATE_KEY = "hvdsync."
 def state_of(techniques: Sequence[Technique], params: Sequence[str], rank: int,
              world_size: int) -> dict:
     """The checkpoint entry of a wrapped optimizer's techniques."""
+    entries: dict[str, dict] = {}
+    for t in techniques:
+        entries.setdefault(t.keyword, {}).update(t.state_dict())
     return {"format": FORMAT, "params": list(params), "rank": rank, "world_size": world_size,
-            "techniques": {t.name: t.state_dict() for t in techniques}}
+            "techniques": entries}
+
+
+def _per_rank_keys(techniques: Sequence[Technique]) -> dict[str, set[str]]:
+    """By keyword, the keys of its entry that hold a rank's own memory."""
+    keys: dict[str, set[str]] = {}
+    for t in techniques:
+        keys.setdefault(t.keyword, set()).update(t.per_rank)
+    return keys
 
 
 def per_rank_part(techniques: Sequence[Technique], state: Mapping[str, Any]) -> dict:
     """This rank's own memory from its :func:`state_of` entry."""
-    return {t.name: {k: state["techniques"][t.name][k] for k in t.per_rank
-                     if k in state["techniques"].get(t.name, {})}
-            for t in techniques if t.per_rank}
+    return {kw: {k: state["techniques"][kw][k] for k in sorted(keys)
+                 if k in state["techniques"].get(kw, {})}
+            for kw, keys in _per_rank_keys(techniques).items() if keys}
 
 
 def with_every_rank(techniques: Sequence[Technique], state: Mapping[str, Any],
@@ -56,7 +67,7 @@ def with_every_rank(techniques: Sequence[Technique], state: Mapping[str, Any],
 
 
 def _shared(techniques: Sequence[Technique], states: Mapping[str, Any]) -> dict:
-    per_rank = {t.name: set(t.per_rank) for t in techniques}
+    per_rank = _per_rank_keys(techniques)
     return {name: {k: v for k, v in s.items() if k not in per_rank.get(name, ())}
             for name, s in states.items()}
 
@@ -78,15 +89,15 @@ def load_into(techniques: Sequence[Technique], state: Mapping[str, Any],
         raise ValueError(f"the hvdsync state was saved for {len(saved)} parameters, this "
                          f"optimizer has {len(params)}; first difference at parameter #{diff}: "
                          f"{_at(saved, diff)} saved, {_at(params, diff)} here")
-    by_name = {t.name: t for t in techniques}
+    keywords = {t.keyword for t in techniques}
     for name in state["techniques"]:
-        if name not in by_name:
+        if name not in keywords:
             raise ValueError(f"the saved optimizer has hvdsync {name}= state but this one was "
                              f"not built with {name}=; pass the same options")
     states, restored = _own(techniques, state, rank, world_size, quiet)
     for t in techniques:
-        if t.name in states:
-            t.load_state_dict(states[t.name])
+        if t.keyword in states:
+            t.load_state_dict(states[t.keyword])
         else:
             t.forget()
     return restored
@@ -96,7 +107,7 @@ def _own(techniques: Sequence[Technique], state: Mapping[str, Any], rank: int,
          world_size: int, quiet: bool) -> tuple[dict, bool]:
     """The technique states this rank restores, and whether they hold its own memory."""
     states = state["techniques"]
-    if not any(t.per_rank and t.name in states for t in techniques):
+    if not any(t.per_rank and t.keyword in states for t in techniques):
         return dict(states), True
     if "per_rank" in state and len(state["per_rank"]) == world_size:
         mine = state["per_rank"][rank]
@@ -154,7 +165,7 @@ def _held(techniques: Sequence[Technique]) -> dict[str, int]:
         state = t.state_dict() if t.per_rank else {}
         for k in t.per_rank:
             if _holds(state.get(k)):
-                out[f"{t.name}: {k}"] = _nbytes(state.get(k))
+                out[f"{t.keyword}: {k}"] = _nbytes(state.get(k))
     return out
 
 
@@ -189,7 +200,8 @@ def _holds(x: Any) -> bool:
 
 
 def _names(techniques: Sequence[Technique]) -> str:
-    return ", ".join(f"{t.name}: {'/'.join(t.per_rank)}" for t in techniques if t.per_rank)
+    return ", ".join(f"{kw}: {'/'.join(sorted(keys))}"
+                     for kw, keys in _per_rank_keys(techniques).items() if keys)
 
 
 def shared_digest(techniques: Sequence[Technique]) -> str:

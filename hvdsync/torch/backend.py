@@ -14,8 +14,15 @@ import torch
 
 from hvdsync.torch.comm import payload_bytes
 
-
 _AS_IT_IS = nullcontext()  # reusable: it does nothing
+
+
+def _payload(g: Optional[torch.Tensor]) -> int:
+    """:func:`hvdsync.torch.comm.payload_bytes` of a gradient (none: 0), a dense one's without
+    a call (it runs per parameter every step)."""
+    if g is None:
+        return 0
+    return payload_bytes(g) if g.is_sparse else g.numel() * g.element_size()
 
 
 class TorchGradients:
@@ -94,6 +101,15 @@ class TorchGradients:
                 value.record_stream(self._main)           # the main one: freed after it
             p.grad = value
 
+    def layers(self, lis: list[int]) -> list[list[Optional[torch.Tensor]]]:
+        lp = self.layer_params
+        return [[p.grad for _, p in lp[li]] for li in lis]
+
+    def write(self, items: list[tuple[int, list[int], list[torch.Tensor]]]) -> None:
+        for li, ks, values in items:
+            for k, value in zip(ks, values):
+                self.set(li, k, value)
+
     def missing(self, li: int) -> list[int]:
         return [k for k, (_, p) in enumerate(self.layer_params[li]) if p.grad is None]
 
@@ -113,7 +129,7 @@ class TorchGradients:
         return g is not None and g.is_sparse
 
     def payload_bytes(self, li: int) -> int:
-        return sum(payload_bytes(p.grad) for _, p in self.layer_params[li])
+        return sum(_payload(p.grad) for _, p in self.layer_params[li])
 
     def layer_bytes(self, li: int) -> int:
         return sum(p.numel() * p.element_size() for _, p in self.layer_params[li])
@@ -156,18 +172,21 @@ class TorchGradients:
         scale = getattr(self.scaler, "_scale", None)  # on the device: no host sync
         return scale if scale is not None else torch.tensor(self.scaler.get_scale())
 
-    def prepare(self, li: int) -> None:
-        """Undo the loss scale of layer ``li``'s gradients (GradScaler's scales are powers of
-        two: exact), so clip limits, norms, scores and every memory see true gradients."""
+    def ready(self, lis: list[int]) -> list[int]:
+        """Undo the loss scale of the layers' gradients (GradScaler's scales are powers of
+        two: exact), so clip limits, norms, scores and every memory see true gradients; each
+        layer's payload bytes."""
         scale = self._scale()
-        if scale is None:
-            return
-        if self._inv_scale is None:  # once per step, as GradScaler.unscale_ computes it
-            self._inv_scale = scale.double().reciprocal().float()
-        for _, p in self.layer_params[li]:
-            if p.grad is not None:
-                (p.grad._values() if p.grad.is_sparse else p.grad).mul_(
-                    self._inv_scale.to(p.grad.device))
+        if scale is not None:
+            if self._inv_scale is None:  # once per step, as GradScaler.unscale_ computes it
+                self._inv_scale = scale.double().reciprocal().float()
+            for li in lis:
+                for _, p in self.layer_params[li]:
+                    if p.grad is not None:
+                        (p.grad._values() if p.grad.is_sparse else p.grad).mul_(
+                            self._inv_scale.to(p.grad.device))
+        lp = self.layer_params
+        return [sum(_payload(p.grad) for _, p in lp[li]) for li in lis]
 
     def before_optimizer_step(self, ok: bool) -> None:
         # No gradient: the wrapped optimizer leaves the parameter and its state alone.
@@ -175,6 +194,13 @@ class TorchGradients:
             p.grad = None
         self._withheld.clear()
         self._inv_scale = None
+
+    def kept_nonfinite(self) -> None:
+        """``delay=`` sent zeros for this rank's non-finite local gradients (the step is not
+        skipped, so the loss scaler's own check never sees it): back off now."""
+        scaler = self.scaler
+        if scaler is not None and scaler.is_enabled():
+            scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
 
     def hand_over(self, ok: bool) -> None:
         """Leave ``p.grad`` as the user's next move expects: NaN everywhere after a step

@@ -154,7 +154,7 @@ class TorchCommunicator:
                     grad.copy_(out)
         return finish
 
-    def flush(self, background: bool = False) -> None:
+    def dispatch(self, background: bool = False) -> None:
         """Nothing is queued: every collective started when it was asked for."""
 
     def control(self, values: list[float], name: str, dtype: str = "float64"
@@ -269,7 +269,7 @@ class TorchCommunicator:
             i += n
         return out
 
-    def after_flush(self, fn) -> None:
+    def after_dispatch(self, fn) -> None:
         """Nothing to chain: torch's Horovod collectives run asynchronously, so a round that
         depends on an earlier one starts once that one has arrived (the caller's)."""
         return None

@@ -1,15 +1,20 @@
-"""Arithmetic over many tensors at once, for the torch adapter (:mod:`hvdsync.torch.backend`):
-each layer's norm or dot product for a whole ready group, the step's finiteness check, the
-outer exchange's flat int8 decoding -- a few multi-tensor ops for all the tensors instead of
-a few ops per tensor. On a GPU every op is a kernel launch (docs/design.md, "Ready groups";
-the cost: docs/benchmarks.md, "Fixed cost per step")."""
+"""Arithmetic over many tensors at once, for the torch adapter: each layer's norm or dot
+product for a whole ready group, the step's finiteness check, clipping a group of layers
+(``clip=``'s kernel, :func:`clip_layers`), the outer exchange's flat int8 coding -- a few
+multi-tensor ops for all the tensors instead of a few ops per tensor (on a GPU every op is a
+kernel launch: docs/design.md, "Ready groups"; the cost: docs/benchmarks.md, "Fixed cost per
+step") -- and :class:`MultiTensorOps`, the part of :class:`hvdsync.torch.ops.TorchOps` that
+runs them."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
+
+from hvdsync.techniques.clip.config import ClipConfig
 
 
 def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -230,3 +235,206 @@ def decode_average(gathered: Sequence[torch.Tensor], size: int, codec: str, chun
     for r in range(1, size):
         total.add_(rows[r])
     return unflatten(torch.zeros_like(total).add_(total, alpha=1.0 / size), like)
+
+
+# -- clip=: a group of layers clipped at once (the rules and their running statistics are
+# hvdsync.techniques.clip.technique.Clip's). Clipping runs inside backward hooks, so it must
+# not stall the host on a GPU: every decision is a tensor op on the gradients' device, the
+# norms go to the host once per step; and it must not cost a kernel per tensor: a group's
+# per-layer norms come from one multi-tensor norm, its scales from a few ops on a vector of
+# them, and one multi-tensor multiply applies them -- about a dozen ops for the whole group,
+# whatever its number of layers (torch's own clip_grad_norm_(foreach=True) costs 8 for one
+# global norm).
+_ONE: dict[torch.device, torch.Tensor] = {}
+_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONE.get(device)
+    if one is None:
+        one = _ONE[device] = torch.ones((), device=device)
+    return one
+
+
+def _per_tensor(scale: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """A layer's scale for each of its tensors (``counts``: tensors per layer), as 0-d
+    tensors for one multi-tensor multiply."""
+    if all(c == 1 for c in counts):
+        return list(scale.unbind())
+    key = (tuple(counts), scale.device)
+    index = _INDEX.get(key)
+    if index is None:
+        if len(_INDEX) > 256:
+            _INDEX.clear()
+        index = _INDEX[key] = torch.tensor([li for li, c in enumerate(counts) for _ in range(c)],
+                                           device=scale.device)
+    return list(scale[index].unbind())
+
+
+def clip_layers(layers: list[list[torch.Tensor]], params: list[list[torch.Tensor]],
+                c: ClipConfig, limits: Union[float, Sequence[float]]
+                ) -> tuple[list[list[torch.Tensor]], Optional[torch.Tensor]]:
+    """Clip a group of layers' gradients in place (a sparse gradient is coalesced first, so
+    each row counts once in the norm). ``limits``: each layer's norm limit from ``max_norm``
+    and the adaptive rules (one float for all, or one per layer; ``inf``: none); ``params``:
+    the layers' parameters, read by the ``ratio`` rule only. Returns the gradients and the
+    group's record (:meth:`hvdsync.techniques.clip.ports.ClipKernel.clip_layers`): a float32 device matrix, row 0 each
+    layer's pre-clip norm, row 1 a factor below 1 exactly where the layer was clipped
+    (``None`` when the group holds no values)."""
+    layers = [[g.coalesce() if g.is_sparse and not g.is_coalesced() else g for g in layer]
+              for layer in layers]
+    views, counts = value_views(layers)
+    if not views:
+        return layers, None
+    raw = norm = views_norms(views, counts)
+    if c.value is not None:
+        torch._foreach_clamp_min_(views, c.value[0])
+        torch._foreach_clamp_max_(views, c.value[1])
+        norm = views_norms(views, counts)
+    same = isinstance(limits, (int, float))
+    if c.ratio is None and (math.isinf(limits) if same else all(map(math.isinf, limits))):
+        scale = torch.ones_like(raw)  # no norm limit this step (an adaptive one warming up)
+    else:
+        bound: Union[torch.Tensor, float] = limits if same else torch.tensor(
+            limits, dtype=torch.float32, device=raw.device)
+        if c.ratio is not None:
+            sizes = (c.ratio * layer_norms(params).clamp(min=c.eps)).to(raw.device)
+            bound = sizes.clamp(max=limits) if same else torch.minimum(sizes, bound)
+        # Scale only down: (1 / norm) * bound in float32, as the Keras adapter computes it (a
+        # zero norm gives inf, clamped to 1). A layer whose gradient is non-finite is left
+        # as it is: its norm counts as 0 here, so its scale is 1.
+        safe = norm if c.value is None else norm + raw * 0  # (raw*0: NaN where raw is)
+        scale = (torch.nan_to_num(safe, nan=0.0, posinf=0.0).reciprocal() * bound
+                 ).clamp(max=1.0)
+        torch._foreach_mul_(views, _per_tensor(scale, counts))
+    if c.value is not None:  # clamping changed the layer: clipped too
+        scale = scale.masked_fill((norm != raw) & torch.isfinite(raw), 0.0)
+    return layers, torch.stack([raw, scale])
+
+
+# -- TorchOps' arithmetic of many tensors at once ----------------------------------------------
+class MultiTensorOps:
+    """The multi-tensor half of :class:`hvdsync.torch.ops.TorchOps` (norms, dots, the
+    finiteness check, copies and sums of many tensors, clipping, the outer exchange's
+    coding)."""
+
+    clip_layers = staticmethod(clip_layers)
+
+    @staticmethod
+    def bad(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        flag = nonfinite_flag(tensors)
+        return torch.zeros(()) if flag is None else flag
+
+    @staticmethod
+    def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+        flag = nonfinite_flag(tensors)
+        return flag is None or not flag.item()  # one device read
+
+    @staticmethod
+    def zero_if(flag: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        mask = flag.to(torch.bool)
+        return [t.masked_fill_(mask, 0.0) for t in tensors]  # on the device: no host sync
+
+    @staticmethod
+    def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        tensors = [t.detach() if t.requires_grad else t for t in tensors]
+        return list(torch._foreach_mul(tensors, 1.0)) if tensors else []  # (one op: copies)
+
+    @staticmethod
+    def accumulate_all(accs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor],
+                       sign: int = 1) -> list[torch.Tensor]:
+        accs = list(accs)
+        if accs:
+            (torch._foreach_add_ if sign > 0 else torch._foreach_sub_)(accs, list(xs))
+        return accs
+
+    @staticmethod
+    def norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return norm_of(tensors)
+
+    @staticmethod
+    def dot(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return layer_dots([list(pairs)]).reshape(())  # (one layer of a group's form)
+
+    @staticmethod
+    def norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        return layer_norms(layers)
+
+    @staticmethod
+    def dots(layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+        return layer_dots(layers)
+
+    @staticmethod
+    def in_layer_order(n: int, parts: Sequence[tuple[Sequence[int], torch.Tensor]]
+                       ) -> torch.Tensor:
+        return in_layer_order(n, parts)
+
+    @staticmethod
+    def concat(parts: Sequence[torch.Tensor], dtype: str = "float32") -> torch.Tensor:
+        device = parts[0].device
+        flat = torch.cat([p.reshape(-1).to(device) if p.dim() != 1 else p.to(device)
+                          for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+        return flat.to(getattr(torch, dtype))
+
+    @staticmethod
+    def read(vectors: Sequence[torch.Tensor]) -> list[list[float]]:
+        if not vectors:
+            return []
+        if len(vectors) == 1:  # (no op but the read)
+            return [_flatten(vectors[0].tolist())]
+        device = vectors[0].device
+        values = torch.cat([v.reshape(-1).float().to(device) for v in vectors]).tolist()
+        out, i = [], 0
+        for v in vectors:
+            out.append(values[i:i + v.numel()])
+            i += v.numel()
+        return out
+
+    @staticmethod
+    def to_host(scalars: Sequence[Any]) -> list[float]:
+        if not scalars:
+            return []
+        ts = [s if torch.is_tensor(s) else torch.tensor(float(s)) for s in scalars]
+        device = ts[0].device
+        # one device read: everything on the first scalar's device, stacked
+        return torch.stack([t.detach().float().reshape(()).to(device) for t in ts]).tolist()
+
+    @staticmethod
+    def encode(tensors: Sequence[torch.Tensor], codec: str, chunk: int) -> list[torch.Tensor]:
+        return encode(tensors, codec, chunk)
+
+    @staticmethod
+    def decode(parts: Sequence[torch.Tensor], like: Sequence[torch.Tensor], codec: str,
+               chunk: int) -> list[torch.Tensor]:
+        return unflatten(decoded(parts, codec, chunk), like)
+
+    @staticmethod
+    def decode_sum(gathered: Sequence[torch.Tensor], size: int, codec: str, chunk: int,
+                   like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return decode_average(gathered, size, codec, chunk, like)
+
+    @staticmethod
+    def add_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch._foreach_add(list(a), list(b))) if a else []
+
+    @staticmethod
+    def sub_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch._foreach_sub(list(a), list(b))) if a else []
+
+    @staticmethod
+    def add_scaled_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], alpha: float
+                       ) -> list[torch.Tensor]:
+        return list(torch._foreach_add(list(a), list(b), alpha=alpha)) if a else []
+
+    @staticmethod
+    def assign_all(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        if targets:
+            with torch.no_grad():
+                torch._foreach_copy_(list(targets), list(values))
+
+
+def _flatten(x: Any) -> list:
+    """``Tensor.tolist()`` of any shape as one flat list."""
+    if not isinstance(x, list):
+        return [x]
+    return [y for item in x for y in _flatten(item)] if x and isinstance(x[0], list) else x

@@ -10,12 +10,14 @@ from typing import Any, Optional
 import torch
 
 from hvdsync.torch.comm import payload_bytes
-from hvdsync.torch.foreach import (decode_average, decoded, encode, in_layer_order, layer_dots,
-                                   layer_norms, nonfinite_flag, norm_of, unflatten)
+from hvdsync.torch.foreach import MultiTensorOps
 
 
-class TorchOps:
-    """:class:`hvdsync.core.technique.TensorOps` on torch tensors (in place where allowed)."""
+class TorchOps(MultiTensorOps):
+    """:class:`hvdsync.core.ports.TensorOps` on torch tensors (in place where allowed): the
+    arithmetic of one tensor here, that of many at once in
+    :class:`hvdsync.torch.foreach.MultiTensorOps` -- each in the file of the kernels it runs,
+    so that a step's calls stay there."""
 
     @staticmethod
     def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -26,21 +28,6 @@ class TorchOps:
         return a * b
 
     @staticmethod
-    def bad(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        flag = nonfinite_flag(tensors)
-        return torch.zeros(()) if flag is None else flag
-
-    @staticmethod
-    def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-        flag = nonfinite_flag(tensors)
-        return flag is None or not flag.item()  # one device read
-
-    @staticmethod
-    def zero_if(flag: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        mask = flag.to(torch.bool)
-        return [t.masked_fill_(mask, 0.0) for t in tensors]  # on the device: no host sync
-
-    @staticmethod
     def accumulate(acc: torch.Tensor, x: torch.Tensor, sign: int = 1) -> torch.Tensor:
         return acc.add_(x) if sign > 0 else acc.sub_(x)
 
@@ -49,72 +36,8 @@ class TorchOps:
         return t.detach().clone()
 
     @staticmethod
-    def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        tensors = [t.detach() if t.requires_grad else t for t in tensors]
-        return list(torch._foreach_mul(tensors, 1.0)) if tensors else []  # (one op: copies)
-
-    @staticmethod
-    def accumulate_all(accs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor],
-                       sign: int = 1) -> list[torch.Tensor]:
-        accs = list(accs)
-        if accs:
-            (torch._foreach_add_ if sign > 0 else torch._foreach_sub_)(accs, list(xs))
-        return accs
-
-    @staticmethod
-    def norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        return norm_of(tensors)
-
-    @staticmethod
-    def dot(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        return layer_dots([list(pairs)]).reshape(())  # (one layer of a group's form)
-
-    @staticmethod
-    def norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-        return layer_norms(layers)
-
-    @staticmethod
-    def dots(layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
-        return layer_dots(layers)
-
-    @staticmethod
-    def in_layer_order(n: int, parts: Sequence[tuple[Sequence[int], torch.Tensor]]
-                       ) -> torch.Tensor:
-        return in_layer_order(n, parts)
-
-    @staticmethod
-    def concat(parts: Sequence[torch.Tensor], dtype: str = "float32") -> torch.Tensor:
-        device = parts[0].device
-        flat = torch.cat([p.reshape(-1).to(device) if p.dim() != 1 else p.to(device)
-                          for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
-        return flat.to(getattr(torch, dtype))
-
-    @staticmethod
-    def read(vectors: Sequence[torch.Tensor]) -> list[list[float]]:
-        if not vectors:
-            return []
-        if len(vectors) == 1:  # (no op but the read)
-            return [_flatten(vectors[0].tolist())]
-        device = vectors[0].device
-        values = torch.cat([v.reshape(-1).float().to(device) for v in vectors]).tolist()
-        out, i = [], 0
-        for v in vectors:
-            out.append(values[i:i + v.numel()])
-            i += v.numel()
-        return out
-
-    @staticmethod
     def zero() -> torch.Tensor:
         return torch.zeros(())
-
-    @staticmethod
-    def to_host(scalars: Sequence[Any]) -> list[float]:
-        if not scalars:
-            return []
-        ts = [s if torch.is_tensor(s) else torch.tensor(float(s)) for s in scalars]
-        device = ts[0].device
-        # one device read: everything on the first scalar's device, stacked
-        return torch.stack([t.detach().float().reshape(()).to(device) for t in ts]).tolist()
 
     @staticmethod
     def nbytes(t: torch.Tensor) -> int:
@@ -200,10 +123,6 @@ class TorchOps:
 
     # -- the outer synchronization (delay=)
     @staticmethod
-    def add_scaled(acc: torch.Tensor, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        return acc.add_(x, alpha=alpha)
-
-    @staticmethod
     def zeros_like(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(t)
 
@@ -216,43 +135,6 @@ class TorchOps:
     def cast(t: torch.Tensor, dtype: Optional[str] = None,
              like: Optional[torch.Tensor] = None) -> torch.Tensor:
         return t.to(getattr(torch, dtype) if dtype is not None else like.dtype)
-
-    @staticmethod
-    def encode(tensors: Sequence[torch.Tensor], codec: str, chunk: int) -> list[torch.Tensor]:
-        return encode(tensors, codec, chunk)
-
-    @staticmethod
-    def decode(parts: Sequence[torch.Tensor], like: Sequence[torch.Tensor], codec: str,
-               chunk: int) -> list[torch.Tensor]:
-        return unflatten(decoded(parts, codec, chunk), like)
-
-    @staticmethod
-    def decode_sum(gathered: Sequence[torch.Tensor], size: int, codec: str, chunk: int,
-                   like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return decode_average(gathered, size, codec, chunk, like)
-
-    @staticmethod
-    def add_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return list(torch._foreach_add(list(a), list(b))) if a else []
-
-    @staticmethod
-    def sub_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return list(torch._foreach_sub(list(a), list(b))) if a else []
-
-    @staticmethod
-    def add_scaled_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], alpha: float
-                       ) -> list[torch.Tensor]:
-        return list(torch._foreach_add(list(a), list(b), alpha=alpha)) if a else []
-
-    @staticmethod
-    def assign_all(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-        if targets:
-            with torch.no_grad():
-                torch._foreach_copy_(list(targets), list(values))
-
-    @staticmethod
-    def part(gathered: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-        return gathered.view(size, -1)[rank]
 
     @staticmethod
     def cond(flag: Any, yes: Callable[[], Any], no: Callable[[], Any]) -> Any:
@@ -270,10 +152,3 @@ class TorchOps:
     @staticmethod
     def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn  # an eager op costs a few microseconds: nothing to gain
-
-
-def _flatten(x: Any) -> list:
-    """``Tensor.tolist()`` of any shape as one flat list."""
-    if not isinstance(x, list):
-        return [x]
-    return [y for item in x for y in _flatten(item)] if x and isinstance(x[0], list) else x

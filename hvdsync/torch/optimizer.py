@@ -36,7 +36,6 @@ from hvdsync.core.technique import Parts
 from hvdsync.torch import engine
 from hvdsync.torch.backend import TorchGradients
 from hvdsync.torch.ops import TorchOps
-from hvdsync.torch.clipping import clip_layers
 from hvdsync.torch.comm import TorchCommunicator
 from hvdsync.torch.params import groups_to_names, parameter_names
 from hvdsync.torch.rows import row_exchange
@@ -68,6 +67,7 @@ class _DistributedOptimizer(SyncAPI):
         # no tensor hashing on the hot path)
         self._hooked = [p for lp in layer_params for _, p in lp]
         self._layer_at = [li for li, lp in enumerate(layer_params) for _ in lp]
+        self._layer_sizes = [len(lp) for lp in layer_params]
 
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -82,7 +82,7 @@ class _DistributedOptimizer(SyncAPI):
         self._comm = comm = TorchCommunicator(compression, op, gradient_predivide_factor,
                                               sparse_as_dense, process_set, self.stats)
         self._techniques = build_techniques(configs, Parts(
-            self._grads, TorchOps(), comm, self.stats, layer_names, clip_layers=clip_layers,
+            self._grads, TorchOps(), comm, self.stats, layer_names,
             sparse_exchange=lambda c: row_exchange(c, self._grads, comm, self.stats)))
         self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, TorchOps(),
                                       self.stats, comm, *group_bytes)
@@ -135,7 +135,8 @@ class _DistributedOptimizer(SyncAPI):
 
     def _reset_step_counters(self) -> None:
         self._passes_left = [self.backward_passes_per_step] * len(self._hooked)
-        self._ready_in_layer = [0] * len(self._layers)
+        #: per layer, its parameters whose gradient is not final yet this step
+        self._unready_in_layer = list(self._layer_sizes)
 
     # -- backward: per-parameter hook ---------------------------------------------------------
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
@@ -147,8 +148,8 @@ class _DistributedOptimizer(SyncAPI):
         self._passes_left[i] = left
         if left == 0:
             li = self._layer_at[i]
-            self._ready_in_layer[li] += 1
-            if self._ready_in_layer[li] == self._grads.size(li):
+            self._unready_in_layer[li] -= 1
+            if not self._unready_in_layer[li]:
                 self._pipeline.layer_ready(li)
 
     # -- Horovod's public API ---------------------------------------------------------------
@@ -164,10 +165,6 @@ class _DistributedOptimizer(SyncAPI):
         self._pipeline.finish_backward()
         self._reset_step_counters()
         self._synchronized = True
-        scaler = self._grads.scaler
-        if scaler is not None and scaler.is_enabled() and self._pipeline.local_nonfinite:
-            # delay=: this rank's overflow was replaced by zeros, not skipped: back off here
-            scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
         self._grads.hand_over(self._pipeline.step_ok)
 
     @contextmanager

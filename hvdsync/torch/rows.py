@@ -1,5 +1,5 @@
 """Row-sparse gradients in torch -- sparse COO tensors (``nn.Embedding(sparse=True)``,
-``nn.EmbeddingBag(sparse=True)``) -- as :class:`hvdsync.core.ports.RowSparse`: what the core's
+``nn.EmbeddingBag(sparse=True)``) -- as :class:`hvdsync.techniques.sparse.ports.RowSparse`: what the core's
 sparse exchange (hvdsync/techniques/sparse/exchange.py) packs, scatters and sums. Rows travel in the
 communicator's compression (fp16 halves them), their int64 indices bit for bit."""
 
@@ -12,25 +12,25 @@ from typing import Any
 import torch
 
 from hvdsync.techniques.sparse.config import SparseConfig
-from hvdsync.techniques.sparse.exchange import SparseExchange
+from hvdsync.techniques.sparse.exchange import Sparse
 from hvdsync.core.stats import SyncStats
 from hvdsync.torch.backend import TorchGradients
 from hvdsync.torch.comm import TorchCommunicator
 
 
 def row_exchange(config: SparseConfig, grads: TorchGradients, comm: TorchCommunicator,
-                 stats: SyncStats) -> SparseExchange:
+                 stats: SyncStats) -> Sparse:
     """The core's exchange of row-sparse gradients over torch's parameters."""
     rows = TorchRows(comm.compression)
     params = [p for layer in grads.layer_params for _, p in layer]
-    return SparseExchange(config, grads, comm, rows, stats,
+    return Sparse(config, grads, comm, rows, stats,
                           [n for layer in grads.layer_params for n, _ in layer],
                           [p.shape for p in params], [rows.wire_itemsize(p) for p in params],
                           len(grads.layer_params))
 
 
 class TorchRows:
-    """:class:`hvdsync.core.ports.RowSparse` over torch sparse COO gradients."""
+    """:class:`hvdsync.techniques.sparse.ports.RowSparse` over torch sparse COO gradients."""
 
     def __init__(self, compression: Any):
         self.compression = compression

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 from hvdsync.core.ports import Gradients, TensorOps
 from hvdsync.core.stats import SyncStats
@@ -87,27 +87,19 @@ class ClipPolicy:
         self._sums = {(int(layer), float(beta)): (m, s) for layer, beta, m, s in state["sums"]}
 
 
-#: ``clip_layers(layers, params, config, limits) -> (clipped layers, record)``: the adapter's
-#: arithmetic for a group of layers (``layers``: each layer's gradients, device values;
-#: ``limits``: each layer's ``max_norm`` and adaptive limit as a float, ``inf`` where none
-#: applies -- one float when all are alike; the ``ratio`` rule is applied inside, from
-#: ``params``). ``record``: a float32 device matrix, row 0 each layer's pre-clip norm, row 1
-#: a factor below 1 exactly where the layer was clipped (``None``: the group holds no values).
-ClipLayers = Callable[[list, list, ClipConfig, Union[float, list]], tuple[list, Any]]
-
-
-class LayerClip(Transform):
+class Clip(Transform):
     """Clips each layer's gradient by the configured rules -- before its send (``"local"``) or
     once its average has arrived (``"global"``) -- and counts what it did (``clipped``: layers
     whose gradient changed; ``nonfinite``: layers with NaN/Inf). A ready group of layers is
-    clipped at once (the adapter's ``clip_layers``); the norms go to the host once per step,
+    clipped at once (the adapter's ``ops.clip_layers``, :class:`hvdsync.techniques.clip.ports.
+    ClipKernel`); the norms go to the host once per step,
     in :meth:`end_step`."""
 
     name = "clip"
     traceable = True
 
     def __init__(self, config: ClipConfig, grads: Gradients, ops: TensorOps,
-                 clip_layers: ClipLayers, layer_names: list[str], stats: SyncStats):
+                 layer_names: list[str], stats: SyncStats):
         self.config = config
         self.reads_values = config.ratio is not None
         # local mode: each rank's limits come from its own gradients' history
@@ -115,7 +107,6 @@ class LayerClip(Transform):
         self.policy = ClipPolicy(config, len(layer_names))
         self.grads = grads
         self.ops = ops
-        self.clip_layers = clip_layers
         self.layer_names = layer_names
         self.stats = stats
         self._step: list[tuple[list[int], Any]] = []  # (layers, their record)
@@ -135,19 +126,21 @@ class LayerClip(Transform):
         layers = [li for li in layers if g.payload_bytes(li)]
         if not layers:
             return
-        grads = [[g.get(li, k) for k in range(g.size(li))] for li in layers]
-        params = ([[g.value(li, k) for k in range(g.size(li))] for li in layers]
-                  if self.config.ratio is not None else [])
+        grads = g.layers(layers)
+        params = ([[g.value(li, k) for k in range(len(layer))]
+                   for li, layer in zip(layers, grads)] if self.config.ratio is not None else [])
         limits = [self.norm_limit(li) for li in layers]
-        new, record = self.clip_layers(
+        new, record = self.ops.clip_layers(
             grads, params, self.config, limits[0] if len(set(limits)) == 1 else limits)
         if record is None:
             return
-        for li, layer, before in zip(layers, new, grads):
-            for k, (x, y) in enumerate(zip(layer, before)):
-                if x is not y:  # (a sparse gradient coalesced)
-                    g.set(li, k, x)
+        changed = [(li, [k], [x]) for li, layer, before in zip(layers, new, grads)
+                   for k, (x, y) in enumerate(zip(layer, before))
+                   if x is not y]  # (clipped in place; a sparse gradient coalesced)
+        if changed:
+            g.write(changed)
         self._step.append((layers, record))
+
     def end_step(self, ok: bool) -> None:
         if not self._step:
             return
@@ -176,7 +169,7 @@ class LayerClip(Transform):
         # an adaptive limit changes every step: read on the host as the step runs
         adaptive = c.ema is not None or c.variance is not None
         limit = host_scalar(lambda: self.norm_limit(li)) if adaptive else self.norm_limit(li)
-        clipped, record = self.clip_layers([tensors], [params], c, limit)
+        clipped, record = self.ops.clip_layers([tensors], [params], c, limit)
         return clipped[0], record
 
     def record_traced(self, records: list[tuple[int, list[float]]], ok: bool) -> None:

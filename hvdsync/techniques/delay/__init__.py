@@ -1,15 +1,36 @@
-"""``delay=``: local steps with a stale global gradient, and the K-step synchronization of the
-models (plain averaging or the outer synchronization; a transport; docs/delay.md)."""
+"""``delay=``: local steps with a stale global gradient (the transport,
+:mod:`hvdsync.techniques.delay.technique`), and the K-step synchronization of the models after
+the update, plain averaging or the outer optimizer (:mod:`hvdsync.techniques.outer`): two
+techniques of one keyword (docs/delay.md)."""
 
+from __future__ import annotations
+
+import dataclasses
+
+from hvdsync.core.technique import Parts, Technique
 from hvdsync.techniques.delay.config import DelayConfig
-from hvdsync.techniques.delay.technique import DelayedGradients
+from hvdsync.techniques.delay.technique import Delay
+from hvdsync.techniques.outer.averaging import Averaging
+from hvdsync.techniques.outer.technique import OuterSync
 
 CONFIG = DelayConfig
 
 
-def build(config: DelayConfig, parts) -> DelayedGradients:
-    return DelayedGradients(config, parts.grads, parts.ops, parts.comm, parts.layer_names,
-                            parts.stats, traces=parts.traces)
+def build(config: DelayConfig, parts: Parts) -> list[Technique]:
+    """The transport, then the synchronization after the update: the outer optimizer where
+    the config has one; else plain averaging, unless synchronous (every step uses its own
+    global gradient: the replicas never differ)."""
+    config = config.for_adapter(parts.traces)
+    n = len(parts.layer_names)
+    if config.fragments > n:  # a fragment is one layer at least
+        config = dataclasses.replace(config, fragments=n)
+    delay = Delay(config, parts.grads, parts.ops, parts.comm, parts.layer_names,
+                             parts.stats)
+    if not config.outer and config.synchronous:
+        return [delay]
+    sync = OuterSync if config.outer else Averaging
+    return [delay, sync(config, parts.grads, parts.ops, parts.comm, parts.layer_names,
+                        parts.stats, delay.finished_steps)]
 
 
-__all__ = ["CONFIG", "DelayConfig", "DelayedGradients", "build"]
+__all__ = ["CONFIG", "DelayConfig", "Delay", "build"]

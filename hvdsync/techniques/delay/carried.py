@@ -5,7 +5,7 @@ roles and moments").
 
 A technique that ``delay=`` carries runs its exchange inside delay's: each step's global
 gradient is the compressed one, folded in up to ``staleness`` steps later. lowrank's
-``LowRankCompression`` is :class:`Carryable`; its carried form, ``DelayedLowRank``, is the
+``LowRank`` is :class:`Carryable`; its carried form, ``LowRankInDelay``, is the
 :class:`CarriedCompressor`. Another compressor would implement the same two.
 """
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.core.config import coerce_config
-from hvdsync.techniques.outer.sync import CODECS
+from hvdsync.techniques.outer.technique import CODECS
 
 STATE_MODES = ("local", "average")
 
@@ -110,7 +110,7 @@ class DelayConfig:
     @property
     def outer(self) -> bool:
         """Whether the K-step synchronization runs the outer synchronization
-        (:mod:`hvdsync.techniques.outer.sync`) rather than plain parameter averaging."""
+        (:class:`hvdsync.techniques.outer.technique.OuterSync`) rather than plain parameter averaging."""
         return (not self.exchange_gradients or self.outer_lr != 1.0 or self.outer_momentum != 0
                 or self.fragments > 1 or self.overlap > 0 or self.compress != "none")
 

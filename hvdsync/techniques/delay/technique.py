@@ -1,8 +1,8 @@
-"""``delay=``: local steps -- update with the local gradient at once, fold in the global
-(averaged) gradient up to ``staleness`` steps later, and synchronize the models every K steps,
-by plain averaging or by an outer optimizer on the pseudo-gradient (:mod:`hvdsync.techniques.outer.sync`;
-with ``exchange_gradients=False``, DiLoCo). A transport: it replaces the plain exchange of
-dense layers.
+"""``delay=``'s transport: local steps -- update with the local gradient at once and fold in
+the global (averaged) gradient up to ``staleness`` steps later; or, with
+``exchange_gradients=False``, send nothing in the step. It replaces the plain exchange of
+dense layers; the K-step synchronization of the models after the update is a technique of its
+own (:mod:`hvdsync.techniques.outer`).
 
 Step ``t`` starts the allreduce of its local gradient ``g_t`` in backward and updates with
 ``g_t + sum_j (G_j - g_j)`` over the global gradients ``G_j`` that have arrived (or are due):
@@ -10,25 +10,93 @@ each replaces its own step's local contribution, so each is used exactly once. W
 arrived differs between ranks; it decides only what is added locally, never which
 collectives run (docs/design.md, the no-hang rule). docs/delay.md has the whole scheme, its
 optimizer-state modes and why replicas stay close; the config and the schedule live in
-:mod:`hvdsync.techniques.delay.policy`.
+:class:`DelayPolicy` (the decisions on step ids).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.techniques.delay.carried import Carryable, CarriedCompressor
-from hvdsync.techniques.delay.policy import DelayPolicy, staleness_histogram
+from hvdsync.techniques.outer.technique import start_offsets
 from hvdsync.techniques.delay.config import DelayConfig
 from hvdsync.techniques.delay.traced import TracedDelay
-from hvdsync.techniques.outer.sync import OuterSync, rank_values, restore_rank_values
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.pending import Pending, finish_dropped
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.technique import Technique, Transport
+
+class DelayPolicy:
+    """Which outstanding global gradients a step must wait for, which it folds in, and when
+    the parameters are averaged. Global gradients are named by the step that produced them
+    (1, 2, ...), so ids and the schedule are identical on every rank; only ``ready`` differs.
+    """
+
+    def __init__(self, config: DelayConfig, stats: SyncStats):
+        self.config = config
+        self.stats = stats
+        self.step = 0  # finished steps
+        self._offsets = set(start_offsets(config.average_every, config.fragments))
+        #: ids folded in by the last step (newest first), for logging and tests
+        self.last_folded: list[int] = []
+        #: ids the last step had to wait for (not arrived, but due: bound or drain)
+        self.last_waited: list[int] = []
+
+    @property
+    def current(self) -> int:
+        """Id of the step in progress (its gradient's allreduce is started under this id)."""
+        return self.step + 1
+
+    def averages_now(self) -> bool:
+        """Whether the step in progress drains and then synchronizes the parameters (of a
+        fragment, with ``fragments > 1``)."""
+        c = self.config
+        return not c.synchronous and self.current % c.average_every in self._offsets
+
+    def plan(self, outstanding: list[int], ready: set[int]) -> tuple[list[int], list[int]]:
+        """For the step in progress: ``(wait_for, fold)`` -- the outstanding ids that are not
+        ready but must be waited for (the staleness bound, or a drain), and every id to fold
+        in, newest first."""
+        t = self.current
+        drain = self.config.synchronous or self.averages_now()
+        must = {j for j in outstanding if drain or t - j >= self.config.staleness}
+        wait_for = sorted(j for j in must if j not in ready)
+        arrived = set() if self.config.fold == "due" else set(outstanding) & ready
+        fold = sorted(must | arrived, reverse=True)
+        return wait_for, fold
+
+    def finish_step(self, folded: list[int], waited_s: Optional[float],
+                    waited_for: list[int],
+                    still_outstanding: int) -> None:
+        """Record the step: the staleness of each folded gradient, whether (and how long) it
+        waited, and how many global gradients remain in flight."""
+        t = self.current
+        for j in folded:
+            self.stats.count(f"staleness_{t - j}")
+        if waited_s is not None:
+            self.stats.count("waited")
+            self.stats.count("wait_s", waited_s)
+        self.stats.count("outstanding", still_outstanding)
+        self.last_folded = list(folded)
+        self.last_waited = list(waited_for)
+        self.step += 1
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def staleness_histogram(counters: dict[str, float]) -> dict[int, int]:
+    """``{lag in steps: global gradients folded with that lag}`` from a stats counter dict
+    (e.g. ``opt.stats.total.counters``)."""
+    hist = {int(k[len("staleness_"):]): int(v) for k, v in counters.items()
+            if k.startswith("staleness_")}
+    return dict(sorted(hist.items()))
+
 
 @dataclass
 class _InFlight:
@@ -39,9 +107,10 @@ class _InFlight:
     pending: Pending  # its wait() gives G_j
 
 
-class DelayedGradients(TracedDelay, Transport):
-    """Starts each step's background allreduce, folds arrived global gradients into the
-    update, and averages the parameters on the shared schedule.
+class Delay(TracedDelay, Transport):
+    """Starts each step's background allreduce and folds arrived global gradients into the
+    update, on the shared schedule (which steps drain everything: those the models
+    synchronize after).
 
     Memory: for every step ``j`` whose global gradient has not been folded in yet, each
     layer's local gradients ``g_j`` (kept as backward left them) and the allreduce of a copy
@@ -54,17 +123,10 @@ class DelayedGradients(TracedDelay, Transport):
     checks_own = True  # a non-finite local gradient becomes zeros on its rank (start, flush)
     updates_locally = True
     carries = ("lowrank",)  # with lowrank=, each step's exchange is the compressed one
-    #: each rank's own memory: the outer exchange's error-feedback residuals, and its
-    #: parameters and optimizer state (they differ between ranks between synchronizations;
-    #: ``local``: the optimizer state, with the stale global gradient and ``"local"`` state)
-    per_rank = ("outer_residual", "outer_local", "local")
 
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats,
-                 compressor: Optional[CarriedCompressor] = None, traces: bool = False):
-        config = config.for_adapter(traces)
-        if config.fragments > len(layer_names):  # a fragment is one layer at least
-            config = dataclasses.replace(config, fragments=len(layer_names))
+                 compressor: Optional[CarriedCompressor] = None):
         self.config = config
         self.policy = DelayPolicy(config, stats)
         self.grads = grads
@@ -76,17 +138,10 @@ class DelayedGradients(TracedDelay, Transport):
         #: None: plain exchanges
         self.compressor: Optional[CarriedCompressor] = compressor
         self._in_flight: dict[int, dict[int, _InFlight]] = {}  # step id -> layer -> part
-        self._average_after_step = False
-        self._outer_due = False  # the outer synchronization's turn after this step's update
         self._bad = 0  # this step's layers whose local gradient was non-finite (zeroed)
-        self._local: list[tuple[int, list[int]]] = []  # local steps: this step's layers
+        self._local: list[tuple[int, list[int], list]] = []  # local steps: this step's layers
         #: exchanging: this ready group's layers, sent together at group_started
-        self._queued: list[tuple[int, list[int], Pending]] = []
-        #: whether the last step replaced a non-finite local gradient by zeros
-        self.local_nonfinite = False
-        #: the outer synchronization (DiLoCo class), or None: plain K-step averaging
-        self.outer = (OuterSync(config, grads, ops, comm, layer_names, stats)
-                      if config.outer else None)
+        self._queued: list[tuple[int, list[int], Pending, list]] = []
         self.sends_in_step = config.exchange_gradients
         #: the traced step's memory (:meth:`use_memory`), or None: the step runs eagerly
         self._memory: Optional[dict[str, Any]] = None
@@ -97,17 +152,21 @@ class DelayedGradients(TracedDelay, Transport):
         update), or global gradients folded when due (:meth:`trace_local`). Folding what has
         arrived asks the host mid-step whether an exchange is done: that runs the step
         pipeline (docs/keras.md). ``lowrank=``'s rounds are built in
-        (:meth:`hvdsync.techniques.lowrank.in_delay.DelayedLowRank.trace_in_delay`)."""
+        (:meth:`hvdsync.techniques.lowrank.in_delay.LowRankInDelay.trace_in_delay`)."""
         c = self.config
         due = c.fold == "due" or c.synchronous  # (synchronous: every step folds its own)
         return not c.exchange_gradients or due
+
+    def finished_steps(self) -> int:
+        """How many steps it has finished (the schedule every rank shares)."""
+        return self.policy.step
 
     @property
     def outstanding(self) -> list[int]:
         """Ids (step numbers) of the global gradients not folded in yet."""
         return sorted(self._in_flight)
 
-    def start(self, li: int, ks: list[int]) -> Optional[Pending]:
+    def start(self, li: int, ks: list[int], layer: list) -> Optional[Pending]:
         """Queue the layer's local gradient for this step's background allreduce (it starts
         with its ready group's, :meth:`group_started`); the returned pending only carries the
         byte and collective counts (nothing to wait for). Without ``exchange_gradients``
@@ -116,11 +175,12 @@ class DelayedGradients(TracedDelay, Transport):
             if self.grads.is_row_sparse(li, k):
                 raise ValueError("delay= supports dense gradients only; a row-sparse gradient "
                                  "reached it (pass sparse_as_dense=True or no delay)")
+        tensors = [layer[k] for k in ks]  # (nothing changes them before they go)
         if not self.config.exchange_gradients:  # local steps: nothing goes until the sync
-            self._local.append((li, ks))  # checked once for the whole step in flush()
+            self._local.append((li, ks, tensors))  # checked once for the step in flush()
             return None
         counts = Pending()
-        self._queued.append((li, list(ks), counts))
+        self._queued.append((li, list(ks), counts, tensors))
         return counts
 
     def group_started(self) -> None:
@@ -131,11 +191,11 @@ class DelayedGradients(TracedDelay, Transport):
         queued, self._queued = self._queued, []
         g, ops = self.grads, self.ops
         step = self.policy.current
-        local = [[g.get(li, k) for k in ks] for li, ks, _ in queued]
+        local = [xs for _, _, _, xs in queued]
         # Non-finite on this rank: its steps are not exchanged synchronously, so the step
         # cannot be skipped everywhere; this rank contributes (and applies) zeros instead.
         if not ops.all_finite([x for xs in local for x in xs]):  # (rare: then per layer)
-            for (li, ks, _), xs in zip(queued, local):
+            for (li, ks, _, _), xs in zip(queued, local):
                 if not ops.all_finite(xs):
                     xs[:] = ops.zero_if(ops.bad(xs), xs)
                     self._bad += 1
@@ -145,7 +205,7 @@ class DelayedGradients(TracedDelay, Transport):
         # In-flight ids span at most staleness + 1 consecutive steps, so this slot keeps
         # collective names unique while letting Horovod's response cache reuse them.
         slot = step % (self.config.staleness + 1)
-        for (li, ks, counts), xs in zip(queued, local):
+        for (li, ks, counts, _), xs in zip(queued, local):
             name = f"hvdsync.{self.layer_names[li]}.delay{slot}"
             sent = [next(copies) for _ in ks]
             pending = (self.compressor.exchange(li, list(ks), sent, step,
@@ -154,18 +214,16 @@ class DelayedGradients(TracedDelay, Transport):
             self._in_flight.setdefault(step, {})[li] = _InFlight(ks, xs, pending)
             counts.nbytes, counts.collectives = pending.nbytes, pending.collectives
 
-    def flush(self) -> dict[int, Pending]:
+    def send_rest(self) -> dict[int, Pending]:
         if self._local:  # local steps: one finiteness check for the step, before the verdict
             layers, self._local = self._local, []
-            local = [self.grads.get(li, k) for li, ks in layers for k in ks]
+            local = [x for _, _, xs in layers for x in xs]
             if not self.ops.all_finite(local):  # one read; zeroing only when needed
                 zeroed, _ = self._zeroed(local)
                 self._bad += 1  # (one check for the step)
                 it = iter(zeroed)
-                for li, ks in layers:
-                    for k in ks:
-                        self.grads.set(li, k, next(it))
-        self.comm.flush(background=True)  # Keras: the step's allreduce goes to a thread
+                self.grads.write([(li, ks, [next(it) for _ in ks]) for li, ks, _ in layers])
+        self.comm.dispatch(background=True)  # Keras: the step's allreduce goes to a thread
         return {}
 
     def _zeroed(self, tensors: list) -> tuple[list, Any]:
@@ -176,9 +234,6 @@ class DelayedGradients(TracedDelay, Transport):
     def before_optimizer_step(self) -> None:
         """Set this step's update ``g_t + sum_j (G_j - g_j)`` over the arrived (or due) global
         gradients."""
-        if self.outer is not None:
-            self.outer.before_first_update()
-            self._outer_due = True
         if not self.config.exchange_gradients:
             self.policy.finish_step([], None, [], 0)
             return
@@ -188,7 +243,7 @@ class DelayedGradients(TracedDelay, Transport):
             _, fold = self.policy.plan(self.outstanding, set())
             for j in fold:
                 del self._in_flight[j]
-            self._average_after(fold, None, [])
+            self.policy.finish_step(fold, None, [], len(self._in_flight))
             return
         ids = self.outstanding
         ready = {j for j in ids if all(part.pending.ready()
@@ -226,16 +281,6 @@ class DelayedGradients(TracedDelay, Transport):
                 updates[n] = x
         for (li, _, k), update in zip(order, updates):
             self.grads.set(li, k, update)
-        self._average_after(fold, waited, wait_for)
-
-    def _average_after(self, fold: list[int], waited: Optional[float],
-                       wait_for: list[int]) -> None:
-        """Close the step's schedule: whether the parameters are averaged after its update,
-        and what it folded and waited for."""
-        self._average_after_step = self.policy.averages_now() and self.outer is None
-        if self._average_after_step:
-            self.stats.count("averaged")
-            self.stats.control(*self._averaging_size())
         self.policy.finish_step(fold, waited, wait_for, len(self._in_flight))
 
     def end_step(self, ok: bool) -> None:
@@ -244,38 +289,21 @@ class DelayedGradients(TracedDelay, Transport):
 
     def _count_nonfinite(self, bad_layers: int) -> None:
         """``bad_layers`` non-finite local gradients (a step's whole check counts once with
-        local steps) were replaced by zeros on this rank this step."""
-        self.local_nonfinite = bad_layers > 0
+        local steps) were replaced by zeros on this rank this step (a loss scaler backs off)."""
         if bad_layers:
             self.stats.count("nonfinite", bad_layers)
-
-    def after_optimizer_step(self) -> None:
-        """Average the parameters (and, if configured, the optimizer state) when this step
-        was an averaging step."""
-        if self._outer_due:  # not after a step that skipped synchronize() (a state init)
-            self._outer_due = False
-            self.outer.after_update(self.policy.step)
-        elif self._average_after_step:
-            self._average_after_step = False
-            self.comm.average(self._averaged())
+            self.grads.kept_nonfinite()
 
     def flush_replicas(self) -> int:
-        """Wait for every outstanding global gradient and average the replicas; returns how
-        many outstanding global gradients this rank discarded. A no-op (on every rank alike)
-        right after an averaging step or when synchronous."""
-        c = self.config
-        if self.outer is not None:
-            return self._discard_gradients() + self.outer.synchronize_all()
-        if c.synchronous or self.policy.step % c.average_every == 0:
-            return 0
-        dropped = self._discard_gradients(finish_newest=True)
-        self.stats.control(*self._averaging_size())
-        self.comm.average(self._averaged())
-        return dropped
+        """Drop every outstanding global gradient (the synchronization of the models after it
+        holds every rank's local contribution of those steps, whose average they are); returns
+        how many this rank dropped. A no-op (on every rank alike) when none is outstanding:
+        right after a drain, or when synchronous."""
+        return self._discard_gradients(finish_newest=not self.config.outer)
 
     def discard(self) -> int:
-        """Finish and drop every outstanding global gradient and outer exchange."""
-        return self._discard_gradients() + (self.outer.discard() if self.outer else 0)
+        """Finish and drop every outstanding global gradient."""
+        return self._discard_gradients()
 
     def _discard_gradients(self, finish_newest: bool = False) -> int:
         """Drop the outstanding global gradients. ``finish_newest`` (a flush, every rank
@@ -291,7 +319,6 @@ class DelayedGradients(TracedDelay, Transport):
                                       "outstanding global gradients"):
             pending.discard()  # lowrank=: the error feedback comes back
         self._in_flight.clear()
-        self._average_after_step = False
         if self._memory is not None and n:  # (host writes: when needed)
             if self.compressor is not None:  # what the exchanges in flight took comes back
                 held = self._memory.get("held")
@@ -309,75 +336,28 @@ class DelayedGradients(TracedDelay, Transport):
         """``lowrank=``: each step's exchange is its compressed one (its carried form owns
         nothing in the step pipeline)."""
         carryable: Carryable = other  # type: ignore[assignment] -- carries names it
-        self.compressor = carryable.in_delay(self.config.staleness, lambda: self.policy.step)
+        self.compressor = carryable.in_delay(self.config.staleness, self.finished_steps)
         return self.compressor  # type: ignore[return-value] -- a technique too
 
     def forget(self) -> None:
         self.discard()
-        if self.outer is not None:
-            self.outer.forget()
-
-    def drop_per_rank(self) -> None:
-        """Drop this rank's residuals; the anchors, momentum and schedule are shared."""
-        if self.outer is not None:
-            self.outer.residual.clear()
 
     def state_dict(self) -> dict:
-        """Shared: the step counter (the schedule) and the outer synchronization's anchors,
-        momentum and exchanges in flight; per rank: its residuals, and its optimizer state
-        where each rank keeps its own (``optimizer_state="local"``). Outstanding stale global
-        gradients (``exchange_gradients``) are not saved: call ``flush()`` before saving
+        """The step counter (the schedule, shared). Outstanding stale global gradients
+        (``exchange_gradients``) are not saved: call ``flush()`` before saving
         (docs/checkpoints.md)."""
-        state = {"policy": self.policy.state_dict()}
-        if self.outer is None and self.config.optimizer_state == "local":
-            state["local"] = rank_values(self.grads, len(self.layer_names))
-        if self.outer is not None:
-            outer = self.outer.state_dict()
-            state["outer_residual"] = outer.pop("residual")
-            state["outer_local"] = outer.pop("local")
-            state["outer"] = outer
-        return state
+        return {"policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.discard()
         self.policy.load_state_dict(state["policy"])
-        if "local" in state:
-            restore_rank_values(self.grads, self.ops, len(self.layer_names), state["local"])
-        if self.outer is not None:
-            self.outer.load_state_dict({**state.get("outer", {}),
-                                        "residual": state.get("outer_residual", {}),
-                                        "local": state.get("outer_local", {})})
 
     def status(self) -> dict:
         """Finished ``step`` count, ids (step numbers) of the ``outstanding`` global
         gradients, the ids the last step folded in (``last_folded``, newest first), the ids it
-        had to wait for (``last_waited``: due by the bound or a drain, not arrived), the
-        ``staleness`` histogram ``{lag in steps: count}``, and with the outer synchronization
-        ``outer`` (:meth:`hvdsync.techniques.outer.sync.OuterSync.status`)."""
-        status = {"step": self.policy.step, "outstanding": self.outstanding,
-                  "last_folded": list(self.policy.last_folded),
-                  "last_waited": list(self.policy.last_waited),
-                  "staleness": staleness_histogram(self.stats.total.counters)}
-        if self.outer is not None:
-            status["outer"] = self.outer.status()
-        return status
-
-    # -- parameter averaging ------------------------------------------------------------------
-    def _averaged(self) -> list[tuple[str, list]]:
-        """Per layer and dtype, what is averaged: the parameters, then (``"average"``) their
-        optimizer state shaped like them, in a fixed order."""
-        groups = []
-        with_state = self.config.optimizer_state == "average"
-        for li, name in enumerate(self.layer_names):
-            by_dtype: dict[str, list] = {}
-            for x in self.grads.replica_tensors(li, with_state):
-                by_dtype.setdefault(self.ops.dtype_key(x), []).append(x)
-            groups += [(f"hvdsync.average.{name}.{d}", xs) for d, xs in by_dtype.items()]
-        return groups
-
-    def _averaging_size(self) -> tuple[int, int]:
-        """Bytes and collectives of one averaging."""
-        if self.comm.size == 1:
-            return 0, 0
-        groups = self._averaged()
-        return sum(self.ops.nbytes(x) for _, xs in groups for x in xs), len(groups)
+        had to wait for (``last_waited``: due by the bound or a drain, not arrived) and the
+        ``staleness`` histogram ``{lag in steps: count}``."""
+        return {"step": self.policy.step, "outstanding": self.outstanding,
+                "last_folded": list(self.policy.last_folded),
+                "last_waited": list(self.policy.last_waited),
+                "staleness": staleness_histogram(self.stats.total.counters)}

@@ -1,7 +1,7 @@
 """``delay=``'s traced step (Keras' compiled train function): the eager step's arithmetic in
 the order a graph can run it. Step ``t`` exchanges ``g_{t-1}`` beside its own backward into
 the correction ``G_{t-1} - g_{t-1}``, due ``staleness`` steps later; a drain exchanges ``G_t``
-in the step. :class:`TracedDelay` is mixed into :class:`hvdsync.techniques.delay.technique.DelayedGradients`.
+in the step. :class:`TracedDelay` is mixed into :class:`hvdsync.techniques.delay.technique.Delay`.
 """
 
 from __future__ import annotations
@@ -12,23 +12,21 @@ from typing import Any, Optional
 import numpy as np
 
 from hvdsync.techniques.delay.carried import CarriedCompressor
-from hvdsync.techniques.delay.policy import DelayPolicy
 from hvdsync.techniques.delay.config import DelayConfig
 from hvdsync.core.ports import Gradients, TensorOps
 from hvdsync.core.traced import TracedLocalStep
 
 
 class TracedDelay(TracedLocalStep):
-    """The traced-step moments of :class:`hvdsync.techniques.delay.technique.DelayedGradients`, on its state and
+    """The traced-step moments of :class:`hvdsync.techniques.delay.technique.Delay`, on its state and
     its ``_zeroed`` / ``_count_nonfinite``, which the eager step uses too."""
 
     config: DelayConfig
-    policy: DelayPolicy
+    policy: Any  # (DelayPolicy: hvdsync.techniques.delay.technique)
     grads: Gradients
     ops: TensorOps
     layer_names: list[str]
     compressor: Optional[CarriedCompressor]
-    outer: Any
     traceable: bool
     _memory: Optional[dict[str, Any]]
     _in_flight: dict
@@ -126,7 +124,7 @@ class TracedDelay(TracedLocalStep):
                           reduce: Callable[[int, str, list], list], flags: dict[str, Any]
                           ) -> tuple[list[list], list[list]]:
         """A traced step's exchanges (plain; ``lowrank=``'s are
-        :meth:`hvdsync.techniques.lowrank.in_delay.DelayedLowRank.trace_in_delay`): per layer the correction
+        :meth:`hvdsync.techniques.lowrank.in_delay.LowRankInDelay.trace_in_delay`): per layer the correction
         ``G - g`` of the ``held`` gradients (the last step's: zeros unless
         ``flags["exchange_held"]``; ``None``: synchronous, none) and the average of ``own``
         (this step's: zeros unless ``flags["drain"]``; synchronous: always). One branch for
@@ -157,25 +155,18 @@ class TracedDelay(TracedLocalStep):
         return self.compressor.delay_traffic(li, tensors, wire_bytes, flags["own_compressed"])
 
     def host_flags(self) -> dict[str, bool]:
-        """``before_update`` (:meth:`host_before_update`); exchanging every step's gradient,
-        ``exchange_held`` (the last step's gradient goes in this one) and ``drain`` (this
-        step folds in every outstanding global gradient, its own included), and with
-        ``lowrank=`` its exchanges' flags
-        (:meth:`hvdsync.techniques.lowrank.in_delay.DelayedLowRank.delay_flags`)."""
-        if not self.traceable:
-            return {}
-        flags = {"before_update": self.host_before_update()}
-        if self.config.exchange_gradients:
+        """Exchanging every step's gradient: ``exchange_held`` (the last step's gradient goes
+        in this one) and ``drain`` (this step folds in every outstanding global gradient, its
+        own included), and with ``lowrank=`` its exchanges' flags
+        (:meth:`hvdsync.techniques.lowrank.in_delay.LowRankInDelay.delay_flags`)."""
+        flags: dict[str, bool] = {}
+        if self.traceable and self.config.exchange_gradients:
             # traced, an outstanding last step's gradient is the held one (not exchanged yet)
             flags["exchange_held"] = self.policy.step in self._in_flight
             flags["drain"] = self.config.synchronous or self.policy.averages_now()
             if self.compressor is not None:
                 flags.update(self.compressor.delay_flags())
         return flags
-
-    def host_before_update(self) -> bool:
-        # the outer synchronization's anchors are taken before the first update only
-        return self.outer is not None and not self.outer.has_anchors
 
     def end_local_step(self, bad: int) -> None:
         self._bad = 0

@@ -22,9 +22,9 @@ from hvdsync.core.ports import Communicator, Gradients, TensorOps
 
 class _Exchange(Pending):
     """One layer's exchange of one step inside ``delay=`` (see
-    :meth:`DelayedLowRank.exchange`)."""
+    :meth:`LowRankInDelay.exchange`)."""
 
-    def __init__(self, owner: "DelayedLowRank", step: int, ks: list[int], grads: list,
+    def __init__(self, owner: "LowRankInDelay", step: int, ks: list[int], grads: list,
                  plain: list[int], plain_p: Pending, compressed: list[int], keys: list[str],
                  ms: list, taken: list, p_round: Pending, name: str, q_bytes: int):
         super().__init__(self._finish, self._poll, plain_p.nbytes + p_round.nbytes + q_bytes,
@@ -39,7 +39,7 @@ class _Exchange(Pending):
         # Keras: eager Horovod ops block its background thread, so the Q round runs there
         # right behind the step's flush (the same order on every rank); torch starts it when
         # this rank first sees P arrived (Horovod matches async collectives by name)
-        self._chained = owner.comm.after_flush(self._q_round_blocking)
+        self._chained = owner.comm.after_dispatch(self._q_round_blocking)
 
     def _q_round_blocking(self, reduce) -> None:
         ops = self.owner.ops
@@ -108,7 +108,7 @@ class _Exchange(Pending):
                 _add_into(self.owner.ops, self.owner.err, key, e)
 
 
-class DelayedLowRank(LowRankBase):
+class LowRankInDelay(LowRankBase):
     """``lowrank=`` carried by ``delay=`` (:class:`hvdsync.techniques.delay.carried.CarriedCompressor`): delay
     runs every exchange; in the step pipeline it owns nothing."""
 

@@ -61,7 +61,7 @@ class _Build:
 
 
 class TracedRing:
-    """The memory of :class:`hvdsync.techniques.lowrank.in_delay.DelayedLowRank` in a traced step's device
+    """The memory of :class:`hvdsync.techniques.lowrank.in_delay.LowRankInDelay` in a traced step's device
     variables (:func:`ring_memory`), and the exchanges built on it."""
 
     def __init__(self, owner: Any, memory: dict[str, Any], lag: int, keys: list[str]):
@@ -188,11 +188,11 @@ class TracedRing:
                   for key in self.keys}
             ps = {key: comm.allreduce(f"hvdsync.lowrank.flush.P.{key}",
                                       [ops.matmul(m, slot.read(key))]) for key, m in ms.items()}
-            comm.flush()
+            comm.dispatch()
             qs = {key: comm.allreduce(f"hvdsync.lowrank.flush.Q.{key}", [ops.matmul(
                 m, ops.orthonormal(ps[key].wait()[0]), transpose_a=True)])
                   for key, m in ms.items()}
-            comm.flush()
+            comm.dispatch()
             for key, q in qs.items():
                 slot[key] = q.wait()[0]
         for key, total in self.owed().items():

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from hvdsync.techniques.lowrank.memory import LowRankBase
 from hvdsync.techniques.lowrank.config import LowRankConfig
 from hvdsync.techniques.lowrank.factors import round_label, two_rounds
-from hvdsync.techniques.lowrank.in_delay import DelayedLowRank
+from hvdsync.techniques.lowrank.in_delay import LowRankInDelay
 from hvdsync.core.pending import Pending
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.traced import TracedRounds
@@ -29,7 +29,7 @@ class _Round:
         self.result: Optional[Pending] = None  # the Q round, then the gradients delivered
 
 
-class LowRankCompression(LowRankBase, TracedRounds):
+class LowRank(LowRankBase, TracedRounds):
     """Owns the compressible matrices after warm-up; per bucket: P round, then Q round."""
 
     def __init__(self, config: LowRankConfig, grads: Gradients, ops: TensorOps,
@@ -41,9 +41,9 @@ class LowRankCompression(LowRankBase, TracedRounds):
         self._members: list[list[int]] = []
         self._restart()
 
-    def in_delay(self, staleness: int, finished_steps: Callable[[], int]) -> DelayedLowRank:
+    def in_delay(self, staleness: int, finished_steps: Callable[[], int]) -> LowRankInDelay:
         """This compression run by ``delay=`` (:class:`hvdsync.techniques.delay.carried.Carryable`)."""
-        return DelayedLowRank(self.config, self.grads, self.ops, self.comm, self.layer_names,
+        return LowRankInDelay(self.config, self.grads, self.ops, self.comm, self.layer_names,
                               staleness, finished_steps)
 
     def _restart(self) -> None:
@@ -115,7 +115,7 @@ class LowRankCompression(LowRankBase, TracedRounds):
         self._waiting.append(_Round(label, [(li, ks, ms, plain)
                                             for li, ks, ms, _, plain in entries], p))
 
-    def start(self, li: int, ks: list[int]) -> Optional[Pending]:
+    def start(self, li: int, ks: list[int], layer: list) -> Optional[Pending]:
         """Queue the layer: its matrices' P are computed with its ready group's
         (:meth:`group_started`); its bucket's P round starts once every layer of the bucket
         is ready (its Q round once P has arrived)."""
@@ -147,7 +147,7 @@ class LowRankCompression(LowRankBase, TracedRounds):
 
     def _advance(self) -> None:
         """Start the Q rounds of the waiting buckets whose P has arrived, in sending order
-        (only where collectives pair by name: elsewhere they start in :meth:`flush`, in the
+        (only where collectives pair by name: elsewhere they start in :meth:`send_rest`, in the
         same order on every rank)."""
         arrived = []
         while self.comm.matches_by_name and self._waiting and self._waiting[0].p.ready():
@@ -197,7 +197,7 @@ class LowRankCompression(LowRankBase, TracedRounds):
                                  what=f"the low-rank Q round {rnd.name!r}")
         self._started += rounds
 
-    def flush(self) -> dict[int, Pending]:
+    def send_rest(self) -> dict[int, Pending]:
         """Every P is computed: send the buckets still filling, then start the Q rounds still
         to start (each waits for its P). A bucket's rounds are counted on its first layer;
         its other layers wait for the same rounds."""
@@ -205,10 +205,10 @@ class LowRankCompression(LowRankBase, TracedRounds):
         for b in sorted(self._filling):
             self._send(b)
         if self._waiting:
-            self.comm.flush()  # queued P rounds go now (Keras)
+            self.comm.dispatch()  # queued P rounds go now (Keras)
             rounds, self._waiting = self._waiting, []
             self._start_q(rounds)
-            self.comm.flush()  # and the Q rounds
+            self.comm.dispatch()  # and the Q rounds
         out: dict[int, Pending] = {}
         for rnd in self._started:  # both rounds count (Keras knows them after flush)
             rnd.result.nbytes = rnd.p.nbytes + rnd.q.nbytes

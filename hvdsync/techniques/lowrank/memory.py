@@ -8,8 +8,8 @@ compressed, how it composes and what it costs.
 This module holds the config, the arithmetic every mode shares (:func:`rank_of`,
 :func:`seeded_q`, :func:`project`, :func:`two_rounds`) and :class:`LowRankBase`, the memory
 every mode keeps (``Q``, ``E``, the step count) and how it is saved. The modes:
-:class:`hvdsync.techniques.lowrank.in_step.LowRankCompression` in the step pipeline (eager and traced)
-and :class:`hvdsync.techniques.lowrank.in_delay.DelayedLowRank` inside ``delay=``.
+:class:`hvdsync.techniques.lowrank.in_step.LowRank` in the step pipeline (eager and traced)
+and :class:`hvdsync.techniques.lowrank.in_delay.LowRankInDelay` inside ``delay=``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class LowRankBase(Transport):
     name = "lowrank"
     per_rank = ("err",)
     traceable = True
-    traced_with = ("clip", "plain", "delay", "sparse", "threshold", "select")
+    traced_with = ("clip", "plain", "delay", "outer", "sparse", "threshold", "select")
 
     def __init__(self, config: LowRankConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str]):

@@ -2,14 +2,14 @@
 
 from hvdsync.techniques.select.config import SelectConfig
 from hvdsync.techniques.select.policy import SelectPolicy
-from hvdsync.techniques.select.technique import SelectedPushes
+from hvdsync.techniques.select.technique import Select
 
 CONFIG = SelectConfig
 
 
-def build(config: SelectConfig, parts) -> SelectedPushes:
-    return SelectedPushes(config, parts.grads, parts.ops, parts.comm, parts.layer_names,
+def build(config: SelectConfig, parts) -> Select:
+    return Select(config, parts.grads, parts.ops, parts.comm, parts.layer_names,
                           parts.stats)
 
 
-__all__ = ["CONFIG", "SelectConfig", "SelectPolicy", "SelectedPushes", "build"]
+__all__ = ["CONFIG", "SelectConfig", "SelectPolicy", "Select", "build"]

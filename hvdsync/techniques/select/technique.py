@@ -20,12 +20,12 @@ from typing import Any, Optional
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.pending import Pending
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
-from hvdsync.core.technique import Decider, accumulated, control_part, refill, shared_ok
+from hvdsync.core.technique import WITHHELD, Decider, accumulated, control_part, refill, shared_ok
 from hvdsync.techniques.select.config import SelectConfig
 from hvdsync.techniques.select.policy import SelectPolicy
 
 
-class SelectedPushes(Decider):
+class Select(Decider):
     """Per-layer residuals (error feedback), the local statistics the selector needs, and the
     shared choice.
 
@@ -40,6 +40,7 @@ class SelectedPushes(Decider):
     reads_values = True  # <g, theta> and the values a withheld layer returns to
     per_rank = ("residual",)
     traceable = True
+    kept_layers = WITHHELD  # a layer not chosen does not move (its residual kept)
 
     def __init__(self, config: SelectConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats):

@@ -2,13 +2,13 @@
 transport; docs/sparse.md). The adapter builds it over its row-sparse primitives."""
 
 from hvdsync.techniques.sparse.config import SparseConfig
-from hvdsync.techniques.sparse.exchange import SparseExchange
+from hvdsync.techniques.sparse.exchange import Sparse
 
 CONFIG = SparseConfig
 
 
-def build(config: SparseConfig, parts) -> SparseExchange:
+def build(config: SparseConfig, parts) -> Sparse:
     return parts.sparse_exchange(config)
 
 
-__all__ = ["CONFIG", "SparseConfig", "SparseExchange", "build"]
+__all__ = ["CONFIG", "SparseConfig", "Sparse", "build"]

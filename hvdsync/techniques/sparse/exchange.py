@@ -1,5 +1,5 @@
 """``sparse=``'s exchange, the same for every adapter: the step's moments of the sparse grouped
-allgather over an adapter's :class:`hvdsync.core.ports.RowSparse` primitives (pack, scatter, the
+allgather over an adapter's :class:`hvdsync.techniques.sparse.ports.RowSparse` primitives (pack, scatter, the
 codes bit-cast into a value dtype) and two grouped collectives of its communicator
 (``gather_rows``, ``sum_rows``). What it decides -- layouts, counts, routes -- is
 :class:`hvdsync.techniques.sparse.protocol.SparseProtocol`'s; docs/sparse.md has the wire format and the costs.
@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from hvdsync.core.pending import Pending
-from hvdsync.core.ports import Communicator, Gradients, RowSparse
+from hvdsync.core.ports import Communicator, Gradients
+from hvdsync.techniques.sparse.ports import RowSparse
 from hvdsync.techniques.sparse.protocol import ABSENT, DENSE, SparseProtocol, SparseTransport
 from hvdsync.techniques.sparse.config import SparseConfig
 from hvdsync.core.stats import SyncStats
@@ -42,11 +43,11 @@ class _Sends:
                        self.collectives, what="the sparse exchange")
 
 
-class SparseExchange(SparseTransport):
+class Sparse(SparseTransport):
     """Moves the row-sparse gradients of one step. Per step: :meth:`backward_done` takes every
     parameter's layout (counts first: shares them at once); :meth:`start_early` (one round)
     sends the gradients the last step's counts predicted, with this rank's codes as the first
-    tensor of the allgather; :meth:`flush` sends the rest by this step's shared counts.
+    tensor of the allgather; :meth:`send_rest` sends the rest by this step's shared counts.
 
     ``shapes[i]`` and ``wire_itemsize[i]``: parameter ``i``'s shape and the element size it
     travels in (after the adapter's compression), ``i`` a position in layer order."""
@@ -83,7 +84,7 @@ class SparseExchange(SparseTransport):
             self.stats.count("sparse_duplicate_rows", duplicates)
             self.grads.set(li, k, merged)
 
-    def start(self, li: int, ks: list[int]) -> None:
+    def start(self, li: int, ks: list[int], layer: list) -> None:
         self._queue += [(li, k) for k in ks]
 
     def fill(self, li: int, k: int):
@@ -150,7 +151,7 @@ class SparseExchange(SparseTransport):
         self._done = set(positions)
         return self._send(positions, routes, header=self.protocol.codes)
 
-    def flush(self) -> dict[int, Pending]:
+    def send_rest(self) -> dict[int, Pending]:
         # in the fixed parameter order: layers became ready in a different order on each rank
         queued, self._queue = self._queue, []
         positions = sorted(i for i in (int(self.grads.key(li, k)) for li, k in queued)

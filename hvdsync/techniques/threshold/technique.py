@@ -72,7 +72,7 @@ class ThresholdPolicy:
         self.step = int(state["step"])
 
 
-class AccumulationThreshold(Decider):
+class Threshold(Decider):
     """Per-layer local accumulation, the shared send/skip plan, and reconciliation.
 
     ``acc[key]`` holds the gradients of a parameter summed since its layer last synced
@@ -232,7 +232,7 @@ class AccumulationThreshold(Decider):
         anchors = {key: self.anchor[key] for key in keys}
         pending = self.comm.allreduce("hvdsync.flush.threshold",
                                       [self.ops.clone(self.acc[key]) for key in keys])
-        self.comm.flush()
+        self.comm.dispatch()
         reduced = pending.wait()
         for key in keys:  # (Keras keeps these per layer: a layer's first key empties it)
             g.restore(key, anchors[key])
