@@ -44,6 +44,7 @@ RECEIVERS = {
     "layer.pending": (Pending,), "pending": (Pending,), "p": (Pending,),
     # what delay= calls on the technique it carries (lowrank=)
     "self.compressor": (CarriedCompressor,), "compressor": (CarriedCompressor,),
+    "self.owner.compressor": (CarriedCompressor,),
     "carryable": (Carryable,),
 }
 #: in the pipeline only, where ``t`` is always a technique
@@ -161,7 +162,6 @@ ONE_TECHNIQUE = {
                                     "before a traced step's first update",
     "Technique.after_optimizer_step": "after the update only the synchronization of the "
                                       "models (outer) acts",
-    "Transform.after_wait": "one transform (clip): its global mode",
     "Transform.applies": "clip's traced form, until every traced form shares one interface",
     "Transform.trace_layer": "the same",
     "Transform.traced_record": "the same",
@@ -175,6 +175,8 @@ ONE_TECHNIQUE = {
     "Transport.updates_locally": "delay= updates with this rank's gradient (the traced local "
                                  "step)",
     "Transport.sends_in_step": "delay='s local steps send nothing in the step",
+    "Technique.traced": "delay='s traced form is an object of its own; clip's and lowrank's "
+                        "are their classes' methods yet",
     "TracedLocalStep.trace_local": "delay='s traced step, until every traced form shares one "
                                    "interface",
     "TracedLocalStep.traced_traffic": "the same",

@@ -350,7 +350,7 @@ def traced_moments_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> 
             layers = [(li, list(range(len(ps))), [by_param[id(p)] for p in ps])
                       for li, ps in enumerate(layer_params)]
             flags = {k: torch.tensor(v) for k, v in t.host_flags().items()}
-            out, bad = t.trace_local(layers, reduce, flags)
+            out, bad = t.traced.trace_local(layers, reduce, flags)
             for ps, gs in zip(layer_params, out):
                 for p, g in zip(ps, gs):
                     p.grad = g

@@ -86,6 +86,8 @@ class StepPipeline:
         self._doing = {moment: [t for t in techniques if _does(t, moment)] for moment in (
             "layer_ready", "group_started", "backward_done", "holds", "start_early", "fill",
             "before_optimizer_step", "end_step", "after_optimizer_step", "after_wait")}
+        # the transports finish what arrived before a transform changes it (global clip)
+        self._doing["after_wait"].sort(key=lambda t: t.role != TRANSPORT)
         self._ready_transports = [t for t in self._doing["layer_ready"] if t.role == TRANSPORT]
         self._ranges: dict[int, list[int]] = {}  # [0..n-1] by n, shared (read only)
         #: ``(layer name, time.perf_counter())`` when each layer's first send of the current
@@ -420,7 +422,7 @@ class StepPipeline:
 
     def end_local_step(self, bad: int) -> None:
         """Host, after that update: ``bad``, the count of the step's ``trace_local``."""
-        self.local_step.end_local_step(bad)
+        self.local_step.traced.end_local_step(bad)
 
     def after_local_update(self) -> None:
         """Host, after the step's statistics are closed (as the eager step's moments run)."""

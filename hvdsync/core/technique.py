@@ -121,6 +121,9 @@ class Technique:
     #: whether a tracing adapter builds it into the traced step itself (Keras' compiled train
     #: function, :mod:`hvdsync.keras.graph`; else the step pipeline runs eagerly inside it)
     traceable: bool = False
+    #: its traced form where that is an object of its own, holding the technique (``delay=``:
+    #: :class:`hvdsync.core.traced.TracedLocalStep`), else ``None``
+    traced: Any = None
     #: the other techniques (by name) its traced form is built beside; ``None``: any traceable
     #: one (a tracing adapter runs the step pipeline eagerly for any other combination)
     traced_with: Optional[tuple[str, ...]] = None
@@ -159,6 +162,11 @@ class Technique:
         boolean vector, written whenever it changed: after a step, a restore, shared state
         taken). Default: none."""
         return {}
+
+    def after_wait(self, layers: list[int]) -> None:
+        """Every reduction of the step has arrived (``layers``: every layer it exchanged):
+        finish them (lowrank: ``P Q^T``; the transports first) or change them (clip's global
+        mode)."""
 
     def before_optimizer_step(self) -> None:
         """Every reduced gradient is in place; the wrapped optimizer steps next."""
@@ -213,10 +221,6 @@ class Transform(Technique):
     role = TRANSFORM
     #: how many float32 values a record of :meth:`trace_layer` holds
     traced_record: int = 0
-
-    def after_wait(self, layers: list[int]) -> None:
-        """The reduced gradients of ``layers`` (every layer the step exchanged) have
-        arrived."""
 
     def applies(self, arrived: bool) -> bool:
         """Whether :meth:`trace_layer` changes a layer at that moment (``arrived``: once its

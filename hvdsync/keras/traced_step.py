@@ -139,7 +139,8 @@ class TracedStep:
         elif local is not None:  # its transport's step: commit
             self.local_layers.append((li, list(range(len(layer))), layer))
             if local.sends_in_step:  # each step's gradient goes once (as the eager step counts)
-                own = local.traced_traffic(li, layer, comm.wire_bytes, self.flags.of(local))
+                own = local.traced.traced_traffic(li, layer, comm.wire_bytes,
+                                                  self.flags.of(local))
                 self.sent[li] = (tf.add_n([_bytes(comm, g, wire=True) for g in layer])
                                  if own is None else tf.cast(own[0], tf.int64))
                 self.collectives[li] = (0 if comm.size == 1 else comm.collectives(layer)
@@ -220,7 +221,7 @@ class TracedStep:
             self.shared = self.own = tf.zeros([0], tf.float64)
         if local is not None:
             positions_of = dict(self.layers)
-            applied, self.local_bad = local.trace_local(
+            applied, self.local_bad = local.traced.trace_local(
                 self.local_layers, lambda li, name, xs: self.comm.reduce(xs, name=name),
                 self.flags.of(local))
             for (li, _, _), xs in zip(self.local_layers, applied):

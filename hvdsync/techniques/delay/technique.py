@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
 from hvdsync.techniques.delay.carried import Carryable, CarriedCompressor
 from hvdsync.techniques.outer.technique import start_offsets
 from hvdsync.techniques.delay.config import DelayConfig
@@ -107,7 +109,7 @@ class _InFlight:
     pending: Pending  # its wait() gives G_j
 
 
-class Delay(TracedDelay, Transport):
+class Delay(Transport):
     """Starts each step's background allreduce and folds arrived global gradients into the
     update, on the shared schedule (which steps drain everything: those the models
     synchronize after).
@@ -145,6 +147,9 @@ class Delay(TracedDelay, Transport):
         self.sends_in_step = config.exchange_gradients
         #: the traced step's memory (:meth:`use_memory`), or None: the step runs eagerly
         self._memory: Optional[dict[str, Any]] = None
+        #: its traced form (Keras' compiled train function): what a tracing adapter builds
+        #: in place of the eager moments
+        self.traced = TracedDelay(self)
 
     @property
     def traceable(self) -> bool:
@@ -156,6 +161,38 @@ class Delay(TracedDelay, Transport):
         c = self.config
         due = c.fold == "due" or c.synchronous  # (synchronous: every step folds its own)
         return not c.exchange_gradients or due
+
+    # -- the traced step's memory and flags (its moments: hvdsync.techniques.delay.traced)
+    def memory_to_trace(self, params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Exchanging every step's gradient, folded when due: ``held``, the last step's local
+        gradient (exchanged in this step, while backward runs), and ``due1`` ..
+        ``due{staleness-1}``, the corrections ``G_j - g_j`` already exchanged, due that many
+        steps from now. Synchronous: none (each step its own), but the mapping is asked for,
+        which tells this technique that its steps are traced."""
+        c = self.config
+        if not (c.exchange_gradients and self.traceable):
+            return {}
+        if c.synchronous:
+            return {"held": {}}
+        zeros = {key: np.zeros_like(p) for key, p in params.items()}
+        return {"held": zeros, **{f"due{i}": zeros for i in range(1, c.staleness)}}
+
+    def use_memory(self, memory: dict[str, Any]) -> None:
+        self._memory = memory
+
+    def host_flags(self) -> dict[str, bool]:
+        """Exchanging every step's gradient: ``exchange_held`` (the last step's gradient goes
+        in this one) and ``drain`` (this step folds in every outstanding global gradient, its
+        own included), and with ``lowrank=`` its exchanges' flags
+        (:meth:`hvdsync.techniques.lowrank.in_delay.LowRankInDelay.delay_flags`)."""
+        flags: dict[str, bool] = {}
+        if self.traceable and self.config.exchange_gradients:
+            # traced, an outstanding last step's gradient is the held one (not exchanged yet)
+            flags["exchange_held"] = self.policy.step in self._in_flight
+            flags["drain"] = self.config.synchronous or self.policy.averages_now()
+            if self.compressor is not None:
+                flags.update(self.compressor.delay_flags())
+        return flags
 
     def finished_steps(self) -> int:
         """How many steps it has finished (the schedule every rank shares)."""

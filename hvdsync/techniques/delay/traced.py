@@ -1,7 +1,7 @@
 """``delay=``'s traced step (Keras' compiled train function): the eager step's arithmetic in
 the order a graph can run it. Step ``t`` exchanges ``g_{t-1}`` beside its own backward into
 the correction ``G_{t-1} - g_{t-1}``, due ``staleness`` steps later; a drain exchanges ``G_t``
-in the step. :class:`TracedDelay` is mixed into :class:`hvdsync.techniques.delay.technique.Delay`.
+in the step. :class:`TracedDelay` is what a Delay composes for it (``delay.traced``).
 """
 
 from __future__ import annotations
@@ -9,45 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
-import numpy as np
 
-from hvdsync.techniques.delay.carried import CarriedCompressor
-from hvdsync.techniques.delay.config import DelayConfig
-from hvdsync.core.ports import Gradients, TensorOps
-from hvdsync.core.traced import TracedLocalStep
+class TracedDelay:
+    """The traced form of :class:`hvdsync.techniques.delay.technique.Delay`
+    (:class:`hvdsync.core.traced.TracedLocalStep`), on its owner's state, memory and
+    ``_zeroed`` / ``_count_nonfinite``, which the eager step uses too."""
 
-
-class TracedDelay(TracedLocalStep):
-    """The traced-step moments of :class:`hvdsync.techniques.delay.technique.Delay`, on its state and
-    its ``_zeroed`` / ``_count_nonfinite``, which the eager step uses too."""
-
-    config: DelayConfig
-    policy: Any  # (DelayPolicy: hvdsync.techniques.delay.technique)
-    grads: Gradients
-    ops: TensorOps
-    layer_names: list[str]
-    compressor: Optional[CarriedCompressor]
-    traceable: bool
-    _memory: Optional[dict[str, Any]]
-    _in_flight: dict
-    _bad: int
-
-    def memory_to_trace(self, params: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """Exchanging every step's gradient, folded when due: ``held``, the last step's local
-        gradient (exchanged in this step, while backward runs), and ``due1`` ..
-        ``due{staleness-1}``, the corrections ``G_j - g_j`` already exchanged, due that many
-        steps from now. Synchronous: none (each step its own), but the mapping is asked for,
-        which tells this technique that its steps are traced."""
-        c = self.config
-        if not (c.exchange_gradients and self.traceable):
-            return {}
-        if c.synchronous:
-            return {"held": {}}
-        zeros = {key: np.zeros_like(p) for key, p in params.items()}
-        return {"held": zeros, **{f"due{i}": zeros for i in range(1, c.staleness)}}
-
-    def use_memory(self, memory: dict[str, Any]) -> None:
-        self._memory = memory
+    def __init__(self, owner: Any):
+        self.owner = owner
 
     def trace_local(self, layers: list[tuple[int, list[int], list]],
                     reduce: Callable[[int, str, list], list], flags: dict[str, Any]
@@ -61,10 +30,10 @@ class TracedDelay(TracedLocalStep):
         due ``staleness`` steps after ``t-1``; the update is ``g_t`` plus the correction due
         now -- on a drain ``G_t`` (exchanged in the step) plus every correction held.
         ``reduce(li, name, tensors)`` gives their average over ranks (layer ``li``'s)."""
-        ops = self.ops
-        if not self.config.exchange_gradients:
+        ops = self.owner.ops
+        if not self.owner.config.exchange_gradients:
             flat = [x for _, _, xs in layers for x in xs]
-            zeroed, bad = self._zeroed(flat)
+            zeroed, bad = self.owner._zeroed(flat)
             it = iter(zeroed)
             return [[next(it) for _ in xs] for _, _, xs in layers], bad
         if not layers:
@@ -81,20 +50,20 @@ class TracedDelay(TracedLocalStep):
     def _fold_traced(self, layers: list[tuple[int, list[int], list]],
                      reduce: Callable[[int, str, list], list], flags: dict[str, Any]
                      ) -> list[list]:
-        ops = self.ops
-        keys = [[self.grads.key(li, k) for k in ks] for li, ks, _ in layers]
-        memory = self._memory
-        held = (None if self.config.synchronous
+        ops = self.owner.ops
+        keys = [[self.owner.grads.key(li, k) for k in ks] for li, ks, _ in layers]
+        memory = self.owner._memory
+        held = (None if self.owner.config.synchronous
                 else [[memory["held"].read(key) for key in ks] for ks in keys])
-        exchanges = (self._exchanges_traced if self.compressor is None
-                     else self.compressor.trace_in_delay)
+        exchanges = (self._exchanges_traced if self.owner.compressor is None
+                     else self.owner.compressor.trace_in_delay)
         late, own = exchanges([(li, ks) for li, ks, _ in layers], held,
                               [xs for _, _, xs in layers], reduce, flags)
         if held is None:  # synchronous: each step folds its own
             return own
         # per layer, due[i]: the correction due i steps from now (just exchanged: staleness-1)
         due = [[[memory[f"due{i}"].read(key) for key in ks]
-                for i in range(1, self.config.staleness)] + [new]
+                for i in range(1, self.owner.config.staleness)] + [new]
                for ks, new in zip(keys, late)]
 
         def drain() -> tuple[list, list]:
@@ -130,8 +99,8 @@ class TracedDelay(TracedLocalStep):
         (this step's: zeros unless ``flags["drain"]``; synchronous: always). One branch for
         every layer, not one per layer: a branch costs the step its own dispatch, and these
         run at the step's start (the exchange) or after backward."""
-        ops = self.ops
-        names = [f"hvdsync.{self.layer_names[li]}.delay" for li, _ in layers]
+        ops = self.owner.ops
+        names = [f"hvdsync.{self.owner.layer_names[li]}.delay" for li, _ in layers]
 
         def averages(which: str, tensors: list[list]) -> list[list]:
             return [reduce(li, f"{name}.{which}", xs)
@@ -150,26 +119,12 @@ class TracedDelay(TracedLocalStep):
                        flags: dict[str, Any]) -> Optional[tuple[Any, Any]]:
         """Counted at the gradient's step, as the eager step counts it: ``lowrank=``'s
         figures, or ``None`` (the plain exchange's)."""
-        if self.compressor is None:
+        if self.owner.compressor is None:
             return None
-        return self.compressor.delay_traffic(li, tensors, wire_bytes, flags["own_compressed"])
-
-    def host_flags(self) -> dict[str, bool]:
-        """Exchanging every step's gradient: ``exchange_held`` (the last step's gradient goes
-        in this one) and ``drain`` (this step folds in every outstanding global gradient, its
-        own included), and with ``lowrank=`` its exchanges' flags
-        (:meth:`hvdsync.techniques.lowrank.in_delay.LowRankInDelay.delay_flags`)."""
-        flags: dict[str, bool] = {}
-        if self.traceable and self.config.exchange_gradients:
-            # traced, an outstanding last step's gradient is the held one (not exchanged yet)
-            flags["exchange_held"] = self.policy.step in self._in_flight
-            flags["drain"] = self.config.synchronous or self.policy.averages_now()
-            if self.compressor is not None:
-                flags.update(self.compressor.delay_flags())
-        return flags
+        return self.owner.compressor.delay_traffic(li, tensors, wire_bytes, flags["own_compressed"])
 
     def end_local_step(self, bad: int) -> None:
-        self._bad = 0
-        self._count_nonfinite(int(bad))
-        if self.compressor is not None:  # (it closes its step as in the eager one)
-            self.compressor.end_step(True)
+        self.owner._bad = 0
+        self.owner._count_nonfinite(int(bad))
+        if self.owner.compressor is not None:  # (it closes its step as in the eager one)
+            self.owner.compressor.end_step(True)

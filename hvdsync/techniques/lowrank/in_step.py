@@ -6,6 +6,7 @@ The arithmetic is :mod:`hvdsync.techniques.lowrank.base`'s; docs/lowrank.md says
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Optional
 
 from hvdsync.techniques.lowrank.memory import LowRankBase
@@ -55,6 +56,7 @@ class LowRank(LowRankBase, TracedRounds):
         self._filling: dict[int, list] = {}  # bucket -> (li, ks, matrices, P) not sent yet
         self._waiting: list[_Round] = []  # P in flight, Q not started yet (in sending order)
         self._started: list[_Round] = []
+        self._deliveries: list = []  # the step's Q rounds' deliveries, for after_wait
         self._new_q: dict[str, Any] = {}
         self._new_err: dict[str, Any] = {}
 
@@ -157,8 +159,9 @@ class LowRank(LowRankBase, TracedRounds):
 
     def _start_q(self, rounds: list[_Round]) -> None:
         """The Q rounds of ``rounds`` (their P arrived): every P orthonormalized and every
-        ``M^T P`` computed at once; each round's Q allreduce; the delivery of all of them at
-        the first wait (``P Q^T`` and the residuals, at once)."""
+        ``M^T P`` computed at once; each round's Q allreduce; the delivery of all of them once
+        every reduction of the step arrived (:meth:`after_wait`: ``P Q^T`` and the residuals,
+        at once)."""
         g, ops = self.grads, self.ops
         ms, ps = [], []
         for rnd in rounds:
@@ -192,10 +195,18 @@ class LowRank(LowRankBase, TracedRounds):
                         q, x = next(at)
                         self._new_q[key], self._new_err[key] = q, next(owed)
                         g.set(li, k, ops.from_matrix(x, g.get(li, k)))
-        for rnd in rounds:
-            rnd.result = Pending(deliver, lambda: all(r.q.ready() for r in rounds),
+        self._deliveries.append(deliver)
+        for rnd in rounds:  # (delivered by after_wait: nothing for the pipeline to write)
+            rnd.result = Pending(partial(_arrived, rnd), lambda: all(r.q.ready() for r in rounds),
                                  what=f"the low-rank Q round {rnd.name!r}")
         self._started += rounds
+
+    def after_wait(self, layers: list[int]) -> None:
+        """Every reduction of the step arrived: ``P Q^T`` and the residuals of every round,
+        at once."""
+        deliveries, self._deliveries = self._deliveries, []
+        for deliver in deliveries:
+            deliver()
 
     def send_rest(self) -> dict[int, Pending]:
         """Every P is computed: send the buckets still filling, then start the Q rounds still
@@ -335,3 +346,8 @@ class LowRank(LowRankBase, TracedRounds):
         if ok:  # as end_step: a skipped step does not count
             self.step += 1
         self._restart()
+
+
+def _arrived(rnd: _Round) -> None:
+    """Wait for a round's Q (its delivery is :meth:`LowRank.after_wait`'s)."""
+    rnd.q.wait()
