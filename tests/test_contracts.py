@@ -18,6 +18,7 @@ import pytest
 
 from hvdsync.core import ports as core_ports
 from hvdsync.core import technique
+from hvdsync.core.codec import CodecOps
 from hvdsync.core.pending import Pending
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.technique import Decider, Parts, Technique, Transform, Transport
@@ -97,6 +98,8 @@ def receivers_of(path: pathlib.Path) -> dict:
     rel = path.relative_to(PACKAGE).as_posix()
     if rel == "core/pipeline.py":
         receivers.update(PIPELINE_RECEIVERS)
+    if rel == "core/codec.py":  # the codecs' own primitives
+        receivers["ops"] = receivers["ops"] + (CodecOps,)
     if rel in ("techniques/select/technique.py", "techniques/select/policy.py",
                "tools/perfmodel.py", "tools/advise.py"):  # (their own local names)
         receivers = {k: v for k, v in receivers.items() if k not in ("p", "pending")}
@@ -270,13 +273,14 @@ def _adapter_classes() -> dict[str, tuple]:
 
 
 def test_both_adapters_implement_every_port():
-    """Both adapters implement every shared port and every technique's own: an adapter that
-    does runs every technique."""
+    """Both adapters implement every shared port, the codecs' and every technique's own: an
+    adapter that does runs every technique and every encoding."""
     shared = {"ops": TensorOps, "grads": Gradients, "comm": Communicator}
     for kind, classes in _adapter_classes().items():
-        wanted = declared(shared[kind]) | {m for name in TECHNIQUES
-                                           for k, port in own_ports(name).items() if k == kind
-                                           for m in declared(port)}
+        codecs = declared(CodecOps) if kind == "ops" else set()
+        wanted = declared(shared[kind]) | codecs | {m for name in TECHNIQUES
+                                                    for k, port in own_ports(name).items()
+                                                    if k == kind for m in declared(port)}
         wanted -= {"size", "matches_by_name", "entries", "averages"}  # (set by __init__)
         for cls in classes:
             missing = sorted(m for m in wanted if not m.startswith("_") and not hasattr(cls, m))

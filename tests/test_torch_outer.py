@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from hvdsync import DelayConfig
-from hvdsync.techniques.outer.technique import INT8_CHUNK, fragment_layers, start_offsets
+from hvdsync.core.codec import CODECS
+from hvdsync.techniques.outer.technique import fragment_layers, start_offsets
 from hvdsync.testing import run_ranks
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS, DeviceMemory,
                           assert_construction_fails, eager_or_traced_steps, job_group,
@@ -282,7 +283,7 @@ def test_compressed_exchange_bytes_and_error_feedback(compressed_runs, case, per
     step 60's update, so it counts with step 61); int8 carries one byte per value and a
     float32 scale per 1024 values, bf16/fp16 two bytes; what compression lost is kept."""
     for r in compressed_runs[case]:
-        size = [n * per_value + (4 * math.ceil(n / INT8_CHUNK) if scales else 0)
+        size = [n * per_value + (4 * math.ceil(n / CODECS["int8"].chunk) if scales else 0)
                 for n in N_PARAMS]
         assert r["total"]["outer_bytes"] == 15 * size[0] + 14 * size[1], r["total"]
         assert r["total"]["bytes_sent"] == r["total"]["outer_bytes"]  # nothing else is sent

@@ -77,12 +77,8 @@ def _bad_ops(tensors: list) -> tf.Tensor:
 _bad = one_call_when_eager(_bad_ops, reduce_retracing=True)
 
 
-@one_call_when_eager
-def _encode(tensors: list, codec: str, chunk: int) -> list:
-    """The outer exchange's encoding (:meth:`KerasOps.encode`); traced per fragment shape."""
-    flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
-    if codec == "bf16":
-        return [tf.bitcast(tf.cast(flat, tf.bfloat16), tf.int16)]
+def _quantize_blocks(flat, chunk: int) -> list:
+    """:meth:`KerasOps.quantize_blocks` (inside the caller's trace: the shapes are static)."""
     n = int(flat.shape[0])
     rows = tf.reshape(tf.pad(flat, [[0, -n % chunk]]), [-1, chunk])
     scale = tf.reduce_max(tf.abs(rows), axis=1) / 127.0
@@ -91,19 +87,24 @@ def _encode(tensors: list, codec: str, chunk: int) -> list:
     return [tf.reshape(codes, [-1])[:n], scale]  # the padding is not sent
 
 
-@one_call_when_eager
-def _decode(parts: list, like: tuple, codec: str, chunk: int) -> list:
-    """:meth:`KerasOps.decode`; ``like``: the ``(shape, dtype name)`` to decode into."""
-    if codec == "bf16":
-        flat = tf.cast(tf.bitcast(parts[0], tf.bfloat16), tf.float32)
-    else:
-        codes, scale = parts
+def _dequantize_blocks(codes, scale, chunk: int, size: Optional[int]):
+    """:meth:`KerasOps.dequantize_blocks`."""
+    if size is None:
         rows = tf.pad(tf.cast(codes, tf.float32), [[0, -int(codes.shape[0]) % chunk]])
-        flat = tf.reshape(tf.reshape(rows, [-1, chunk]) * scale[:, None], [-1])
+        return tf.reshape(tf.reshape(rows, [-1, chunk]) * scale[:, None], [-1])
+    n = int(codes.shape[0]) // size
+    rows = tf.pad(tf.reshape(tf.cast(codes, tf.float32), [size, n]), [[0, 0], [0, -n % chunk]])
+    return tf.reshape(tf.reshape(rows, [size, -1, chunk]) * tf.reshape(scale, [size, -1, 1]),
+                      [size, -1])[:, :n]
+
+
+def _unflat(flat, like) -> list:
+    """:meth:`KerasOps.unflat`."""
     out, i = [], 0
-    for shape, dtype in like:
+    for t in like:
+        shape = tuple(int(d) for d in t.shape)
         n = int(np.prod(shape))
-        out.append(tf.cast(tf.reshape(flat[i:i + n], shape), dtype))
+        out.append(tf.cast(tf.reshape(flat[i:i + n], shape), t.dtype))
         i += n
     return out
 
@@ -340,23 +341,37 @@ class KerasOps:
     def cast(t, dtype: Optional[str] = None, like=None):
         return tf.cast(t, dtype if dtype is not None else like.dtype)
 
+    # -- the codecs' primitives (hvdsync.core.codec.CodecOps), run inside fused()
     @staticmethod
-    def encode(tensors: Sequence, codec: str, chunk: int) -> list:
-        return _encode(list(tensors), codec, chunk)
+    def flat(tensors: Sequence):
+        return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
 
     @staticmethod
-    def decode(parts: Sequence, like: Sequence, codec: str, chunk: int) -> list:
-        return _decode(list(parts), tuple((tuple(int(d) for d in t.shape),
-                                           tf.as_dtype(t.dtype).name) for t in like),
-                       codec, chunk)
+    def unflat(flat, like: Sequence) -> list:
+        return _unflat(flat, like)
 
     @staticmethod
-    def decode_sum(gathered: Sequence, size: int, codec: str, chunk: int, like: Sequence
-                   ) -> list:
+    def bitcast(t, dtype: str):
+        return tf.bitcast(t, tf.as_dtype(dtype))
+
+    @staticmethod
+    def rows(flat, size: int):
+        return tf.reshape(flat, [size, -1])
+
+    @staticmethod
+    def quantize_blocks(flat, chunk: int) -> list:
+        return _quantize_blocks(flat, chunk)
+
+    @staticmethod
+    def dequantize_blocks(codes, scale, chunk: int, size: Optional[int] = None):
+        return _dequantize_blocks(codes, scale, chunk, size)
+
+    @staticmethod
+    def average_rows(rows, like: Sequence) -> list:
+        size = int(rows.shape[0])
         total = None
         for r in range(size):  # in rank order: the same bits on every rank
-            mine = KerasOps.decode([KerasOps.part(t, r, size) for t in gathered], like, codec,
-                                   chunk)
+            mine = _unflat(rows[r], like)
             total = mine if total is None else [a + b for a, b in zip(total, mine)]
         return [KerasOps.add_scaled(tf.zeros_like(t), t, 1.0 / size) for t in total]
 
@@ -376,10 +391,6 @@ class KerasOps:
     def assign_all(targets: Sequence, values: Sequence) -> None:
         for t, v in zip(targets, values):
             t.assign(v)
-
-    @staticmethod
-    def part(gathered, rank: int, size: int):
-        return tf.reshape(gathered, [size, -1])[rank]
 
     @staticmethod
     def cond(flag, yes: Callable, no: Callable):

@@ -173,33 +173,9 @@ def nonfinite_flag(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     return found
 
 
-def decoded(parts: Sequence[torch.Tensor], codec: str, chunk: int) -> torch.Tensor:
-    """:meth:`TorchOps.encode`'s parts back as one float32 vector."""
-    if codec == "bf16":
-        return parts[0].view(torch.bfloat16).float()
-    codes, scale = parts
-    rows = torch.nn.functional.pad(codes.float(), (0, -codes.numel() % chunk))
-    return (rows.view(-1, chunk) * scale[:, None]).view(-1)[:codes.numel()]
-
-
-def decoded_rows(gathered: Sequence[torch.Tensor], size: int, codec: str, chunk: int
-                  ) -> torch.Tensor:
-    """An allgather of ``size`` ranks' :meth:`TorchOps.encode` parts decoded at once: a
-    ``size x n`` float32 matrix, rank ``r``'s values in row ``r``."""
-    if codec == "bf16":
-        return gathered[0].view(torch.bfloat16).float().view(size, -1)
-    codes, scale = gathered
-    n = codes.numel() // size
-    rows = torch.nn.functional.pad(codes.float().view(size, n), (0, -n % chunk))
-    return (rows.view(size, -1, chunk) * scale.view(size, -1, 1)).view(size, -1)[:, :n]
-
-
-def encode(tensors: Sequence[torch.Tensor], codec: str, chunk: int) -> list[torch.Tensor]:
-    """``tensors`` as one flat float32 vector, encoded: ``"bf16"`` its bits as int16;
-    ``"int8"`` codes and a float32 scale per ``chunk`` values (:meth:`TensorOps.encode`)."""
-    flat = flatten_all([t.detach() if t.requires_grad else t for t in tensors], torch.float32)
-    if codec == "bf16":  # as int16 bits: collectives need not know bfloat16
-        return [flat.to(torch.bfloat16).view(torch.int16)]
+def quantize_blocks(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """int8 codes of a float32 vector and a float32 scale per ``chunk`` values
+    (:meth:`hvdsync.core.codec.CodecOps.quantize_blocks`)."""
     rows = torch.nn.functional.pad(flat, (0, -flat.numel() % chunk)).view(-1, chunk)
     scale = rows.abs().amax(dim=1) / 127.0  # NaN/Inf show in the scale
     # an all-zero chunk divides by the smallest float instead of 0 (its codes are 0
@@ -207,6 +183,18 @@ def encode(tensors: Sequence[torch.Tensor], codec: str, chunk: int) -> list[torc
     safe = scale.clamp(min=torch.finfo(torch.float32).tiny)
     codes = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
     return [codes.view(-1)[:flat.numel()], scale]  # the padding is not sent
+
+
+def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, chunk: int,
+                      size: Optional[int] = None) -> torch.Tensor:
+    """:func:`quantize_blocks` undone: a float32 vector; with ``size``, every rank's at once
+    (an allgather's), a ``size x n`` matrix with rank ``r``'s values in row ``r``."""
+    if size is None:
+        rows = torch.nn.functional.pad(codes.float(), (0, -codes.numel() % chunk))
+        return (rows.view(-1, chunk) * scale[:, None]).view(-1)[:codes.numel()]
+    n = codes.numel() // size
+    rows = torch.nn.functional.pad(codes.float().view(size, n), (0, -n % chunk))
+    return (rows.view(size, -1, chunk) * scale.view(size, -1, 1)).view(size, -1)[:, :n]
 
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -217,20 +205,19 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
             for p, t in zip(pieces, like)]
 
 
-def decode_average(gathered: Sequence[torch.Tensor], size: int, codec: str, chunk: int,
-                   like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The average of every rank's decoded piece of an allgather of :func:`encode`'s parts,
-    summed in rank order (the same bits on every rank), shaped like ``like``."""
+def average_rows(rows: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The mean of the rows of a ``size x n`` matrix (a rank's values each), summed in rank
+    order (the same bits on every rank), shaped like ``like``."""
+    size = rows.shape[0]
     dtypes = {t.dtype for t in like}
     if len(dtypes) > 1:  # (rare) one rank at a time, tensor by tensor
         total = None
         for r in range(size):
-            mine = unflatten(decoded([t.view(size, -1)[r] for t in gathered], codec, chunk),
-                             like)
+            mine = unflatten(rows[r], like)
             total = mine if total is None else [a.add_(b) for a, b in zip(total, mine)]
         return [torch.zeros_like(t).add_(t, alpha=1.0 / size) for t in total]
-    # every rank's piece decoded at once (a row each), in the tensors' precision
-    rows = decoded_rows(gathered, size, codec, chunk).to(next(iter(dtypes)))
+    # in the tensors' precision
+    rows = rows.to(next(iter(dtypes)))
     total = rows[0].clone()
     for r in range(1, size):
         total.add_(rows[r])
@@ -399,19 +386,36 @@ class MultiTensorOps:
         # one device read: everything on the first scalar's device, stacked
         return torch.stack([t.detach().float().reshape(()).to(device) for t in ts]).tolist()
 
+    # -- the codecs' primitives (hvdsync.core.codec.CodecOps)
     @staticmethod
-    def encode(tensors: Sequence[torch.Tensor], codec: str, chunk: int) -> list[torch.Tensor]:
-        return encode(tensors, codec, chunk)
+    def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return flatten_all([t.detach() if t.requires_grad else t for t in tensors],
+                           torch.float32)
 
     @staticmethod
-    def decode(parts: Sequence[torch.Tensor], like: Sequence[torch.Tensor], codec: str,
-               chunk: int) -> list[torch.Tensor]:
-        return unflatten(decoded(parts, codec, chunk), like)
+    def unflat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return unflatten(flat, like)
 
     @staticmethod
-    def decode_sum(gathered: Sequence[torch.Tensor], size: int, codec: str, chunk: int,
-                   like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return decode_average(gathered, size, codec, chunk, like)
+    def bitcast(t: torch.Tensor, dtype: str) -> torch.Tensor:
+        return t.view(getattr(torch, dtype))
+
+    @staticmethod
+    def rows(flat: torch.Tensor, size: int) -> torch.Tensor:
+        return flat.view(size, -1)
+
+    @staticmethod
+    def quantize_blocks(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+        return quantize_blocks(flat, chunk)
+
+    @staticmethod
+    def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, chunk: int,
+                          size: Optional[int] = None) -> torch.Tensor:
+        return dequantize_blocks(codes, scale, chunk, size)
+
+    @staticmethod
+    def average_rows(rows: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return average_rows(rows, like)
 
     @staticmethod
     def add_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.core.config import coerce_config
-from hvdsync.techniques.outer.technique import CODECS
+from hvdsync.core.codec import CODECS
 
 STATE_MODES = ("local", "average")
 
@@ -48,8 +48,8 @@ class DelayConfig:
             inner steps go on meanwhile (``0``: the step waits for it).
         mix: Streaming DiLoCo's alpha: after the outer update a fragment's parameters become
             ``(1 - mix) * synchronized + mix * local`` (``0``: the synchronized ones).
-        compress: the outer exchange's encoding: ``"none"``, ``"fp16"``, ``"bf16"`` or
-            ``"int8"`` (a scale per 1024 values).
+        compress: the outer exchange's encoding, a name in :data:`hvdsync.core.codec.CODECS`:
+            ``"none"``, ``"fp16"``, ``"bf16"`` or ``"int8"`` (a scale per 1024 values).
         error_feedback: what compression lost joins the rank's next pseudo-gradient.
         fold: when a global gradient is folded in (only with ``exchange_gradients``):
             ``"arrived"`` -- as soon as it has arrived on this rank, at the latest when the
@@ -93,7 +93,8 @@ class DelayConfig:
             raise ValueError(f"delay fold must be one of {('auto',) + FOLD_RULES}, got "
                              f"{self.fold!r}")
         if self.compress not in CODECS:
-            raise ValueError(f"delay compress must be one of {CODECS}, got {self.compress!r}")
+            raise ValueError(f"delay compress must be one of {tuple(CODECS)}, got "
+                             f"{self.compress!r}")
         if self.fragments > self.average_every:
             raise ValueError(f"delay fragments={self.fragments} needs average_every >= "
                              f"fragments (each fragment synchronizes at its own step of the "

@@ -1,6 +1,6 @@
 """What ``delay=``'s synchronization of the models alone needs of an adapter, beside the
-shared ports (:mod:`hvdsync.core.ports`): writing parameters, the outer exchange's coding,
-fused calls; the replicas' tensors; averaging and gathering between ranks."""
+shared ports (:mod:`hvdsync.core.ports`) and the codecs' (:mod:`hvdsync.core.codec`): writing
+parameters, fused calls; the replicas' tensors; averaging and gathering between ranks."""
 
 from __future__ import annotations
 
@@ -16,17 +16,6 @@ class OuterOps(Protocol):
     def assign(self, target: Any, value: Any) -> None:
         """Write ``value`` into a parameter (or state tensor) of
         :meth:`Gradients.replica_tensors`."""
-    def encode(self, tensors: Sequence[Any], codec: str, chunk: int) -> list:
-        """``tensors`` flattened into one vector and encoded (``"bf16"``: its bits as int16;
-        ``"int8"``: codes and a float32 scale per ``chunk`` values): the tensors to gather."""
-    def decode(self, parts: Sequence[Any], like: Sequence[Any], codec: str,
-               chunk: int) -> list:
-        """Inverse of :meth:`encode`: tensors shaped (and typed) like ``like``."""
-    def decode_sum(self, gathered: Sequence[Any], size: int, codec: str, chunk: int,
-                   like: Sequence[Any]) -> list:
-        """The average of every rank's :meth:`decode`-d piece of an allgather of
-        :meth:`encode`'s parts (``size`` equal pieces each), summed in rank order (the same
-        bits on every rank), shaped like ``like``."""
     def add_scaled_all(self, a: Sequence[Any], b: Sequence[Any], alpha: float) -> list:
         """``a + alpha * b`` pairwise, as new tensors."""
     def assign_all(self, targets: Sequence[Any], values: Sequence[Any]) -> None:

@@ -20,19 +20,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Optional
 
+from hvdsync.core.codec import CODECS, Codec
 from hvdsync.core.pending import Pending, finish_dropped
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import SYNC, Technique
 from hvdsync.techniques.outer.averaging import rank_values, restore_rank_values
-
-#: how the pseudo-gradients travel: ``none`` (as they are, allreduce), ``fp16`` (allreduce
-#: in half precision), ``bf16`` and ``int8`` (allgather: every rank decodes every rank's
-#: contribution and averages them in rank order, so all get the same bits)
-CODECS = ("none", "fp16", "bf16", "int8")
-#: values per int8 scale (the chunk's largest magnitude maps to 127)
-INT8_CHUNK = 1024
-
 
 def fragment_layers(layer_bytes: list[int], fragments: int) -> list[list[int]]:
     """Consecutive layers (in layer order) in ``fragments`` runs of about equal bytes, none
@@ -59,35 +52,22 @@ def start_offsets(average_every: int, fragments: int) -> list[int]:
     return [((f + 1) * average_every // fragments) % average_every for f in range(fragments)]
 
 
-def outgoing(ops: Any, codec: str, feedback: bool, anchors: list, params: list,
+def outgoing(ops: Any, codec: Codec, feedback: bool, anchors: list, params: list,
              residuals: list) -> tuple[list, list, list]:
     """``(deltas, sent, lost)``: the pseudo-gradients ``anchor - theta`` (plus this rank's
-    residual where it has one; ``None``: none), what goes on the wire (``codec``: as they are,
-    in half precision, or :meth:`TensorOps.encode`'s parts) and, with error ``feedback``, what
-    the encoding lost (the next residuals; else ``[]``). A few multi-tensor ops for the whole
-    fragment."""
+    residual where it has one; ``None``: none), what goes on the wire (``codec``'s parts) and,
+    with error ``feedback``, what the encoding lost (the next residuals; else ``[]``). A few
+    multi-tensor ops for the whole fragment."""
     deltas = ops.sub_all(anchors, params)
     have = [i for i, r in enumerate(residuals) if r is not None]
     if have:
         for i, x in zip(have, ops.accumulate_all([deltas[i] for i in have],
                                                  [residuals[i] for i in have])):
             deltas[i] = x
-    if codec == "none":
-        return deltas, deltas, []
-    fp16 = codec == "fp16"
-    sent = ([ops.cast(d, "float16") for d in deltas] if fp16
-            else ops.encode(deltas, codec, INT8_CHUNK))
-    if not feedback:  # nothing kept: no decoding
+    sent = codec.encode(ops, deltas)
+    if codec.exact or not feedback:  # nothing lost, or nothing kept: no decoding
         return deltas, sent, []
-    back = ([ops.cast(x, like=d) for x, d in zip(sent, deltas)] if fp16
-            else ops.decode(sent, deltas, codec, INT8_CHUNK))
-    return deltas, sent, ops.sub_all(deltas, back)
-
-
-def average_gathered(ops: Any, size: int, codec: str, gathered: list, like: list) -> list:
-    """Every rank's decoded contribution, averaged in rank order (the same bits on every
-    rank)."""
-    return ops.decode_sum(gathered, size, codec, INT8_CHUNK, like)
+    return deltas, sent, ops.sub_all(deltas, codec.decode(ops, sent, deltas))
 
 
 def outer_step(ops: Any, config: Any, averaged: list, momenta: list, anchors: list,
@@ -150,22 +130,19 @@ class Fragment:
         """Start the exchange of the pseudo-gradients (compressed, with this rank's residual
         folded in), merged ``overlap`` steps after ``step``."""
         o = self.owner
-        ops, codec, comm = o.ops, o.config.compress, o.comm
+        comm = o.comm
         params = self.params()
         keys = [key for key, _ in params]
         deltas, sent, lost = o.outgoing([o.anchor[k] for k in keys], [p for _, p in params],
                                         [o.residual.get(k) for k in keys])
         o.residual.update(zip(keys, lost))  # error feedback: joins the next exchange
         name = f"hvdsync.outer.f{self.index}"
-        if codec in ("none", "fp16"):
+        if o.codec.collective == "allreduce":  # averaged on the wire
             pending = comm.allreduce(name, sent)
             comm.dispatch(background=True)  # Keras queues eager requests: send it now
-            result = pending.then(lambda out: {k: ops.cast(x, like=d)
-                                               for k, x, d in zip(keys, out, deltas)})
-        else:
+        else:  # every rank decodes every rank's parts
             pending = comm.allgather_async(name, sent)
-            result = pending.then(lambda out: dict(zip(keys, o.average_gathered(
-                comm.size, codec, out, deltas))))
+        result = pending.then(lambda out: dict(zip(keys, o.average(out, comm.size, deltas))))
         o.stats.control(pending.nbytes, pending.collectives)
         o.stats.count("outer_started")
         o.stats.count("outer_bytes", pending.nbytes)
@@ -235,8 +212,10 @@ class OuterSync(Technique):
         self._due = False  # an update is next: synchronize after it
         #: fragments merged after the last step's update
         self.last_merged: list[int] = []
-        self.outgoing = ops.fused(partial(outgoing, ops, config.compress, config.error_feedback))
-        self.average_gathered = ops.fused(partial(average_gathered, ops))
+        #: how the pseudo-gradients travel (``compress=``: :data:`hvdsync.core.codec.CODECS`)
+        self.codec = CODECS[config.compress]
+        self.outgoing = ops.fused(partial(outgoing, ops, self.codec, config.error_feedback))
+        self.average = ops.fused(partial(self.codec.average, ops))
         self.outer_step = ops.fused(partial(outer_step, ops, config))
         # A script that ends without flush() leaves its last exchange in flight: a rank that
         # exits at once shuts Horovod down under a slower rank that is still starting it
