@@ -22,7 +22,7 @@ from hvdsync.core.codec import CodecOps
 from hvdsync.core.pending import Pending
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.technique import Decider, Parts, Technique, Transform, Transport
-from hvdsync.core.traced import TracedLocalStep, TracedRounds
+from hvdsync.core.traced import TracedRounds
 from hvdsync.techniques.delay.carried import Carryable, CarriedCompressor
 from hvdsync.techniques.sparse.ports import RowSparse
 
@@ -49,7 +49,7 @@ RECEIVERS = {
     "carryable": (Carryable,),
 }
 #: in the pipeline only, where ``t`` is always a technique
-PIPELINE_RECEIVERS = {"t": (Technique, Transform, Transport, TracedLocalStep)}
+PIPELINE_RECEIVERS = {"t": (Technique, Transform, Transport)}
 #: a technique's own ports (its package's ``ports.EXTENDS``) extend these receivers
 EXTENDED = {"ops": ("ops", "self.ops", "self.owner.ops"),
             "comm": ("comm", "self.comm", "self.owner.comm"),
@@ -147,7 +147,7 @@ def test_what_delay_carries_implements_the_declared_interface():
 # -- a shared interface holds what techniques share --------------------------------------------
 #: the moments' interfaces: a member serves the techniques that implement or call it (the core
 #: asking every technique does not make it shared)
-MOMENTS = (Technique, Transform, Decider, Transport, TracedLocalStep, TracedRounds,
+MOMENTS = (Technique, Transform, Decider, Transport, TracedRounds,
            CarriedCompressor, Carryable)
 #: the ports, Pending and Parts: a member serves the techniques that use it, every one where
 #: the core uses it
@@ -165,10 +165,6 @@ ONE_TECHNIQUE = {
                                     "before a traced step's first update",
     "Technique.after_optimizer_step": "after the update only the synchronization of the "
                                       "models (outer) acts",
-    "Transform.applies": "clip's traced form, until every traced form shares one interface",
-    "Transform.trace_layer": "the same",
-    "Transform.traced_record": "the same",
-    "Transform.record_traced": "the same",
     "Decider.layer_seen": "select='s byte budget in its traced form",
     "Transport.backward_done": "sparse='s counts round before missing layers are filled",
     "Transport.holds": "the same: a layer whose layout only the counts tell",
@@ -178,12 +174,6 @@ ONE_TECHNIQUE = {
     "Transport.updates_locally": "delay= updates with this rank's gradient (the traced local "
                                  "step)",
     "Transport.sends_in_step": "delay='s local steps send nothing in the step",
-    "Technique.traced": "delay='s traced form is an object of its own; clip's and lowrank's "
-                        "are their classes' methods yet",
-    "TracedLocalStep.trace_local": "delay='s traced step, until every traced form shares one "
-                                   "interface",
-    "TracedLocalStep.traced_traffic": "the same",
-    "TracedLocalStep.end_local_step": "the same",
     "TracedRounds.staged": "lowrank='s rounds inside a decider's branch (sparse= is never "
                            "decided)",
     "TracedRounds.restage": "the same",

@@ -322,7 +322,7 @@ def traced_moments_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> 
     then the moments a tracing adapter runs instead (StepPipeline.local_step: the transport's
     ``trace_local`` on every layer -- its memory in dicts, its host flags as tensors, blocking
     collectives --, ``before_local_update`` before the update where the pipeline's ``host_before_update``
-    asks, else after it, ``end_local_step``, the step's statistics closed,
+    asks, else after it, the traced form's ``end_local_step``, the step's statistics closed,
     ``after_local_update``). The parameters after every step, the counters."""
     import hvdsync.torch as hvd
     from hvdsync.torch.optimizer import _DistributedOptimizer
@@ -362,7 +362,7 @@ def traced_moments_body(cfg: dict, steps: int, nan_rank: int, nan_step: int) -> 
             super(_DistributedOptimizer, opt).step()  # the wrapped optimizer's own
             if not before:
                 pipeline.before_local_update()
-            pipeline.end_local_step(int(bad))
+            t.traced.end_local_step(int(bad))
             opt.stats.end_step()
             pipeline.after_local_update()
         weights = eager_or_traced_steps(model, opt, hvd.rank(), steps, nan_rank, nan_step,

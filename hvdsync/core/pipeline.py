@@ -109,12 +109,12 @@ class StepPipeline:
             raise ValueError("a transport that updates locally must be the step's only one "
                              "(but for those it carries)")
         #: the transport of a step that updates locally (:attr:`Transport.updates_locally`),
-        #: or None. A tracing adapter builds such a step as: its ``trace_local``
-        #: (:class:`hvdsync.core.traced.TracedLocalStep`) on every layer (graph ops: the
-        #: gradients to apply), then on the host :meth:`before_local_update` (before the
-        #: update where :meth:`host_before_update` asks, else after it), the update,
-        #: :meth:`end_local_step`, the step's statistics closed, :meth:`after_local_update`
-        #: -- the eager step's moments in its order
+        #: or None. A tracing adapter builds such a step as: its traced form's ``trace_local``
+        #: (``local_step.traced``: :class:`hvdsync.techniques.delay.traced.TracedDelay`) on
+        #: every layer (graph ops: the gradients to apply), then on the host
+        #: :meth:`before_local_update` (before the update where :meth:`host_before_update`
+        #: asks, else after it), the update, the traced form's ``end_local_step``, the step's
+        #: statistics closed, :meth:`after_local_update` -- the eager step's moments in order
         self.local_step: Optional[Transport] = local[0] if local else None
         #: what a traced local step runs on the host around its update: the local step's
         #: transport, then the techniques that synchronize the replicas after the update
@@ -419,10 +419,6 @@ class StepPipeline:
         transport, then the synchronization after it, as the eager step runs them."""
         for t in self._around_update:
             t.before_optimizer_step()
-
-    def end_local_step(self, bad: int) -> None:
-        """Host, after that update: ``bad``, the count of the step's ``trace_local``."""
-        self.local_step.traced.end_local_step(bad)
 
     def after_local_update(self) -> None:
         """Host, after the step's statistics are closed (as the eager step's moments run)."""

@@ -121,8 +121,10 @@ class Technique:
     #: whether a tracing adapter builds it into the traced step itself (Keras' compiled train
     #: function, :mod:`hvdsync.keras.graph`; else the step pipeline runs eagerly inside it)
     traceable: bool = False
-    #: its traced form where that is an object of its own, holding the technique (``delay=``:
-    #: :class:`hvdsync.core.traced.TracedLocalStep`), else ``None``
+    #: its traced form, an object holding the technique that a tracing adapter builds into the
+    #: step in place of the eager moments (``clip=``: :class:`hvdsync.techniques.clip.traced.
+    #: TracedClip`; ``delay=``: :class:`hvdsync.techniques.delay.traced.TracedDelay`), else
+    #: ``None`` (a transport with rounds of its own is :class:`hvdsync.core.traced.TracedRounds`)
     traced: Any = None
     #: the other techniques (by name) its traced form is built beside; ``None``: any traceable
     #: one (a tracing adapter runs the step pipeline eagerly for any other combination)
@@ -218,30 +220,10 @@ class Technique:
 
 
 class Transform(Technique):
+    """Changes a layer's gradients before its send or once its average arrived (clip=); its
+    moments are :meth:`Technique.group_ready` and :meth:`Technique.after_wait`."""
+
     role = TRANSFORM
-    #: how many float32 values a record of :meth:`trace_layer` holds
-    traced_record: int = 0
-
-    def applies(self, arrived: bool) -> bool:
-        """Whether :meth:`trace_layer` changes a layer at that moment (``arrived``: once its
-        average has arrived, else before it is sent)."""
-        return False
-
-    def trace_layer(self, li: int, tensors: list, params: list, arrived: bool,
-                    host_scalar: Callable[[Callable[[], float]], Any]) -> tuple[list, Any]:
-        """A traced step (built per layer, in place of :meth:`group_ready` and
-        :meth:`after_wait`): layer ``li``'s gradients ``tensors`` through this transform
-        where it applies -- ``arrived=False`` before the layer is sent, ``True`` once its
-        average has arrived -- and a device record of :attr:`traced_record` float32 values
-        (``None``: it does nothing at that moment). ``params``: the layer's parameter values;
-        ``host_scalar(fn)``: a float32 device scalar that ``fn()`` gives on the host as the
-        step runs. Default: nothing."""
-        return tensors, None
-
-    def record_traced(self, records: list[tuple[int, list[float]]], ok: bool) -> None:
-        """On the host after a traced step: ``(layer, record)`` for each layer where
-        :meth:`trace_layer` ran (an average's only where the layer was sent); ``ok``: the
-        step was finite everywhere."""
 
 
 #: The per-layer statistics a decider's control vector can carry (:attr:`Decider.control`),
@@ -349,7 +331,7 @@ class Transport(Technique):
     checks_own = False
     #: whether its step updates with this rank's own gradient (``delay=``: at once, the
     #: global gradient folded in later or the models synchronized after the update). A
-    #: tracing adapter builds such a step from :meth:`trace_local` and runs the technique's
+    #: tracing adapter builds such a step from its traced form's ``trace_local`` and runs its
     #: moments on the host around the update (:attr:`hvdsync.core.pipeline.StepPipeline.local_step`)
     updates_locally = False
     #: whether its steps exchange anything (``False``: ``delay=``'s local steps, which send

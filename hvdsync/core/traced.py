@@ -1,48 +1,17 @@
-"""The traced forms of a transport, declared once: what a tracing adapter (Keras' compiled
-train function, :mod:`hvdsync.keras.graph`) builds into the step in place of the eager
-moments. A transport with rounds of its own (``lowrank=``, ``sparse=``) is
-:class:`TracedRounds`; one whose step updates with this rank's gradient (``delay=``) is
-:class:`TracedLocalStep`. The plain exchange is neither: the adapter builds its one
-collective per layer itself. docs/design.md, "One lifecycle: roles and moments".
+"""The traced form that transports share: what a tracing adapter (Keras' compiled train
+function, :mod:`hvdsync.keras.graph`) builds into the step in place of the eager moments,
+for a transport with rounds of its own (``lowrank=``, ``sparse=``): :class:`TracedRounds`. A
+traced form only one technique has is that technique's object (``technique.traced``: clip's
+:class:`~hvdsync.techniques.clip.traced.TracedClip`, delay's step that updates locally,
+:class:`~hvdsync.techniques.delay.traced.TracedDelay`). The plain exchange has none: the
+adapter builds its one collective per layer itself. docs/design.md, "One lifecycle: roles and
+moments".
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, Optional
-
-
-class TracedLocalStep:
-    """A traced step that updates locally (:attr:`hvdsync.core.technique.Transport.updates_locally`):
-    :meth:`trace_local` in place of ``layer_ready``/``start``/``flush``, and
-    :meth:`end_local_step` in place of ``end_step``."""
-
-    name: str
-
-    def trace_local(self, layers: list[tuple[int, list[int], list]],
-                    reduce: Callable[[int, str, list], list], flags: dict[str, Any]
-                    ) -> tuple[list[list], Any]:
-        """A traced step that updates locally (:attr:`updates_locally`), every layer of it
-        (``(li, ks, gradients)``): per layer the gradients to apply -- from this rank's, its
-        non-finite ones replaced by zeros (no exchange of the step tells the other ranks, so
-        the step cannot be skipped on all) -- and a device count of those replaced.
-        ``reduce(li, name, tensors)`` gives their average over ranks (new tensors: its
-        inputs stay as they were), one collective for layer ``li``; ``flags``:
-        :meth:`host_flags` as device values."""
-        raise NotImplementedError(f"{self.name} does not update locally")
-
-    def traced_traffic(self, li: int, tensors: list, wire_bytes: Callable[[Any], int],
-                       flags: dict[str, Any]) -> Optional[tuple[Any, Any]]:
-        """A traced step that updates locally: the bytes and collectives its exchange of
-        layer ``li``'s gradient ``tensors`` counts (device values where the step decides;
-        ``wire_bytes``: a tensor's bytes on the wire, ``flags``: :meth:`host_flags` as device
-        values), or ``None``: the plain exchange's."""
-        return None
-
-    def end_local_step(self, bad: int) -> None:
-        """Closes a traced step that updated locally, in place of :meth:`end_step`: ``bad``
-        is the count :meth:`trace_local` built, read on the host."""
-        raise NotImplementedError(f"{self.name} exchanges in every step")
 
 
 class TracedRounds:

@@ -41,9 +41,10 @@ class TracedStep:
         self.comm, self.pipeline, self.layers, self.variables = comm, pipeline, layers, variables
         self.apply, self.flags, self.traffic, self.kept = apply, flags, traffic, kept
         self.grads = list(grads)
-        transforms = list(enumerate(pipeline.transforms))
-        self.on_send = [(ti, t) for ti, t in transforms if t.applies(arrived=False)]
-        self.on_average = [(ti, t) for ti, t in transforms if t.applies(arrived=True)]
+        # the transforms' traced forms (clip=: hvdsync.techniques.clip.traced.TracedClip)
+        traced = [(ti, t.traced) for ti, t in enumerate(pipeline.transforms) if t.traced]
+        self.on_send = [(ti, t) for ti, t in traced if t.applies(arrived=False)]
+        self.on_average = [(ti, t) for ti, t in traced if t.applies(arrived=True)]
         self.local = pipeline.local_step  # its step updates with this rank's gradient (delay=)
         #: the transforms' records, by (transform, layer, whether after the average arrived)
         self.records: dict[tuple[int, int, bool], tf.Tensor] = {}
@@ -113,7 +114,7 @@ class TracedStep:
         extras = []
         for _, t in self.on_average:
             reduced, record = t.trace_layer(li, reduced, params, True, _host_scalar)
-            extras += [tf.reshape(record, [t.traced_record])]
+            extras += [tf.reshape(record, [t.record_size])]
         return reduced, extras
 
     def record_average(self, li: int, extras: list) -> None:
@@ -132,7 +133,7 @@ class TracedStep:
         for ti, t in self.on_send:
             layer, record = t.trace_layer(li, layer, params, False, _host_scalar)
             if record is not None:
-                self.records[(ti, li, False)] = tf.reshape(record, [t.traced_record])
+                self.records[(ti, li, False)] = tf.reshape(record, [t.record_size])
         if li in self.grouped:  # its transport's rounds: exchange_groups
             for k, g in enumerate(layer):
                 self.pipeline.grads.set(li, k, g)
@@ -161,7 +162,7 @@ class TracedStep:
             reduced, held, bad, extras = kept.exchange(
                 li, one[0][1], layer, self.plan_of[li],
                 lambda xs: self._send(li, params, transport, one, xs),
-                lambda: [tf.zeros([t.traced_record]) for _, t in self.on_average] + (
+                lambda: [tf.zeros([t.record_size]) for _, t in self.on_average] + (
                     transport.staged(one, built=False) if transport is not None else []))
             if transport is not None:  # written after the step where the plan sent it
                 transport.restage(one, extras[n_after:], self.plan_of[li])
@@ -310,7 +311,7 @@ class TracedStep:
         if local is not None:
             if not before:  # the transport did not need it before the update
                 pipeline.before_local_update()
-            pipeline.end_local_step(int(round(float(local_bad))))
+            local.traced.end_local_step(int(round(float(local_bad))))
         if not ok:
             pipeline.note_nonfinite()
         stats.end_step()
@@ -388,12 +389,12 @@ def _record_transforms(transforms: list, recorded: list[tuple[int, int, bool]],
     by: dict[int, list] = {}
     at = 0
     for ti, li, arrived in recorded:
-        size = transforms[ti].traced_record
+        size = transforms[ti].traced.record_size
         if not arrived or sends[li]:
             by.setdefault(ti, []).append((li, [float(x) for x in flat[at:at + size]]))
         at += size
     for ti, records in by.items():
-        transforms[ti].record_traced(records, ok)
+        transforms[ti].traced.record(records, ok)
 
 
 def _bytes(comm: KerasCommunicator, g, wire: bool) -> tf.Tensor:

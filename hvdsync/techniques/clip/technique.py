@@ -15,13 +15,14 @@ rule and what it costs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from hvdsync.core.ports import Gradients, TensorOps
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import Transform
 from hvdsync.techniques.clip.config import ClipConfig
+from hvdsync.techniques.clip.traced import TracedClip
 
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
@@ -110,6 +111,8 @@ class Clip(Transform):
         self.layer_names = layer_names
         self.stats = stats
         self._step: list[tuple[list[int], Any]] = []  # (layers, their record)
+        #: its traced form (Keras' compiled step builds it per layer)
+        self.traced = TracedClip(self)
 
     def group_ready(self, layers: list[tuple[int, list[int]]]) -> None:
         if self.config.mode == "local":
@@ -154,26 +157,6 @@ class Clip(Transform):
     def norm_limit(self, li: int) -> float:
         """Layer ``li``'s limit for this step (``max_norm`` and the adaptive limits)."""
         return self.policy.norm_limit(li)
-
-    # -- a traced step (Keras' compiled train function): one layer at a time ------------------
-    traced_record = 2  # the pre-clip norm, and a factor below 1 where the layer was clipped
-
-    def applies(self, arrived: bool) -> bool:
-        return arrived == (self.config.mode == "global")
-
-    def trace_layer(self, li: int, tensors: list, params: list, arrived: bool,
-                    host_scalar: Callable[[Callable[[], float]], Any]) -> tuple[list, Any]:
-        c = self.config
-        if not self.applies(arrived) or not tensors:
-            return tensors, None
-        # an adaptive limit changes every step: read on the host as the step runs
-        adaptive = c.ema is not None or c.variance is not None
-        limit = host_scalar(lambda: self.norm_limit(li)) if adaptive else self.norm_limit(li)
-        clipped, record = self.ops.clip_layers([tensors], [params], c, limit)
-        return clipped[0], record
-
-    def record_traced(self, records: list[tuple[int, list[float]]], ok: bool) -> None:
-        self.record_step([(li, norm, factor < 1.0) for li, (norm, factor) in records], ok)
 
     def record_step(self, records: Sequence[tuple[int, float, bool]], ok: bool) -> None:
         """Fold a step's ``(layer, pre-clip norm, clipped?)`` into the running statistics and

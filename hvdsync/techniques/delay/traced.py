@@ -11,9 +11,13 @@ from typing import Any, Optional
 
 
 class TracedDelay:
-    """The traced form of :class:`hvdsync.techniques.delay.technique.Delay`
-    (:class:`hvdsync.core.traced.TracedLocalStep`), on its owner's state, memory and
-    ``_zeroed`` / ``_count_nonfinite``, which the eager step uses too."""
+    """The traced form of :class:`hvdsync.techniques.delay.technique.Delay`, a step that
+    updates locally (:attr:`hvdsync.core.technique.Transport.updates_locally`): a tracing
+    adapter builds :meth:`trace_local` in place of ``layer_ready``/``start``/``send_rest``,
+    counts what it sends with :meth:`traced_traffic`, and calls :meth:`end_local_step` on the
+    host in place of ``end_step``. On its owner's state, memory and ``_zeroed`` /
+    ``_count_nonfinite``, which the eager step uses too. delay= is the only technique whose step
+    updates locally, so this shape is declared here rather than in the core."""
 
     def __init__(self, owner: Any):
         self.owner = owner
@@ -124,6 +128,8 @@ class TracedDelay:
         return self.owner.compressor.delay_traffic(li, tensors, wire_bytes, flags["own_compressed"])
 
     def end_local_step(self, bad: int) -> None:
+        """Closes the traced step, on the host after its update: ``bad``, the count that
+        :meth:`trace_local` built."""
         self.owner._bad = 0
         self.owner._count_nonfinite(int(bad))
         if self.owner.compressor is not None:  # (it closes its step as in the eager one)
