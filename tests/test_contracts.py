@@ -166,14 +166,12 @@ ONE_TECHNIQUE = {
     "Technique.after_optimizer_step": "after the update only the synchronization of the "
                                       "models (outer) acts",
     "Decider.layer_seen": "select='s byte budget in its traced form",
-    "Transport.backward_done": "sparse='s counts round before missing layers are filled",
-    "Transport.holds": "the same: a layer whose layout only the counts tell",
+    "Transport.backward_done": "sparse='s counts round before missing layers are filled, and "
+                               "the layers whose layout only the counts tell",
     "Transport.start_early": "the same: the counts and the predicted rows, before the rest",
     "Transport.decidable": "sparse= rows go every step, whatever a decider plans",
-    "Transport.checks_own": "delay='s steps are not averaged in the step: it checks its own",
     "Transport.updates_locally": "delay= updates with this rank's gradient (the traced local "
                                  "step)",
-    "Transport.sends_in_step": "delay='s local steps send nothing in the step",
     "TracedRounds.staged": "lowrank='s rounds inside a decider's branch (sparse= is never "
                            "decided)",
     "TracedRounds.restage": "the same",
@@ -232,10 +230,10 @@ def test_no_shared_member_serves_one_technique_but_those_listed():
 
 
 def test_the_count_sees_a_member_that_serves_one():
-    """Not vacuous: Transport's sparse-only ``holds`` serves sparse= alone, its ``start``
-    every transport."""
+    """Not vacuous: Transport's sparse-only ``backward_done`` serves sparse= alone, its
+    ``start`` every transport."""
     who = serving()
-    assert who["Transport.holds"] == {"sparse"}
+    assert who["Transport.backward_done"] == {"sparse"}
     assert {"plain", "sparse", "lowrank", "delay"} <= who["Transport.start"]
 
 

@@ -84,7 +84,7 @@ class StepPipeline:
         self._set_local_step()
         # each moment asks only the techniques that do something then
         self._doing = {moment: [t for t in techniques if _does(t, moment)] for moment in (
-            "layer_ready", "group_started", "backward_done", "holds", "start_early", "fill",
+            "layer_ready", "group_started", "backward_done", "start_early", "fill",
             "before_optimizer_step", "end_step", "after_optimizer_step", "after_wait")}
         # the transports finish what arrived before a transform changes it (global clip)
         self._doing["after_wait"].sort(key=lambda t: t.role != TRANSPORT)
@@ -246,7 +246,7 @@ class StepPipeline:
 
     def _send(self, li: int, t: Transport, ks: list[int], layer: list) -> None:
         state = self.state
-        if not t.checks_own:
+        if not t.updates_locally:  # (else it checks its own: Transport.updates_locally)
             state.sent.setdefault(li, []).extend(ks)
         if not state.started[li]:
             if not state.any_started:
@@ -302,11 +302,11 @@ class StepPipeline:
     def _fill_missing(self) -> None:
         """Phase 2: the layers backward did not make ready on this rank, filled and taken in
         one fixed order, so every rank starts the rest alike -- those whose layout a
-        transport learns only from its early round (``holds``) after that round."""
+        transport learns only from its early round (what ``backward_done`` returns) after
+        that round."""
         missing = [li for li, r in enumerate(self.state.ready) if not r]
-        for t in self._doing["backward_done"]:
-            t.backward_done()
-        held = [li for li in missing if any(t.holds(li) for t in self._doing["holds"])]
+        waiting = {li for t in self._doing["backward_done"] for li in t.backward_done(missing)}
+        held = [li for li in missing if li in waiting]
         for li, arrived in self.groups.rest(missing):
             if li in held:
                 continue

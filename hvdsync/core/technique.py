@@ -325,18 +325,14 @@ class Transport(Technique):
     role = TRANSPORT
     #: whether deciders choose if its parameters go (False: they go every step)
     decidable = True
-    #: whether it checks the gradients it starts for NaN/Inf itself (``delay=``: they are
-    #: not averaged in the step, so the step's verdict cannot come from exchanged values);
-    #: the pipeline then leaves them out of its own check
-    checks_own = False
     #: whether its step updates with this rank's own gradient (``delay=``: at once, the
-    #: global gradient folded in later or the models synchronized after the update). A
-    #: tracing adapter builds such a step from its traced form's ``trace_local`` and runs its
-    #: moments on the host around the update (:attr:`hvdsync.core.pipeline.StepPipeline.local_step`)
+    #: global gradient folded in later or the models synchronized after the update). Such a
+    #: transport checks the gradients it starts for NaN/Inf itself -- they are not averaged in
+    #: the step, so the verdict cannot come from exchanged values -- and the pipeline leaves
+    #: them out of its own check. A tracing adapter builds such a step from its traced form's
+    #: ``trace_local`` and runs its moments on the host around the update
+    #: (:attr:`hvdsync.core.pipeline.StepPipeline.local_step`)
     updates_locally = False
-    #: whether its steps exchange anything (``False``: ``delay=``'s local steps, which send
-    #: nothing until the synchronization after an update)
-    sends_in_step = True
 
     def owns(self, li: int, k: int) -> bool:
         """Whether this transport moves parameter ``k`` of layer ``li`` (the last transport
@@ -359,12 +355,11 @@ class Transport(Technique):
         its layout (``None``: zeros)."""
         return None
 
-    def backward_done(self) -> None:
-        """Every layer that backward makes ready on this rank is ready."""
-
-    def holds(self, li: int) -> bool:
-        """Whether missing layer ``li`` can be filled only after :meth:`start_early`."""
-        return False
+    def backward_done(self, missing: list[int]) -> list[int]:
+        """Every layer that backward makes ready on this rank is ready; ``missing``: the
+        layers it did not. Returns those of them that can be filled only after
+        :meth:`start_early` (a layout that only its early round tells)."""
+        return []
 
     def start_early(self) -> dict[int, Pending]:
         """Collectives that must run before held layers can be filled."""

@@ -139,7 +139,7 @@ class TracedStep:
                 self.pipeline.grads.set(li, k, g)
         elif local is not None:  # its transport's step: commit
             self.local_layers.append((li, list(range(len(layer))), layer))
-            if local.sends_in_step:  # each step's gradient goes once (as the eager step counts)
+            if local.traced.sends_in_step:  # each step's gradient goes once (as the eager step counts)
                 own = local.traced.traced_traffic(li, layer, comm.wire_bytes,
                                                   self.flags.of(local))
                 self.sent[li] = (tf.add_n([_bytes(comm, g, wire=True) for g in layer])

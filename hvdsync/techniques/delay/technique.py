@@ -122,7 +122,8 @@ class Delay(Transport):
     """
 
     name = "delay"
-    checks_own = True  # a non-finite local gradient becomes zeros on its rank (start, flush)
+    # and so checks its own gradients: a non-finite one becomes zeros on its rank (start,
+    # flush)
     updates_locally = True
     carries = ("lowrank",)  # with lowrank=, each step's exchange is the compressed one
 
@@ -144,7 +145,6 @@ class Delay(Transport):
         self._local: list[tuple[int, list[int], list]] = []  # local steps: this step's layers
         #: exchanging: this ready group's layers, sent together at group_started
         self._queued: list[tuple[int, list[int], Pending, list]] = []
-        self.sends_in_step = config.exchange_gradients
         #: the traced step's memory (:meth:`use_memory`), or None: the step runs eagerly
         self._memory: Optional[dict[str, Any]] = None
         #: its traced form (Keras' compiled train function): what a tracing adapter builds

@@ -21,6 +21,9 @@ class TracedDelay:
 
     def __init__(self, owner: Any):
         self.owner = owner
+        #: whether its steps exchange anything (``False``: local steps, which send nothing
+        #: until the synchronization after an update)
+        self.sends_in_step = owner.config.exchange_gradients
 
     def trace_local(self, layers: list[tuple[int, list[int], list]],
                     reduce: Callable[[int, str, list], list], flags: dict[str, Any]

@@ -96,8 +96,9 @@ class Sparse(SparseTransport):
         return self.rows.empty(self.grads.value(li, k),
                                self.protocol.sparse_dim(int(self.grads.key(li, k))))
 
-    def backward_done(self) -> None:
-        """Every parameter's layout code; counts first: share them now (one collective)."""
+    def backward_done(self, missing: list[int]) -> list[int]:
+        """Every parameter's layout code; counts first: share them now (one collective).
+        Returns the missing layers that wait for the shared layouts (:meth:`_holds`)."""
         self._at, self._done = {}, set()
         local = [(ABSENT, 0)] * len(self.shapes)
         for i, li, k in self._each():
@@ -109,6 +110,7 @@ class Sparse(SparseTransport):
         if not self.config.one_round:
             self._absorb(self.comm.gather_rows("hvdsync.sparse.layouts",
                                                [self.rows.codes(codes, None)]), codes)
+        return [li for li in missing if self._holds(li)]
 
     def _absorb(self, gathered: Pending, codes: list[int], own_collective: bool = True) -> None:
         """Every rank's codes, from the first output of ``gathered``."""
@@ -121,7 +123,7 @@ class Sparse(SparseTransport):
             raise RuntimeError(f"the gradients of {missing} are sparse on some rank but this "
                                "rank's step has none: every rank must train the same variables")
 
-    def holds(self, li: int) -> bool:
+    def _holds(self, li: int) -> bool:
         """One round: a parameter with no gradient here that was never seen with one anywhere
         (sparse or dense is unknown) waits for the shared layouts."""
         g = self.grads
