@@ -134,8 +134,9 @@ def test_what_delay_carries_implements_the_declared_interface():
     from hvdsync.techniques.delay.technique import Delay
     from hvdsync.techniques.lowrank.in_delay import LowRankInDelay
     from hvdsync.techniques.lowrank.in_step import LowRank
+    from hvdsync.core.rules import CARRIED
     carried = {"lowrank": (LowRank, LowRankInDelay)}
-    assert set(Delay.carries) == set(carried)
+    assert {k for k, (by, _) in CARRIED.items() if by == Delay.name} == set(carried)
     for before, inside in carried.values():
         for interface, cls in ((Carryable, before), (CarriedCompressor, inside)):
             for name in sorted(n for n in declared(interface) if not n.startswith("_")):
@@ -158,9 +159,6 @@ IDENTITY = {"name", "role", "keyword"}
 #: members that still serve one technique, each with why and where it goes (issue 80; the list
 #: only shrinks)
 ONE_TECHNIQUE = {
-    "Technique.carries": "delay= runs lowrank='s exchange inside its own; goes when low rank "
-                         "is a codec delay's exchange uses",
-    "Technique.carry": "the same",
     "Technique.host_before_update": "the outer synchronization takes its anchors on the host "
                                     "before a traced step's first update",
     "Technique.after_optimizer_step": "after the update only the synchronization of the "

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from hvdsync.core.groups import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, ReadyGroups
 from hvdsync.core.pending import Pending, finish_dropped, wait_all
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
+from hvdsync.core.rules import CARRIED
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import (DECIDER, SYNC, TRANSFORM, TRANSPORT, Decider, Technique,
                                     Transform, Transport)
@@ -104,7 +105,7 @@ class StepPipeline:
     def _set_local_step(self) -> None:
         local = [t for t in self.transports if t.updates_locally]
         beside = [t for t in self.transports if local and t is not local[0]
-                  and t.name not in local[0].carries]
+                  and CARRIED.get(t.name, ("",))[0] != local[0].name]
         if len(local) > 1 or beside:
             raise ValueError("a transport that updates locally must be the step's only one "
                              "(but for those it carries)")

@@ -81,6 +81,15 @@ EXCLUSIONS = (
               "step (dense_ratio=0 always sends dense): pass one of them"),
 )
 
+#: Techniques that run their exchange inside another's when both are on: carried -> (carrier,
+#: why). The carrier's package gives ``carry(carrier, carried)``, which returns what takes the
+#: carried technique's place in the step pipeline (its carried form, which owns no layer).
+CARRIED = {
+    "lowrank": ("delay", "delay= exchanges each step's gradient and folds the global one in up "
+                         "to staleness steps later; with lowrank= that exchange is the "
+                         "compressed one"),
+}
+
 #: Reduction ops each technique needs ("average", "sum"); missing: any op.
 OPS = {
     "delay": ("average",),
@@ -203,9 +212,8 @@ def build_techniques(configs: dict[str, Any], parts: Parts) -> list[Technique]:
                  else package(name).build(configs[name], parts))
         techniques += built if isinstance(built, list) else [built]
     parts.stats.describe(enabled(configs), lambda: parts.comm.size)
-    for t in list(techniques):  # compositions the techniques declare (Technique.carries)
-        for name in t.carries:
-            at = [i for i, other in enumerate(techniques) if other.name == name]
-            for i in at:
-                techniques[i] = t.carry(techniques[i])
+    for carried, (carrier, _) in CARRIED.items():  # the compositions (CARRIED)
+        by = next((t for t in techniques if t.name == carrier), None)
+        for i in [i for i, t in enumerate(techniques) if by is not None and t.name == carried]:
+            techniques[i] = package(carrier).carry(by, techniques[i])
     return techniques

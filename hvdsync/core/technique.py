@@ -129,15 +129,6 @@ class Technique:
     #: the other techniques (by name) its traced form is built beside; ``None``: any traceable
     #: one (a tracing adapter runs the step pipeline eagerly for any other combination)
     traced_with: Optional[tuple[str, ...]] = None
-    #: the techniques whose exchange it runs when both are enabled (``delay=`` carries
-    #: ``lowrank=``'s compressed exchange): :meth:`carry` is given each one present
-    carries: tuple[str, ...] = ()
-
-    def carry(self, other: "Technique") -> "Technique":
-        """Run ``other``'s exchange inside this technique's (a name in :attr:`carries`);
-        returns what takes ``other``'s place in the step pipeline (its carried form)."""
-        raise NotImplementedError(f"{self.name} declares no technique it carries")
-
     def layer_ready(self, li: int, ks: list[int]) -> None:
         """Layer ``li``'s local gradient is final (its missing gradients filled)."""
 

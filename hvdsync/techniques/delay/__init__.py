@@ -33,4 +33,10 @@ def build(config: DelayConfig, parts: Parts) -> list[Technique]:
                         parts.stats, delay.finished_steps)]
 
 
-__all__ = ["CONFIG", "DelayConfig", "Delay", "build"]
+def carry(delay: Delay, other: Technique) -> Technique:
+    """Run ``other``'s exchange (``lowrank=``) inside delay's: the rulebook's
+    :data:`hvdsync.core.rules.CARRIED`. Returns its carried form."""
+    return delay.carry(other)
+
+
+__all__ = ["CONFIG", "DelayConfig", "Delay", "build", "carry"]

@@ -1,7 +1,7 @@
-"""What ``delay=`` may call on the technique it carries (``carries``: ``lowrank=``), declared
-once, so that delay reaches it through an interface and the contract test (tests/
-test_contracts.py) sees every call, as it does the ports' (docs/design.md, "One lifecycle:
-roles and moments").
+"""What ``delay=`` may call on the technique it carries (``lowrank=``: the rulebook's
+:data:`hvdsync.core.rules.CARRIED`), declared once, so that delay reaches it through an
+interface and the contract test (tests/test_contracts.py) sees every call, as it does the
+ports' (docs/design.md, "One lifecycle: roles and moments").
 
 A technique that ``delay=`` carries runs its exchange inside delay's: each step's global
 gradient is the compressed one, folded in up to ``staleness`` steps later. lowrank's

@@ -125,7 +125,6 @@ class Delay(Transport):
     # and so checks its own gradients: a non-finite one becomes zeros on its rank (start,
     # flush)
     updates_locally = True
-    carries = ("lowrank",)  # with lowrank=, each step's exchange is the compressed one
 
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats,
@@ -371,7 +370,7 @@ class Delay(Transport):
 
     def carry(self, other: Technique) -> Technique:
         """``lowrank=``: each step's exchange is its compressed one (its carried form owns
-        nothing in the step pipeline)."""
+        nothing in the step pipeline; :data:`hvdsync.core.rules.CARRIED`)."""
         carryable: Carryable = other  # type: ignore[assignment] -- carries names it
         self.compressor = carryable.in_delay(self.config.staleness, self.finished_steps)
         return self.compressor  # type: ignore[return-value] -- a technique too
