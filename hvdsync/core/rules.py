@@ -214,6 +214,7 @@ def build_techniques(configs: dict[str, Any], parts: Parts) -> list[Technique]:
     parts.stats.describe(enabled(configs), lambda: parts.comm.size)
     for carried, (carrier, _) in CARRIED.items():  # the compositions (CARRIED)
         by = next((t for t in techniques if t.name == carrier), None)
-        for i in [i for i, t in enumerate(techniques) if by is not None and t.name == carried]:
-            techniques[i] = package(carrier).carry(by, techniques[i])
+        if by is not None:
+            techniques = [package(carrier).carry(by, t) if t.name == carried else t
+                          for t in techniques]
     return techniques
