@@ -1,6 +1,6 @@
-"""The wire codecs (:mod:`hvdsync.core.codec`): each encoding's round trip within its bound,
+"""The wire codecs (:mod:`hvdsync.core.wire`): each encoding's round trip within its bound,
 the two adapters' primitives giving the same parts and values, and an encoding that only a test
-defines -- one class registered in :data:`~hvdsync.core.codec.CODECS` -- carrying ``delay=``'s
+defines -- one class registered in :data:`~hvdsync.core.wire.CODECS` -- carrying ``delay=``'s
 outer exchange on simulated ranks (docs/internals.md, "Adding an encoding")."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdsync.core.codec import CODECS, Codec
+from hvdsync.core.wire import CODECS, Codec
 from hvdsync.testing import run_threads
 from tests.models import MLP, teacher_batches
 

@@ -18,8 +18,7 @@ import pytest
 
 from hvdsync.core import ports as core_ports
 from hvdsync.core import technique
-from hvdsync.core.codec import CodecOps
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import CodecOps, Pending
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.technique import Decider, Parts, Technique, Transform, Transport
 from hvdsync.core.traced import TracedRounds
@@ -27,12 +26,12 @@ from hvdsync.techniques.delay.carried import Carryable, CarriedCompressor
 from hvdsync.techniques.sparse.ports import RowSparse
 
 #: the framework-neutral modules: the core, safety and the techniques (core/technique.py,
-#: core/ports.py and core/pending.py define the interfaces), and the tools
+#: core/ports.py and core/wire.py define the interfaces), and the tools
 PACKAGE = pathlib.Path(technique.__file__).parent.parent
 CORE = sorted(p for part in ("core", "safety", "techniques", "tools")
               for p in (PACKAGE / part).rglob("*.py")
               if p.relative_to(PACKAGE).as_posix() not in ("core/technique.py", "core/ports.py",
-                                                           "core/pending.py"))
+                                                           "core/wire.py"))
 TECHNIQUES = sorted(p.name for p in (PACKAGE / "techniques").iterdir() if p.is_dir()
                     and (p / "__init__.py").exists())
 
@@ -98,7 +97,7 @@ def receivers_of(path: pathlib.Path) -> dict:
     rel = path.relative_to(PACKAGE).as_posix()
     if rel == "core/pipeline.py":
         receivers.update(PIPELINE_RECEIVERS)
-    if rel == "core/codec.py":  # the codecs' own primitives
+    if rel == "core/wire.py":  # the codecs' own primitives
         receivers["ops"] = receivers["ops"] + (CodecOps,)
     if rel in ("techniques/select/technique.py", "techniques/select/policy.py",
                "tools/perfmodel.py", "tools/advise.py"):  # (their own local names)

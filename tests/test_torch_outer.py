@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hvdsync import DelayConfig
-from hvdsync.core.codec import CODECS
+from hvdsync.core.wire import CODECS
 from hvdsync.techniques.outer.technique import fragment_layers, start_offsets
 from hvdsync.testing import run_ranks
 from tests.models import (LOGIC_IDS, LOGIC_JOBS, MLP, REAL_NP, REAL_NP_IDS, DeviceMemory,

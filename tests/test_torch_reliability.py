@@ -439,7 +439,7 @@ def test_restoring_drops_a_step_whose_collectives_failed():
     the interrupted step's collectives can only raise: the step is dropped with a warning,
     the state loads and training goes on (one process; the killed-rank job: issue 31)."""
     import hvdsync.torch as hvd
-    from hvdsync.core.pending import Pending
+    from hvdsync.core.wire import Pending
     hvd.init()
     torch.manual_seed(0)
     m = MLP()

@@ -19,7 +19,7 @@ import warnings
 from typing import Any, Optional
 
 from hvdsync.core.groups import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, ReadyGroups
-from hvdsync.core.pending import Pending, finish_dropped, wait_all
+from hvdsync.core.wire import Pending, finish_dropped, wait_all
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.rules import CARRIED
 from hvdsync.core.stats import SyncStats

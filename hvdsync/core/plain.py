@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 from hvdsync.core.ports import Communicator, Gradients
 from hvdsync.core.technique import Transport
 

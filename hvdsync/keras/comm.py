@@ -31,7 +31,7 @@ from horovod.tensorflow.mpi_ops import Average, ProcessSet, Sum
 
 from hvdsync.safety.entries import Entries
 from hvdsync.core.stats import SyncStats
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 from hvdsync.safety.watchdog import guard
 
 

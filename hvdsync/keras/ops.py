@@ -341,7 +341,7 @@ class KerasOps:
     def cast(t, dtype: Optional[str] = None, like=None):
         return tf.cast(t, dtype if dtype is not None else like.dtype)
 
-    # -- the codecs' primitives (hvdsync.core.codec.CodecOps), run inside fused()
+    # -- the codecs' primitives (hvdsync.core.wire.CodecOps), run inside fused()
     @staticmethod
     def flat(tensors: Sequence):
         return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)

@@ -15,7 +15,7 @@ import tensorflow as tf
 from hvdsync.keras.backend import KerasGradients
 from hvdsync.keras.comm import KerasCommunicator, coalesce, payload_bytes
 from hvdsync.keras.rows import KerasRows, from_values
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 from hvdsync.techniques.sparse.protocol import ABSENT, DENSE
 from hvdsync.techniques.sparse.config import SparseConfig
 from hvdsync.techniques.sparse.exchange import Sparse

@@ -19,7 +19,7 @@ import torch
 
 from hvdsync.safety.entries import Entries
 from hvdsync.core.stats import SyncStats
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 from hvdsync.torch import engine
 from hvdsync.safety.watchdog import guard
 

@@ -175,7 +175,7 @@ def nonfinite_flag(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def quantize_blocks(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     """int8 codes of a float32 vector and a float32 scale per ``chunk`` values
-    (:meth:`hvdsync.core.codec.CodecOps.quantize_blocks`)."""
+    (:meth:`hvdsync.core.wire.CodecOps.quantize_blocks`)."""
     rows = torch.nn.functional.pad(flat, (0, -flat.numel() % chunk)).view(-1, chunk)
     scale = rows.abs().amax(dim=1) / 127.0  # NaN/Inf show in the scale
     # an all-zero chunk divides by the smallest float instead of 0 (its codes are 0
@@ -386,7 +386,7 @@ class MultiTensorOps:
         # one device read: everything on the first scalar's device, stacked
         return torch.stack([t.detach().float().reshape(()).to(device) for t in ts]).tolist()
 
-    # -- the codecs' primitives (hvdsync.core.codec.CodecOps)
+    # -- the codecs' primitives (hvdsync.core.wire.CodecOps)
     @staticmethod
     def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return flatten_all([t.detach() if t.requires_grad else t for t in tensors],

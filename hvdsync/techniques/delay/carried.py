@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 
 
 class CarriedCompressor(Protocol):

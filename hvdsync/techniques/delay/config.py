@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hvdsync.core.config import coerce_config
-from hvdsync.core.codec import CODECS
+from hvdsync.core.wire import CODECS
 
 STATE_MODES = ("local", "average")
 
@@ -48,7 +48,7 @@ class DelayConfig:
             inner steps go on meanwhile (``0``: the step waits for it).
         mix: Streaming DiLoCo's alpha: after the outer update a fragment's parameters become
             ``(1 - mix) * synchronized + mix * local`` (``0``: the synchronized ones).
-        compress: the outer exchange's encoding, a name in :data:`hvdsync.core.codec.CODECS`:
+        compress: the outer exchange's encoding, a name in :data:`hvdsync.core.wire.CODECS`:
             ``"none"``, ``"fp16"``, ``"bf16"`` or ``"int8"`` (a scale per 1024 values).
         error_feedback: what compression lost joins the rank's next pseudo-gradient.
         fold: when a global gradient is folded in (only with ``exchange_gradients``):

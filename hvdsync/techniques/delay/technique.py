@@ -26,7 +26,7 @@ from hvdsync.techniques.outer.technique import start_offsets
 from hvdsync.techniques.delay.config import DelayConfig
 from hvdsync.techniques.delay.traced import TracedDelay
 from hvdsync.core.stats import SyncStats
-from hvdsync.core.pending import Pending, finish_dropped
+from hvdsync.core.wire import Pending, finish_dropped
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.technique import Technique, Transport
 

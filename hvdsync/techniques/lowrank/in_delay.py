@@ -16,7 +16,7 @@ from hvdsync.techniques.lowrank.memory import LowRankBase
 from hvdsync.techniques.lowrank.config import LowRankConfig
 from hvdsync.techniques.lowrank.factors import project
 from hvdsync.techniques.lowrank.in_delay_traced import TracedRing, ring_memory, traffic
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 
 

@@ -13,7 +13,7 @@ from hvdsync.techniques.lowrank.memory import LowRankBase
 from hvdsync.techniques.lowrank.config import LowRankConfig
 from hvdsync.techniques.lowrank.factors import round_label, two_rounds
 from hvdsync.techniques.lowrank.in_delay import LowRankInDelay
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.traced import TracedRounds
 

@@ -1,5 +1,5 @@
 """What ``delay=``'s synchronization of the models alone needs of an adapter, beside the
-shared ports (:mod:`hvdsync.core.ports`) and the codecs' (:mod:`hvdsync.core.codec`): writing
+shared ports (:mod:`hvdsync.core.ports`) and the codecs' (:mod:`hvdsync.core.wire`): writing
 parameters, fused calls; the replicas' tensors; averaging and gathering between ranks."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 
 
 class OuterOps(Protocol):

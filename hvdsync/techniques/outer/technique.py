@@ -20,8 +20,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Optional
 
-from hvdsync.core.codec import CODECS, Codec
-from hvdsync.core.pending import Pending, finish_dropped
+from hvdsync.core.wire import CODECS, Codec, Pending, finish_dropped
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import SYNC, Technique
@@ -212,7 +211,7 @@ class OuterSync(Technique):
         self._due = False  # an update is next: synchronize after it
         #: fragments merged after the last step's update
         self.last_merged: list[int] = []
-        #: how the pseudo-gradients travel (``compress=``: :data:`hvdsync.core.codec.CODECS`)
+        #: how the pseudo-gradients travel (``compress=``: :data:`hvdsync.core.wire.CODECS`)
         self.codec = CODECS[config.compress]
         self.outgoing = ops.fused(partial(outgoing, ops, self.codec, config.error_feedback))
         self.average = ops.fused(partial(self.codec.average, ops))

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 
 from hvdsync.core.stats import SyncStats
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.technique import WITHHELD, Decider, accumulated, control_part, refill, shared_ok
 from hvdsync.techniques.select.config import SelectConfig

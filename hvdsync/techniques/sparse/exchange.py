@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 from hvdsync.core.ports import Communicator, Gradients
 from hvdsync.techniques.sparse.ports import RowSparse
 from hvdsync.techniques.sparse.protocol import ABSENT, DENSE, SparseProtocol, SparseTransport

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 
 
 class RowSparse(Protocol):

@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from hvdsync.core.pending import Pending
+from hvdsync.core.wire import Pending
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.technique import LOCAL_STEP, Decider, accumulated, control_part, refill, shared_ok
 from hvdsync.techniques.threshold.config import ThresholdConfig
