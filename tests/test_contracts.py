@@ -166,7 +166,6 @@ ONE_TECHNIQUE = {
     "Transport.backward_done": "sparse='s counts round before missing layers are filled, and "
                                "the layers whose layout only the counts tell",
     "Transport.start_early": "the same: the counts and the predicted rows, before the rest",
-    "Transport.decidable": "sparse= rows go every step, whatever a decider plans",
     "Transport.updates_locally": "delay= updates with this rank's gradient (the traced local "
                                  "step)",
     "TracedRounds.staged": "lowrank='s rounds inside a decider's branch (sparse= is never "

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from hvdsync.core.groups import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, ReadyGroups
 from hvdsync.core.wire import Pending, finish_dropped, wait_all
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
-from hvdsync.core.rules import CARRIED
+from hvdsync.core.rules import CARRIED, decided
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import (DECIDER, SYNC, TRANSFORM, TRANSPORT, Decider, Technique,
                                     Transform, Transport)
@@ -39,7 +39,7 @@ class StepState:
         self.ready = [False] * n
         #: per layer, each transport's parameters (``(transport, ks)``)
         self.parts: list[list[tuple[Transport, list[int]]]] = [[] for _ in range(n)]
-        #: per layer, the parameters a decider governs (those of decidable transports)
+        #: per layer, the parameters a decider governs (not those of rules.UNDECIDED)
         self.governed: list[list[int]] = [[] for _ in range(n)]
         self.kept: list = []  # this rank's gradients of the layers the decider kept back
         #: layer -> parameters exchanged this step, whose values tell whether it was finite
@@ -90,6 +90,8 @@ class StepPipeline:
         # the transports finish what arrived before a transform changes it (global clip)
         self._doing["after_wait"].sort(key=lambda t: t.role != TRANSPORT)
         self._ready_transports = [t for t in self._doing["layer_ready"] if t.role == TRANSPORT]
+        #: the transports whose layers go every step, whatever the decider plans (rules.UNDECIDED)
+        self._undecided = tuple(t for t in self.transports if not decided(t))
         self._ranges: dict[int, list[int]] = {}  # [0..n-1] by n, shared (read only)
         #: ``(layer name, time.perf_counter())`` when each layer's first send of the current
         #: (or last) step started: shows sends overlapping backward
@@ -166,7 +168,7 @@ class StepPipeline:
         sizes = [len(layer) for layer in self.grads.layers(group)]
         for li, n in zip(group, sizes):
             parts = state.parts[li] = self._split(li, n)
-            state.governed[li] = [k for t, ks in parts if t.decidable for k in ks]
+            state.governed[li] = [k for t, ks in parts if t not in self._undecided for k in ks]
         # transports first: sparse sums duplicate rows before anything measures them (each
         # is told of every layer: lowrank's buckets wait for layers it owns nothing of now)
         for t in self._ready_transports:
@@ -212,11 +214,11 @@ class StepPipeline:
         layers = dict(zip(group, self.grads.layers(group)))
         for li in group:
             for t, ks in parts[li]:
-                if not t.decidable and ks:
+                if ks and t in self._undecided:
                     self._send(li, t, ks, layers[li])
         for li in sends:
             for t, part in parts[li]:
-                if t.decidable and part:
+                if part and t not in self._undecided:
                     self._send(li, t, part, layers[li])
 
     def _split(self, li: int, n: int) -> list[tuple[Transport, list[int]]]:

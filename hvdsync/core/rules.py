@@ -90,6 +90,20 @@ CARRIED = {
                          "compressed one"),
 }
 
+#: Transports whose layers go every step, whatever a decider (``threshold=``, ``select=``)
+#: plans: name -> why. Deciders govern every other transport's parameters.
+UNDECIDED = {
+    "sparse": "which parameters are row-sparse, and their rows, change with the batch; the "
+              "counts are shared every step, so the rows go every step and the deciders "
+              "govern the dense parameters",
+}
+
+
+def decided(transport: Technique) -> bool:
+    """Whether deciders choose when ``transport``'s parameters go (:data:`UNDECIDED`)."""
+    return transport.name not in UNDECIDED
+
+
 #: Reduction ops each technique needs ("average", "sum"); missing: any op.
 OPS = {
     "delay": ("average",),

@@ -314,8 +314,6 @@ class Decider(Technique):
 
 class Transport(Technique):
     role = TRANSPORT
-    #: whether deciders choose if its parameters go (False: they go every step)
-    decidable = True
     #: whether its step updates with this rank's own gradient (``delay=``: at once, the
     #: global gradient folded in later or the models synchronized after the update). Such a
     #: transport checks the gradients it starts for NaN/Inf itself -- they are not averaged in

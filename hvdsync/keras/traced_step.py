@@ -21,6 +21,7 @@ from hvdsync.keras.comm import KerasCommunicator, payload_bytes
 from hvdsync.keras.flags import HostFlags, Traffic
 from hvdsync.core.kept_layers import KeptLayers
 from hvdsync.core.pipeline import StepPipeline
+from hvdsync.core.rules import decided
 from hvdsync.core.technique import Technique
 from hvdsync.core.traced import TracedRounds
 
@@ -76,21 +77,21 @@ class TracedStep:
         pipeline, kept = self.pipeline, self.kept
         pipeline.grads.begin_step(self.variables, self.grads)  # as techniques see them
         groups = [(t, group) for t in pipeline.transports if isinstance(t, TracedRounds)
-                  for group in t.traced_groups(one_layer_each=kept is not None and t.decidable)]
+                  for group in t.traced_groups(one_layer_each=kept is not None and decided(t))]
         if len({li for _, group in groups for li in group}) < sum(len(g) for _, g in groups):
             raise NotImplementedError(
                 "hvdsync: a layer both of these transports exchange in the compiled step ("
                 f"{', '.join(sorted({t.name for t, _ in groups}))}: a layer with a row-sparse "
                 "gradient and a compressible matrix): set HVDSYNC_KERAS_PIPELINE=1 to run it "
                 "through the step pipeline")
-        # beside a decider, a decidable transport's layers (lowrank=) go where the plan says,
+        # beside a decider, a decided transport's layers (lowrank=) go where the plan says,
         # one layer's rounds in the branch that sends it; the others' groups (sparse=) every step
         if kept is not None:
-            self.decided = {li: t for t, group in groups if t.decidable for li in group}
-            if len(self.decided) < sum(len(g) for t, g in groups if t.decidable):
+            self.decided = {li: t for t, group in groups if decided(t) for li in group}
+            if len(self.decided) < sum(len(g) for t, g in groups if decided(t)):
                 raise NotImplementedError("hvdsync: beside a decider, a transport's rounds in "
                                           "the compiled step take one layer each")
-            groups = [(t, group) for t, group in groups if not t.decidable]
+            groups = [(t, group) for t, group in groups if not decided(t)]
         self.groups = groups
         self.grouped = {li for _, group in groups for li in group}
         self.exchangers = list({t.name: t for t in [*(t for t, _ in groups),

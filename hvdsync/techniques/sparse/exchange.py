@@ -53,7 +53,7 @@ class Sparse(SparseTransport):
     travels in (after the adapter's compression), ``i`` a position in layer order."""
 
     # an adapter's traced form (Keras) goes beside a decider: its layers go every step,
-    # outside the decider's branches (they are not decidable), and beside lowrank='s rounds
+    # outside the decider's branches (rules.UNDECIDED), and beside lowrank='s rounds
     traced_with = ("clip", "plain", "threshold", "select", "lowrank")
 
     def __init__(self, config: SparseConfig, grads: Gradients, comm: Communicator, rows: RowSparse,

@@ -213,7 +213,6 @@ class SparseTransport(Transport):
     memory in checkpoints); each moves its framework's tensors."""
 
     name = "sparse"
-    decidable = False  # row-sparse gradients go every step
     scale_sensitive = False  # rows summed; the memory is of layouts and routes only
     protocol: SparseProtocol
 
