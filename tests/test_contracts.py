@@ -168,9 +168,6 @@ ONE_TECHNIQUE = {
     "Transport.start_early": "the same: the counts and the predicted rows, before the rest",
     "Transport.updates_locally": "delay= updates with this rank's gradient (the traced local "
                                  "step)",
-    "TracedRounds.staged": "lowrank='s rounds inside a decider's branch (sparse= is never "
-                           "decided)",
-    "TracedRounds.restage": "the same",
     "Parts.sparse_exchange": "the sparse exchange an adapter builds over its row-sparse "
                              "primitives",
     "Parts.traces": "delay= folds when due where the adapter traces its step",

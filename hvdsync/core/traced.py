@@ -18,7 +18,10 @@ class TracedRounds:
     """A traced step that exchanges through this transport's own rounds: the adapter asks
     :meth:`traced_groups`, builds each group's :meth:`trace_exchange`, then
     :meth:`trace_commit` once, and on the host :meth:`end_traced_step` in place of
-    ``end_step``."""
+    ``end_step``. A transport that deciders govern (not in :data:`hvdsync.core.rules.UNDECIDED`)
+    has its rounds built inside a decider's branch, and its staged memory must leave that
+    branch: it also has ``staged`` and ``restage`` (``lowrank=``'s,
+    :class:`hvdsync.techniques.lowrank.in_step.LowRank`)."""
 
     name: str
 
@@ -44,20 +47,6 @@ class TracedRounds:
         device scalar where sizes are known at run time only). Returns each layer's
         gradients to apply; what the memory should become waits for :meth:`trace_commit`."""
         raise NotImplementedError(f"{self.name} has no traced exchange")
-
-    def staged(self, layers: list[tuple[int, list[int]]], built: bool) -> list:
-        """What the memory should become after :meth:`trace_exchange` of ``layers``, as a
-        flat list of tensors, so it can leave a branch (a decider's, that sends the layers
-        only where the plan says). ``built``: inside the branch that just built the exchange
-        (what it staged, taken back from :meth:`trace_commit`'s list); else, in the other
-        branch, the memory as it stands. :meth:`restage` gives it back after the branch.
-        Default: nothing staged."""
-        return []
-
-    def restage(self, layers: list[tuple[int, list[int]]], values: list, taken: Any) -> None:
-        """Stage ``values`` (:meth:`staged`, as they left the branch) for
-        :meth:`trace_commit`, written only where the device boolean ``taken`` holds (the
-        branch that built the exchange ran)."""
 
     def trace_commit(self, ok: Any) -> Optional[list]:
         """Build the step's memory update, once a step (after every exchange): what the

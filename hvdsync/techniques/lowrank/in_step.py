@@ -321,6 +321,11 @@ class LowRank(LowRankBase, TracedRounds):
         return [self.grads.key(li, k) for li, comp, _ in self._split(layers) for k in comp]
 
     def staged(self, layers: list[tuple[int, list[int]]], built: bool) -> list:
+        """What the memory should become after :meth:`trace_exchange` of ``layers``, as a
+        flat list of tensors, so that it can leave a decider's branch (which sends the layers
+        only where the plan says). ``built``: inside the branch that just built the exchange
+        (what it staged, taken back from :meth:`trace_commit`'s list); else, in the other
+        branch, the memory as it stands. :meth:`restage` gives it back after the branch."""
         if built:  # the last trace_exchange's (these layers'): new Qs, then residuals
             _, new_q, new_err, _ = self._traced.pop()
             return [*new_q, *new_err]
@@ -328,6 +333,9 @@ class LowRank(LowRankBase, TracedRounds):
         return [*(self.q.read(k) for k in keys), *(self.err.read(k) for k in keys)]
 
     def restage(self, layers: list[tuple[int, list[int]]], values: list, taken: Any) -> None:
+        """Stage ``values`` (:meth:`staged`, as they left the branch) for
+        :meth:`trace_commit`, written only where the device boolean ``taken`` holds (the
+        branch that built the exchange ran)."""
         keys = self._compressed_keys(layers)
         n = len(keys)
         # (warm-up writes back the memory as it was: a no-op, and no flag to read here)
