@@ -96,14 +96,19 @@ def test_every_dtype_and_collective_answers_as_horovod(request, torchrun_job, np
 @pytest.mark.parametrize("case", ["autograd", "async_forms"])
 def test_gradients_and_async_forms_as_horovod(request, torch_job, torchrun_job, np_, case):
     """``autograd``: the gradient through every differentiable collective; ``async_forms``:
-    several asynchronous calls in flight at once, the in-place forms, the job's facts."""
+    several asynchronous calls in flight at once, the in-place forms, the job's facts and
+    horovodrun's environment variables."""
     horovod = torch_job(request.module, np_)[case]
     ours = torchrun_job(request.module, np_)[case]
     for r in range(np_):
         assert ours[r].keys() == horovod[r].keys()
         for k, v in horovod[r].items():
-            same = ours[r][k] == v if k in ("initialized", "cross") else _same(ours[r][k], v, k)
+            same = (ours[r][k] == v if k in ("initialized", "cross", "environment")
+                    else _same(ours[r][k], v, k))
             assert v != "raises" and same, (r, k, ours[r][k], v)
+        if case == "async_forms":  # horovodrun's variables, set by hvd.init() on torchrun
+            env = ours[r]["environment"]
+            assert (env["HOROVOD_RANK"], env["HOROVOD_SIZE"]) == (str(r), str(np_)), env
 
 
 @NP

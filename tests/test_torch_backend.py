@@ -155,7 +155,8 @@ def test_horovod_api_on_torchrun(request, torchrun_job, np_, without_horovod):
 
 def test_backend_rule(monkeypatch):
     from hvdsync.torch import engine
-    for var in ("HVDSYNC_BACKEND", "HOROVOD_RANK", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
+    for var in ("HVDSYNC_BACKEND", "HOROVOD_RANK", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE",
+                "HVDSYNC_HOROVOD_ENVIRONMENT", "HOROVOD_GLOO_RENDEZVOUS_ADDR"):
         monkeypatch.delenv(var, raising=False)
     assert engine.default_backend() == "horovod"  # installed here: as before
     monkeypatch.setenv("RANK", "0")
@@ -163,6 +164,11 @@ def test_backend_rule(monkeypatch):
     assert engine.default_backend() == "torch"  # torchrun's variables
     monkeypatch.setenv("HOROVOD_RANK", "0")
     assert engine.default_backend() == "horovod"  # horovodrun sets both kinds
+    # a process a torchrun rank started inherits the HOROVOD_* the torch engine's init set
+    monkeypatch.setenv("HVDSYNC_HOROVOD_ENVIRONMENT", "torch")
+    assert engine.default_backend() == "torch"
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")  # ... and then horovodrun
+    assert engine.default_backend() == "horovod"
     monkeypatch.setenv("HVDSYNC_BACKEND", "torch")
     assert engine.default_backend() == "torch"
     monkeypatch.setenv("HVDSYNC_BACKEND", "mpi")

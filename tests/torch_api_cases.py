@@ -4,11 +4,15 @@ test compares the two answers."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
           "float64", "bool")
 REDUCE_OPS = ("Sum", "Average", "Min", "Max", "Product")
+#: what horovodrun sets in each rank's environment (hvd.init() on torchrun sets them too)
+HOROVOD_ENVIRONMENT = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+                       "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
 
 
 def _answer(call: Any) -> Any:
@@ -259,7 +263,8 @@ def async_forms() -> dict:
     r, n = hvd.rank(), hvd.size()
     x = torch.arange(4 * n, dtype=torch.float32).reshape(2 * n, 2) + r
     out: dict = dict(initialized=hvd.is_initialized(),
-                     cross=[hvd.cross_rank(), hvd.cross_size()])
+                     cross=[hvd.cross_rank(), hvd.cross_size()],
+                     environment={v: os.environ.get(v) for v in HOROVOD_ENVIRONMENT})
     handles = {
         "allreduce_async_": hvd.allreduce_async_(x.clone(), name="f.a", op=hvd.Min),
         "allgather_async": hvd.allgather_async(x[:r + 1], name="f.b"),

@@ -3,7 +3,8 @@
 ``hvd.init()`` (or at the first call that needs it), by this rule:
 
 1. ``hvd.init(backend="torch" | "horovod")``, else the ``HVDSYNC_BACKEND`` environment variable;
-2. else a rank started by Horovod's launcher (``HOROVOD_RANK`` set) uses Horovod;
+2. else a rank started by Horovod's launcher (``HOROVOD_RANK`` set, and not by the torch
+   engine's ``init()`` in a parent process) uses Horovod;
 3. else a rank started by ``torchrun`` (``TORCHELASTIC_RUN_ID``, or ``RANK`` and
    ``WORLD_SIZE``), or any process where Horovod is not installed, uses torch.distributed;
 4. else Horovod (a lone process with Horovod installed: a job of one).
@@ -64,7 +65,9 @@ def default_backend() -> str:
         if wanted not in BACKENDS:
             raise ValueError(f"{ENV} must be one of {sorted(BACKENDS)}, got {wanted!r}")
         return wanted
-    if "HOROVOD_RANK" in os.environ:
+    if "HOROVOD_RANK" in os.environ and (
+            "HVDSYNC_HOROVOD_ENVIRONMENT" not in os.environ  # (set by the torch engine's init)
+            or "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ):  # (horovodrun started it after)
         return "horovod"
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ
                                                 and "WORLD_SIZE" in os.environ):

@@ -71,6 +71,25 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     for ps in () if process_sets in (None, "dynamic") else process_sets:  # always dynamic
         if getattr(ps, "process_set_id", None) is None:
             add_process_set(ps)
+    _export_horovod_environment()
+
+
+#: the mark on the HOROVOD_* variables this engine set (horovodrun did not)
+EXPORTED = "HVDSYNC_HOROVOD_ENVIRONMENT"
+#: what ``horovodrun`` tells each rank in its environment, and the torch engine's source of it
+HOROVOD_ENVIRONMENT = {"HOROVOD_RANK": "rank", "HOROVOD_SIZE": "size",
+                       "HOROVOD_LOCAL_RANK": "local_rank", "HOROVOD_LOCAL_SIZE": "local_size",
+                       "HOROVOD_CROSS_RANK": "cross_rank", "HOROVOD_CROSS_SIZE": "cross_size"}
+
+
+def _export_horovod_environment() -> None:
+    """Set the variables ``horovodrun`` gives its ranks (a script or library may read them
+    after ``init()``), with this job's values. Processes this one starts inherit them, and
+    the mark that hvdsync set them, so that such a process does not take ``HOROVOD_RANK``
+    for a sign of horovodrun (:func:`hvdsync.torch.engine.default_backend`)."""
+    for var, fact in HOROVOD_ENVIRONMENT.items():
+        os.environ[var] = str(globals()[fact]())
+    os.environ[EXPORTED] = "torch"
 
 
 #: how other launchers tell a process it is one of several
