@@ -23,7 +23,6 @@ from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.technique import Decider, Parts, Technique, Transform, Transport
 from hvdsync.core.traced import TracedRounds
 from hvdsync.techniques.delay.carried import Carryable, CarriedCompressor
-from hvdsync.techniques.sparse.ports import RowSparse
 
 #: the framework-neutral modules: the core, safety and the techniques (core/technique.py,
 #: core/ports.py and core/wire.py define the interfaces), and the tools

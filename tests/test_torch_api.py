@@ -16,6 +16,7 @@ import pytest
 from hvdsync.testing import HIDE_ENV, run_ranks
 from tests.torch_api_cases import (DTYPES, REDUCE_OPS, WIDE, async_forms, autograd_walk,
                                    checks_in_training, dtype_matrix, mistakes, rank_leaves,
+                                   reducescatter_wire, refusals,
                                    run_script, step_while_a_rank_joined, sync_batch_norm)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,7 @@ def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     if np_ not in (2, 3):
         return {}
     return {"autograd": (autograd_walk,), "sync_batch_norm": (sync_batch_norm,),
-            "async_forms": (async_forms,)}
+            "async_forms": (async_forms,), "refusals": (refusals,)}
 
 
 def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
@@ -36,6 +37,7 @@ def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     if np_ not in (2, 3):
         return {}
     return {**torch_job_cases(np_, directory), "matrix": (dtype_matrix,),
+            "reducescatter_wire": (reducescatter_wire,),
             "mistakes": (mistakes,), "checks_in_training": (checks_in_training,)}
 
 
@@ -126,7 +128,7 @@ def test_mistakes_raise_the_same_clear_error_on_every_rank(request, torchrun_job
     res = torchrun_job(request.module, np_)["mistakes"]
     said = {"shape": "shapes differ", "dtype": "dtypes differ", "name": "name differ",
             "root": "root_rank differ", "op": "op differ",
-            "one_rank_only": "collective differ", "duplicate": "already in use"}
+            "one_rank_only": "collective differ"}
     for r, out in enumerate(res):
         for label, phrase in said.items():
             assert out[label] is not None, (r, label)
@@ -137,6 +139,42 @@ def test_mistakes_raise_the_same_clear_error_on_every_rank(request, torchrun_job
         assert out["job_goes_on"] == out["expected_sum"]
     assert "rank 0: [3]; rank 1: [4]" in res[0]["shape"][0]
     assert "rank 0: 'Max'" not in res[0]["op"][0] and "rank 0: Max" in res[0]["op"][0]
+
+
+@NP
+def test_refusals_raise_horovods_exception_classes(request, torch_job, torchrun_job, np_):
+    """Each call Horovod refuses raises, on the torch engine, an instance of every class
+    Horovod's exception is (a subclass keeps hvdsync's message); a name still in flight is
+    refused at once on the rank that repeats it, while its peers are elsewhere."""
+    horovod = torch_job(request.module, np_)["refusals"]
+    ours = torchrun_job(request.module, np_)["refusals"]
+    for r in range(np_):
+        labels = [k for k in horovod[r] if not k.endswith(".seconds") and k != "job_goes_on"]
+        assert len(labels) == (23 if r == 0 else 19), labels
+        assert sum(horovod[r][k] is not None for k in labels) == len(labels) - 1
+        wrong = {k: (ours[r][k], horovod[r][k]) for k in labels
+                 if (ours[r][k] is None) != (horovod[r][k] is None)
+                 or not set(horovod[r][k] or ()) <= set(ours[r][k] or ())}
+        assert not wrong, f"rank {r}: ours, Horovod's: {wrong}"
+        assert ours[r]["job_goes_on"] == horovod[r]["job_goes_on"] == sum(range(np_))
+    for kind in ("allreduce", "allgather", "broadcast", "reducescatter"):
+        assert ours[0][f"duplicate/{kind}.seconds"] < 0.5, ours[0]  # peers asleep for 1 s
+        assert ours[0][f"duplicate/{kind}"] == ["ValueError"], ours[0]
+
+
+@NP
+def test_reducescatter_moves_a_reduce_scatters_bytes(request, torchrun_job, np_):
+    """One c10d reduce-scatter per dtype, its input the tensors' bytes (padded to equal parts
+    where the rows do not divide), no allreduce; each rank gets Horovod's rows."""
+    n = np_
+    for r, res in enumerate(torchrun_job(request.module, np_)["reducescatter_wire"]):
+        f32, f64 = 4, 8
+        assert res["seen"] == [["reduce_scatter_single", 4 * n * 3 * f32],
+                               ["reduce_scatter_single", (2 * n * 5 + n * 2) * f32],
+                               ["reduce_scatter_single", n * 2 * f64],
+                               ["reduce_scatter_single", n * 3 * 3 * f32]], res["seen"]
+        assert res["rows"] == [[4, 3], [[2, 5], [1, 2], [1, 2]],
+                               [3 if r == 0 else 2, 3] if n == 2 else [3 if r < 1 else 2, 3]]
 
 
 @NP

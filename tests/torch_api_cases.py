@@ -172,14 +172,112 @@ def mistakes() -> dict:
     attempt("op", lambda: hvd.allreduce(x, name="o", op=hvd.Max if r == 0 else hvd.Sum))
     attempt("one_rank_only", lambda: hvd.allreduce(x, name="only") if r == 0
             else hvd.barrier())
-    first = hvd.allreduce_async(x, name="twice")
-    attempt("duplicate", lambda: hvd.allreduce_async(x, name="twice"))
-    hvd.synchronize(first)
+    hvd.synchronize(hvd.allreduce_async(x, name="twice"))
     attempt("reused_after_synchronize", lambda: hvd.synchronize(
         hvd.allreduce_async(x, name="twice")))
     out["job_goes_on"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).item()
     out["expected_sum"] = float(sum(range(n)))
     return out
+
+
+def refusals() -> dict:
+    """Calls Horovod refuses, each on every rank (none that Horovod answers with a stall): per
+    call, the classes its exception is an instance of (``None``: no exception), to hold the torch
+    engine's to Horovod's; and how long rank 0 took to refuse a name still in flight while its
+    peers were still asleep (Horovod refuses it at once, with no collective)."""
+    import time
+
+    import torch
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x = torch.ones(4, 2)
+    out: dict = {}
+    kinds = {"ValueError": ValueError, "RuntimeError": RuntimeError, "TypeError": TypeError,
+             "HorovodInternalError": hvd.HorovodInternalError}
+
+    def attempt(label: str, call: Any) -> None:
+        start = time.monotonic()
+        try:
+            call()
+            out[label] = None
+        except Exception as e:  # noqa: BLE001 -- what each engine raises is the answer
+            out[label] = sorted(k for k, c in kinds.items() if isinstance(e, c))
+        out[f"{label}.seconds"] = time.monotonic() - start
+
+    attempt("reducescatter/Adasum", lambda: hvd.reducescatter(x, op=hvd.Adasum, name="r1"))
+    attempt("reducescatter/Min", lambda: hvd.reducescatter(x, op=hvd.Min, name="r2"))
+    attempt("grouped_reducescatter/Max", lambda: hvd.grouped_reducescatter([x, x], op=hvd.Max,
+                                                                          name="r4"))
+    attempt("reducescatter_async/Adasum", lambda: hvd.synchronize(
+        hvd.reducescatter_async(x, op=hvd.Adasum, name="r3")))
+    attempt("allreduce/Adasum", lambda: hvd.allreduce(x, op=hvd.Adasum, name="a1"))
+    attempt("allreduce/op99", lambda: hvd.allreduce(x, op=99, name="a2"))
+    attempt("grouped_allreduce/op99", lambda: hvd.grouped_allreduce([x, x], op=99, name="a5"))
+    attempt("allreduce_async/op99", lambda: hvd.synchronize(
+        hvd.allreduce_async(x, op=99, name="a3")))
+    attempt("allreduce/bool_sum", lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool),
+                                                        op=hvd.Sum, name="a4"))
+    attempt("broadcast/root_n", lambda: hvd.broadcast(x, root_rank=n, name="b1"))
+    attempt("broadcast/root_-1", lambda: hvd.broadcast(x, root_rank=-1, name="b2"))
+    attempt("broadcast_object/root_n", lambda: hvd.broadcast_object(1, root_rank=n))
+    attempt("alltoall/splits_length", lambda: hvd.alltoall(
+        x, splits=torch.tensor([4], dtype=torch.int32), name="t1"))
+    attempt("poll/not_a_handle", lambda: hvd.poll(123456))
+    attempt("synchronize/not_a_handle", lambda: hvd.synchronize(123456))
+    attempt("mismatch/shape", lambda: hvd.allreduce(torch.ones(3 if r == 0 else 4), name="m1"))
+    attempt("mismatch/dtype", lambda: hvd.allgather(
+        torch.ones(2, dtype=torch.float64 if r else torch.float32), name="m2"))
+    attempt("mismatch/op", lambda: hvd.allreduce(x, name="m3", op=hvd.Max if r == 0 else hvd.Sum))
+    attempt("mismatch/root", lambda: hvd.broadcast(x, root_rank=r % 2, name="m4"))
+    for kind, start in (("allreduce", lambda: hvd.allreduce_async(x, name="d1")),
+                        ("allgather", lambda: hvd.allgather_async(x, name="d2")),
+                        ("broadcast", lambda: hvd.broadcast_async(x, root_rank=0, name="d3")),
+                        ("reducescatter", lambda: hvd.reducescatter_async(x, name="d4"))):
+        if r > 0:
+            time.sleep(1.0)  # rank 0 starts first; its peers are elsewhere meanwhile
+        first = start()
+        if r == 0:
+            attempt(f"duplicate/{kind}", start)
+        hvd.synchronize(first)
+    # (named: Horovod's count of unnamed calls differs between ranks after some refusals)
+    out["job_goes_on"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, name="end").item()
+    return out
+
+
+def reducescatter_wire() -> dict:
+    """What a reducescatter hands to c10d: per data collective (the descriptor check aside),
+    its kind and the bytes of this rank's input -- one reduce-scatter per dtype, or, as this
+    engine once did, an allreduce of everything."""
+    import torch
+
+    import hvdsync.torch as hvd
+    from hvdsync.torch.c10d import runtime
+    hvd.init()
+    n, real, seen = hvd.size(), runtime.PROCESS.api, []
+
+    class Counting:
+        def __getattr__(self, attr: str) -> Any:
+            fn = getattr(real, attr)
+            if attr == "all_reduce":
+                return lambda t, *a, **k: (seen.append([attr, t.numel() * t.element_size()]),
+                                           fn(t, *a, **k))[1]
+            if attr == "reduce_scatter_single":
+                return lambda out, t, *a, **k: (
+                    seen.append([attr, t.numel() * t.element_size()]), fn(out, t, *a, **k))[1]
+            return fn
+
+    runtime.PROCESS.api = Counting()
+    try:
+        even = hvd.reducescatter(torch.ones(4 * n, 3), op=hvd.Sum, name="w1")
+        grouped = hvd.grouped_reducescatter([torch.ones(2 * n, 5), torch.ones(n, 2),
+                                             torch.ones(n, 2, dtype=torch.float64)], name="w2")
+        uneven = hvd.reducescatter(torch.ones(2 * n + 1, 3), name="w3")
+    finally:
+        runtime.PROCESS.api = real
+    return {"seen": seen, "rows": [list(even.shape), [list(g.shape) for g in grouped],
+                                   list(uneven.shape)]}
 
 
 def rank_leaves() -> Any:

@@ -226,6 +226,13 @@ def _compute(name: str, op: Any, root: Optional[int], inputs: dict, size: int) -
         for r in range(size):
             for j, out in enumerate(inputs[r][1]):
                 out.copy_(inputs[j][0][0])
+    elif name == "reduce_scatter":  # each rank's output: its equal part of the reduced input
+        total = inputs[0][0][0].clone()
+        for r in range(1, size):
+            _REDUCE[str(op)](total, inputs[r][0][0])
+        for r in range(size):
+            out = inputs[r][1][0]
+            out.copy_(total[r * out.numel():(r + 1) * out.numel()])
     elif name == "broadcast":
         value = inputs[root][0][0].clone()
         for r in range(size):
@@ -264,6 +271,11 @@ class _Dist:
             raise SimulationError("all_gather needs one output per rank")
         return self._sync(self._world().start("all_gather", [tensor], outputs=list(outputs)),
                           async_op)
+
+    def reduce_scatter_single(self, output, input, op=_real_dist.ReduceOp.SUM, group=None,
+                              async_op=False):
+        return self._sync(self._world().start("reduce_scatter", [input], op=op,
+                                              outputs=[output]), async_op)
 
     def broadcast(self, tensor, src, group=None, async_op=False):
         return self._sync(self._world().start("broadcast", [tensor], root=src), async_op)

@@ -3,8 +3,7 @@
 ``hvd.init()`` (or at the first call that needs it), by this rule:
 
 1. ``hvd.init(backend="torch" | "horovod")``, else the ``HVDSYNC_BACKEND`` environment variable;
-2. else a rank started by Horovod's launcher (``HOROVOD_RANK`` set, and not by the torch
-   engine's ``init()`` in a parent process) uses Horovod;
+2. else a rank started by horovodrun (``HOROVOD_RANK`` set, not by c10d.launch) uses Horovod;
 3. else a rank started by ``torchrun`` (``TORCHELASTIC_RUN_ID``, or ``RANK`` and
    ``WORLD_SIZE``), or any process where Horovod is not installed, uses torch.distributed;
 4. else Horovod (a lone process with Horovod installed: a job of one).
@@ -66,7 +65,7 @@ def default_backend() -> str:
             raise ValueError(f"{ENV} must be one of {sorted(BACKENDS)}, got {wanted!r}")
         return wanted
     if "HOROVOD_RANK" in os.environ and (
-            "HVDSYNC_HOROVOD_ENVIRONMENT" not in os.environ  # (set by the torch engine's init)
+            "HVDSYNC_HOROVOD_ENVIRONMENT" not in os.environ  # (c10d.launch set them)
             or "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ):  # (horovodrun started it after)
         return "horovod"
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hvdsync.safety import watchdog
-from hvdsync.torch.c10d import checks
+from hvdsync.torch.c10d import checks, launch
 from hvdsync.torch.c10d.sets import (ProcessSet, add_process_set, forget_process_sets,  # noqa: F401
                                      global_process_set, group_of as _group,
                                      remove_process_set)
@@ -41,7 +41,13 @@ _WIRE = {torch.int16: torch.int32}
 
 class HorovodInternalError(RuntimeError):
     """Horovod's error for a collective that failed: ranks that called it differently, a rank
-    that left the job, a name still in flight."""
+    that left the job."""
+
+
+class UnsupportedCall(HorovodInternalError, ValueError):
+    """A call Horovod refuses with ``HorovodInternalError`` (a reduce op it lacks without MPI,
+    such as Adasum; an op a collective does not take; negative splits), raised before anything
+    is sent. A ``ValueError`` too, as this engine raised before."""
 
 
 # -- the job ----------------------------------------------------------------------------------
@@ -63,64 +69,16 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         limit = watchdog.timeout_s()
         timeout = timedelta(seconds=1.5 * limit + 10) if limit > 0 else timedelta(days=365)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
+            dist.init_process_group(backend, timeout=timeout, **launch.attempt_store(timeout))
         else:
-            _refuse_other_launchers()
+            launch.refuse_other_launchers()
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
     for ps in () if process_sets in (None, "dynamic") else process_sets:  # always dynamic
         if getattr(ps, "process_set_id", None) is None:
             add_process_set(ps)
-    _export_horovod_environment()
-
-
-#: the mark on the HOROVOD_* variables this engine set (horovodrun did not)
-EXPORTED = "HVDSYNC_HOROVOD_ENVIRONMENT"
-#: what ``horovodrun`` tells each rank in its environment, and the torch engine's source of it
-HOROVOD_ENVIRONMENT = {"HOROVOD_RANK": "rank", "HOROVOD_SIZE": "size",
-                       "HOROVOD_LOCAL_RANK": "local_rank", "HOROVOD_LOCAL_SIZE": "local_size",
-                       "HOROVOD_CROSS_RANK": "cross_rank", "HOROVOD_CROSS_SIZE": "cross_size"}
-
-
-def _export_horovod_environment() -> None:
-    """Set the variables ``horovodrun`` gives its ranks (a script or library may read them
-    after ``init()``), with this job's values. Processes this one starts inherit them, and
-    the mark that hvdsync set them, so that such a process does not take ``HOROVOD_RANK``
-    for a sign of horovodrun (:func:`hvdsync.torch.engine.default_backend`)."""
-    for var, fact in HOROVOD_ENVIRONMENT.items():
-        os.environ[var] = str(globals()[fact]())
-    os.environ[EXPORTED] = "torch"
-
-
-#: how other launchers tell a process it is one of several
-_OTHER_LAUNCHERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
-
-
-def _refuse_other_launchers() -> None:
-    """A process that mpirun or srun started as one of several is not a job of one: each
-    would train alone, silently. Say how to start the job instead."""
-    for var in _OTHER_LAUNCHERS:
-        if os.environ.get(var, "1") not in ("", "0", "1"):
-            raise RuntimeError(
-                f"this process is one of {os.environ[var]} ({var}), but the torch engine joins "
-                "the ranks torchrun starts (RANK, WORLD_SIZE): launch with torchrun "
-                "--nproc-per-node N, or with horovodrun where Horovod is installed "
-                "(docs/backends.md)")
-
-
-def _attempt_store(timeout: timedelta) -> dict[str, Any]:
-    """After ``torchrun --max-restarts`` started the workers again: a store whose keys are
-    this attempt's. torchrun's agent keeps one store across attempts, so a restarted worker
-    could read a previous attempt's address of a peer before the peer wrote its new one and
-    fail to connect (seen here with Gloo: "Connection refused" at init; docs/elastic.md).
-    Nothing to change on a first attempt."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    return dict(store=dist.PrefixStore(f"hvdsync/attempt{attempt}", store),
-                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    launch.export_horovod_environment({f.__name__: f() for f in (
+        rank, size, local_rank, local_size, cross_rank, cross_size)})
 
 
 def shutdown() -> None:
@@ -200,13 +158,18 @@ class Handle:
 def poll(handle: Handle) -> bool:
     """Whether ``handle``'s collectives have completed (a later :func:`synchronize` will not
     block)."""
+    if not isinstance(handle, Handle):
+        raise ValueError(f"Handle {handle!r} was not created or has been cleared.")  # Horovod's
     return handle.done or all(w.is_completed() for w in handle.works)
 
 
 def synchronize(handle: Handle) -> Any:
     """Wait for ``handle`` and return its result (a tensor, or a list for grouped calls). A
     collective that failed (a rank left, a connection closed) raises
-    ``HorovodInternalError``."""
+    ``HorovodInternalError``. Not a handle: ``None``, as Horovod returns for a handle it does
+    not know."""
+    if not isinstance(handle, Handle):
+        return None
     if not handle.done:
         try:
             if not poll(handle):  # a wait: bounded, and reported if it stalls
@@ -228,27 +191,28 @@ def _agree(kind: str, tensors: list, name: Optional[str], process_set: Any, op: 
            root: Optional[int] = None, scales: tuple = (1.0, 1.0), uneven: bool = False) -> None:
     """Before a script's collective: every rank of the set compares what it was asked to do;
     where they differ, every rank raises the same ``HorovodInternalError``."""
+    previous = current().in_flight.get(name) if name is not None else None
+    # in flight until synchronized: c10d's root of a broadcast may finish before its peers
+    # start, so this rank's "done" is not the job's (Horovod's coordinator knows the job's)
+    if previous is not None and not previous.done:
+        raise ValueError(checks.in_flight(kind, name))  # Horovod's: at once, nothing sent
     if not checks.wanted(name):
         return
     group = _group(process_set)
     n = current().api.get_world_size(group)
-    previous = current().in_flight.get(name) if name is not None else None
-    duplicate = previous is not None and not previous.done  # until synchronized: no race
-    desc = checks.readable(kind, tensors, name, op, root, scales, uneven, duplicate)
+    desc = checks.readable(kind, tensors, name, op, root, scales, uneven)
     if n == 1:
-        if duplicate:
-            raise HorovodInternalError(checks.message([desc], [rank()]))
         return
     everyone = _gather_ints(torch.tensor(checks.descriptor(desc), dtype=torch.int64), group,
                             f"the ranks' check of hvd.{kind} {name!r}")
-    if not duplicate and all(e == everyone[0] for e in everyone):
-        return  # (a duplicate on one rank differs from the others': all come here alike)
+    if all(e == everyone[0] for e in everyone):
+        return
     raise HorovodInternalError(checks.message(checks.gather_json(desc, process_set),
                                               _set_ranks(process_set)))
 
 
 def _track(name: Optional[str], handle: Handle) -> Handle:
-    if name is not None and checks.wanted(name):
+    if name is not None and not name.startswith(checks.INTERNAL):
         in_flight = current().in_flight  # a script's named collectives not yet synchronized
         for done in [k for k, h in in_flight.items() if h.done]:
             del in_flight[done]
@@ -277,8 +241,8 @@ def _gather_ints(mine: torch.Tensor, group: Any, what: str) -> list[list[int]]:
 # -- allreduce --------------------------------------------------------------------------------
 def _check_op(op: Any, dtype: torch.dtype, scaled: bool) -> None:
     if op not in _C10D_OPS:
-        raise ValueError(f"the torch backend reduces with Average, Sum, Min, Max or Product "
-                         f"(Adasum is Horovod's own); got op={op!r}")
+        raise UnsupportedCall(f"the torch backend reduces with Average, Sum, Min, Max or "
+                              f"Product (Adasum is Horovod's own, with MPI); got op={op!r}")
     if dtype == torch.bool and (op not in (Min, Max) or scaled):
         raise ValueError("bool tensors reduce with op=hvd.Min (all ranks true) or hvd.Max (any "
                          "rank true), unscaled; for a count, reduce them as int32")
@@ -474,7 +438,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     else:
         sent = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
         if len(sent) != n or any(s < 0 for s in sent) or sum(sent) != tensor.shape[0]:
-            raise ValueError(f"alltoall splits must be {n} counts >= 0 summing to the first "
+            raise UnsupportedCall(f"alltoall splits must be {n} counts >= 0 summing to the first "
                              f"dimension {tensor.shape[0]}; got {sent}")
     wire = _WIRE.get(tensor.dtype, tensor.dtype)
     me = current().api.get_rank(group)

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 #: the descriptor's length (int64 values), the same for every kind of collective, so that two
 #: ranks that call different collectives still pair their descriptors and see the difference
-LENGTH = 10
+LENGTH = 9
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
 ENV = "HVDSYNC_CHECK_COLLECTIVES"
 INTERNAL = "hvdsync."
@@ -39,14 +39,14 @@ def wanted(name: Optional[str]) -> bool:
 
 
 def readable(kind: str, tensors: list, name: Optional[str], op: Any = None,
-             root: Optional[int] = None, scales: tuple = (1.0, 1.0), uneven: bool = False,
-             duplicate: bool = False) -> dict[str, Any]:
+             root: Optional[int] = None, scales: tuple = (1.0, 1.0), uneven: bool = False
+             ) -> dict[str, Any]:
     """What this rank asked for, as plain data (what the error message shows)."""
     shapes = [list(t.shape[1:]) if uneven else list(t.shape) for t in tensors]
     return dict(collective=kind, name=name, op=op, root_rank=root,
                 dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
                 shapes=[["*", *s] for s in shapes] if uneven else shapes,
-                scale_factors=list(scales), duplicate_name=duplicate)
+                scale_factors=list(scales))
 
 
 def descriptor(desc: dict[str, Any]) -> list[int]:
@@ -60,7 +60,7 @@ def descriptor(desc: dict[str, Any]) -> list[int]:
     return [KINDS.index(desc["collective"]), -1 if desc["op"] is None else int(desc["op"]),
             -1 if desc["root_rank"] is None else int(desc["root_rank"]), len(desc["dtypes"]),
             crc(desc["dtypes"]), crc(desc["shapes"]),
-            0 if desc["name"] is None else crc(desc["name"]), int(desc["duplicate_name"]),
+            0 if desc["name"] is None else crc(desc["name"]),
             bits(desc["scale_factors"][0]), bits(desc["scale_factors"][1])]
 
 
@@ -80,12 +80,6 @@ _OP_NAMES = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Produc
 def message(descs: list[dict[str, Any]], ranks: list[int]) -> str:
     """The error every rank raises for these per-rank descriptions (``ranks``: their global
     ranks)."""
-    mine = descs[0]
-    dup = [r for r, d in zip(ranks, descs) if d["duplicate_name"]]
-    if dup:
-        return (f"hvd.{mine['collective']}: the name {mine['name']!r} is already in use by a "
-                f"collective still in flight on rank(s) {dup}; a name may be in flight once "
-                "(synchronize the first, or leave name=None). Horovod refuses it alike.")
     lines = []
     for field, hint in _HINTS.items():
         values = [d[field] for d in descs]
@@ -95,6 +89,14 @@ def message(descs: list[dict[str, Any]], ranks: list[int]) -> str:
     kinds = sorted({d["collective"] for d in descs})
     return (f"ranks called {' / '.join('hvd.' + k for k in kinds)} differently; no data was "
             "sent:\n" + "\n".join(lines))
+
+
+def in_flight(kind: str, name: str) -> str:
+    """The error for a name still in flight on this rank (raised there at once, as Horovod's
+    ``ValueError``: nothing is sent)."""
+    return (f"hvd.{kind}: the name {name!r} is already in use by a collective still in flight "
+            "on this rank; a name may be in flight once (synchronize the first, or leave "
+            "name=None). Horovod refuses it alike.")
 
 
 def _show(field: str, value: Any) -> str:

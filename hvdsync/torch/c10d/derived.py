@@ -7,6 +7,7 @@ simulated ranks (:mod:`hvdsync.testing.simulated`) run the same code. docs/backe
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional
@@ -97,12 +98,57 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any,
     return result
 
 
-# -- reducescatter: an allreduce whose result each rank keeps a part of ----------------------
-def _my_rows(rows: int, ps: Any) -> tuple[int, int]:
-    """Horovod's split of ``rows`` over the set: the first ``rows % size`` ranks one more."""
-    n, me = ps.size(), ps.rank()
+# -- reducescatter ----------------------------------------------------------------------------
+def split_rows(rows: int, n: int) -> list[tuple[int, int]]:
+    """Horovod's split of ``rows`` over ``n`` ranks, ``(start, count)`` each: the first
+    ``rows % n`` ranks get one more."""
     base, extra = divmod(rows, n)
-    return me * base + min(me, extra), base + (1 if me < extra else 0)
+    return [(j * base + min(j, extra), base + (j < extra)) for j in range(n)]
+
+
+def reduce_scatter(tensors: list[torch.Tensor], op: Any, prescale: float, postscale: float,
+                   process_set: Any) -> Any:
+    """Reduce ``tensors`` over the set, each rank receiving its rows (:func:`split_rows`) of
+    each: per dtype, one c10d reduce-scatter of a buffer that holds every rank's rows
+    contiguously, each rank's part padded to the longest (at most a row of each tensor more
+    than an even split). A reduce-scatter's bytes, where an allreduce would move twice
+    them."""
+    ops = engine.ops()
+    group = ops._group(process_set)
+    api = ops.current().api
+    n, me = api.get_world_size(group), api.get_rank(group)
+    works, unpack = [], []
+    for dtype, idx in ops._by_dtype(tensors).items():
+        splits = [split_rows(tensors[i].shape[0], n) for i in idx]
+        per_row = [math.prod(tensors[i].shape[1:]) for i in idx]
+        lengths = [sum(s[j][1] * k for s, k in zip(splits, per_row)) for j in range(n)]
+        chunk = max(lengths)
+        wire = ops._WIRE.get(dtype, dtype)
+        send = torch.zeros(n * chunk, dtype=wire)
+        for j in range(n):
+            parts = [tensors[i][s[j][0]:s[j][0] + s[j][1]].reshape(-1)
+                     for i, s in zip(idx, splits)]
+            if lengths[j]:
+                send[j * chunk:j * chunk + lengths[j]].copy_(torch.cat(parts))
+        ops._scale(send, prescale)
+        mine = send[me * chunk:(me + 1) * chunk] if n == 1 else torch.empty(chunk, dtype=wire)
+        if n > 1:
+            works.append(api.reduce_scatter_single(ops.lend(mine), ops.lend(send), op=ops._C10D_OPS[op],
+                                                   group=group, async_op=True))
+        unpack.append((idx, splits, per_row, mine))
+    post = postscale / n if op == ops.Average else postscale
+
+    def finish() -> list[torch.Tensor]:
+        out: list[Any] = [None] * len(tensors)
+        for idx, splits, per_row, mine in unpack:
+            ops._scale(mine, post)
+            at = 0
+            for i, s, k in zip(idx, splits, per_row):
+                t, count = tensors[i], s[me][1]
+                out[i] = mine[at:at + count * k].reshape(count, *t.shape[1:]).to(t.dtype)
+                at += count * k
+        return out
+    return ops.Handle(works, finish)
 
 
 def grouped_reducescatter_async(tensors: list[torch.Tensor], name: Optional[str] = None,
@@ -110,21 +156,21 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: Optional[str]
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0
                                 ) -> Any:
     """Start reducing ``tensors`` over the set; each rank gets its part of the first
-    dimension. Emulated as a fused allreduce (twice a reduce-scatter's bytes: docs)."""
+    dimension (Horovod's split): one reduce-scatter per dtype
+    (:func:`reduce_scatter`)."""
     ops, ps = engine.ops(), process_set or _gps()
     op = ops.Average if op is None else op
+    if op not in (ops.Average, ops.Sum):  # Horovod's rule, and its exception
+        raise ops.UnsupportedCall(f"reducescatter reduces with Average or Sum, as Horovod's; "
+                                  f"got op={op!r}")
     tensors = [t.detach() for t in tensors]
     if any(t.dim() == 0 for t in tensors):
         raise ValueError("reducescatter needs tensors with at least one dimension")
     ops._agree("reducescatter", tensors, name, ps, op=op,
                scales=(prescale_factor, postscale_factor))
-    inner = ops.grouped_allreduce_async_(
-        [t.clone() for t in tensors], None, f"hvdsync.reducescatter.{name}", op,
-        prescale_factor, postscale_factor, ps)
-
-    def finish() -> list[torch.Tensor]:
-        return [t.narrow(0, *_my_rows(t.shape[0], ps)).clone() for t in ops.synchronize(inner)]
-    return ops._track(name, ops.Handle(inner.works, finish))
+    for dtype in {t.dtype for t in tensors}:  # all refused before any starts
+        ops._check_op(op, dtype, prescale_factor != 1.0 or postscale_factor != 1.0)
+    return ops._track(name, reduce_scatter(tensors, op, prescale_factor, postscale_factor, ps))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = None,

@@ -19,7 +19,8 @@ import torch.distributed as dist
 class Runtime:
     """What :mod:`hvdsync.torch.c10d`'s collectives run on: ``api``, the part of
     ``torch.distributed`` they call (``is_initialized``, ``get_rank``, ``get_world_size``,
-    ``all_reduce``, ``all_gather``, ``broadcast``, ``barrier``, ``all_to_all_single``), and
+    ``all_reduce``, ``all_gather``, ``reduce_scatter_single``, ``broadcast``, ``barrier``,
+    ``all_to_all_single``), and
     what they keep while they run: the tensors lent to it, a script's named collectives in
     flight. The process runs on torch.distributed (:data:`PROCESS`); a thread may run on a
     runtime of its own (:func:`running_on`: the simulated ranks of
