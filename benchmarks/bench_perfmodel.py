@@ -330,7 +330,7 @@ def at_scale(argv) -> None:
     c = perfmodel.CALIBRATED
     for axis, values in (("ranks", [2, 4, 8, 16, 32, 64, 128, 256, 512]),
                          ("bandwidth", [0.1, 0.3, 1, 3, 10, 30, 100])):
-        fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+        fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(4.5 * len(WORKLOADS), 4))
         for ax, workload in zip(axes, sorted(WORKLOADS)):
             sizes = _sizes(workload)
             for t in ("horovod", "horovod fp16", "hvdsync lowrank", "hvdsync streaming",

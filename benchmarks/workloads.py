@@ -4,6 +4,9 @@
   the 3-layer MLP of ``examples/torch/train_digits.py`` with momentum SGD.
 * ``teacher_cnn``: 16x16 Gaussian images labelled by a fixed random convolutional teacher
   (planted: the task has an exact answer); a 5-conv-layer student CNN with Adam.
+* ``teacher_resnet``: the same data; a ResNet with BatchNorm (3 stages of 2 basic blocks,
+  32/64/64 channels, 1.2 MiB of float32 gradient) with momentum SGD: a small gradient that a
+  slow link still makes the step's largest part.
 * ``zipf_embedding``: bags of Zipf-distributed ids labelled by a planted teacher
   (``examples/torch/train_zipf_embeddings.py``) with a 10k x 32 ``EmbeddingBag`` (sparse
   gradients) and momentum SGD.
@@ -152,6 +155,40 @@ TEACHER_CNN = Workload(
     _teacher_batches, _teacher_test, steps=300, eval_every=25)
 
 
+class _Block(nn.Module):
+    """A basic residual block: conv-BN-ReLU-conv-BN plus the input (a 1x1 conv where the
+    shape changes)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.skip = (nn.Sequential() if stride == 1 and c_in == c_out else nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + self.skip(x))
+
+
+def _resnet(sparse: bool) -> nn.Module:
+    blocks, c_in = [], 32
+    for c, stride in ((32, 1), (32, 1), (64, 2), (64, 1), (64, 2), (64, 1)):
+        blocks.append(_Block(c_in, c, stride))
+        c_in = c
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32),
+                         nn.ReLU(), *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(64, 10))
+
+
+TEACHER_RESNET = Workload(
+    "teacher_resnet", _resnet,
+    lambda m, size: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    _teacher_batches, _teacher_test, steps=300, eval_every=25)
+
+
 # -- Zipf embedding bags ------------------------------------------------------------------------
 VOCAB, DIM = 10000, 32
 
@@ -264,4 +301,4 @@ STDLIB_LM = Workload(
     _lm_batches, _lm_test, steps=300, eval_every=25, metric="loss")
 
 
-WORKLOADS = {w.name: w for w in (DIGITS, TEACHER_CNN, ZIPF, STDLIB_LM)}
+WORKLOADS = {w.name: w for w in (DIGITS, TEACHER_CNN, TEACHER_RESNET, ZIPF, STDLIB_LM)}

@@ -209,12 +209,13 @@ def parity_and_overlap_body(steps: int) -> dict:
     ref = torch.nn.Sequential(*[x for layer in deep for x in (layer, torch.nn.Tanh())][:-1])
     clip = dict(max_norm=1e6, ratio=1e6, value=(-1e6, 1e6))
     layer_mb = (64 * 64 + 64) * 4 / 2**20  # one 64x64 layer's gradients
-    # the default ready groups (the whole model, one group), a layer alone, two layers
-    models = {size: copy.deepcopy(ref) for size in (None, 0.0, 1.5 * layer_mb)}
+    # the default ready groups (the whole model, one group), a layer alone, two layers; and
+    # nothing on, its default groups (on Horovod: every layer alone, as Horovod sends them)
+    models = {size: copy.deepcopy(ref) for size in (None, 0.0, 1.5 * layer_mb, "plain")}
     opts = {size: hvd.DistributedOptimizer(
         torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-        named_parameters=m.named_parameters(), clip=clip,
-        **({} if size is None else dict(group_mb=size))) for size, m in models.items()}
+        named_parameters=m.named_parameters(), **({} if size == "plain" else dict(clip=clip)),
+        **({} if size in (None, "plain") else dict(group_mb=size))) for size, m in models.items()}
     o_ref = horovod_hvd.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9),
                                              named_parameters=ref.named_parameters())
     overlap = {size: [] for size in models}
@@ -239,7 +240,7 @@ def parity_and_overlap_body(steps: int) -> dict:
 def test_no_clip_needed_equals_horovod_and_sends_overlap_backward(horovod_runs):
     for res in horovod_runs["parity"]:
         assert res["diff"] <= 1e-6 and res["clipped"] == 0
-        whole, alone, pairs = res["overlap"]
+        whole, alone, pairs, plain = res["overlap"]
         for before, total in whole:  # one ready group: clipped and sent after backward
             assert total == 8 and before == 0, whole
         for before, total in alone:
@@ -248,7 +249,9 @@ def test_no_clip_needed_equals_horovod_and_sends_overlap_backward(horovod_runs):
             assert total == 8 and before == 7, alone
         for before, total in pairs:  # groups of 2-3 layers (the first layer alone: backward
             assert total == 8 and before == 7, pairs  # ends with it)
-        assert res["groups"] == [1, 8, 4]
+        for before, total in plain:  # nothing on, Horovod: each layer sent as it arrives
+            assert total == 8 and before == 7, plain
+        assert res["groups"] == [1, 8, 4, 8]
 
 
 def test_clip_state_saved_and_restored():

@@ -29,7 +29,8 @@ from hvdsync.core import rules
 from hvdsync.core.api import SyncAPI
 from hvdsync.core.config import non_negative_float, positive_int
 from hvdsync.core.layers import Grouping, Layer, build_layers
-from hvdsync.core.pipeline import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, StepPipeline
+from hvdsync.core.groups import default_group_bytes
+from hvdsync.core.pipeline import StepPipeline
 from hvdsync.core.rules import build_techniques
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import Parts
@@ -53,7 +54,7 @@ class _DistributedOptimizer(SyncAPI):
     def _hvdsync_init(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
                       layers: Grouping, configs: dict[str, Any], scaler: Any,
-                      group_bytes: tuple[int, int]) -> None:
+                      group_bytes: Optional[tuple[int, int]]) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         names = parameter_names(params, named_parameters)
         by_name = {n: p for p, n in names.items()}
@@ -84,6 +85,9 @@ class _DistributedOptimizer(SyncAPI):
         self._techniques = build_techniques(configs, Parts(
             self._grads, TorchOps(), comm, self.stats, layer_names,
             sparse_exchange=lambda c: row_exchange(c, self._grads, comm, self.stats)))
+        if group_bytes is None:
+            group_bytes = default_group_bytes([t.name for t in self._techniques],
+                                              comm.matches_by_name)
         self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, TorchOps(),
                                       self.stats, comm, *group_bytes)
         self._param_signatures = [checkpoint.signature(p.shape, p.dtype)
@@ -352,13 +356,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         group_mb: the size of a *ready group* in MiB: backward's consecutive layers are
             clipped, measured and sent a group at a time, a few multi-tensor ops per group
             (docs/design.md, "Ready groups"). Default: DDP's buckets, the step's first 1 MiB
-            and the others 25 MiB. A number: every group that size (``25``: the fewest ops;
+            and the others 25 MiB; on Horovod with nothing on, every layer alone (as
+            Horovod's optimizer sends them; its cycle fuses them). A number: every group that size (``25``: the fewest ops;
             ``0``: every layer alone, sent the moment it is ready).
     """
     layers, techniques = rules.given(keywords, _HOROVOD_ARGS + ("scaler", "group_mb"),
                                      "DistributedOptimizer")
-    # (default: DDP's buckets, the first small so a model of a few MB sends during backward)
-    group_bytes = ((DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES) if group_mb is None else
+    # (None: the default, core.groups.default_group_bytes, once the techniques are known)
+    group_bytes = (None if group_mb is None else
                    (int(non_negative_float("group_mb", group_mb) * 2**20),) * 2)
     _check_wrappable(optimizer, scaler)
     compression, op, process_set, configs, groups = checked_arguments(
