@@ -357,8 +357,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             clipped, measured and sent a group at a time, a few multi-tensor ops per group
             (docs/design.md, "Ready groups"). Default: DDP's buckets, the step's first 1 MiB
             and the others 25 MiB; on Horovod with nothing on, every layer alone (as
-            Horovod's optimizer sends them; its cycle fuses them). A number: every group that size (``25``: the fewest ops;
-            ``0``: every layer alone, sent the moment it is ready).
+            Horovod's optimizer sends them; its cycle fuses them). A number: every group
+            that size (``25``: the fewest ops; ``0``: every layer alone, sent the moment it
+            is ready).
     """
     layers, techniques = rules.given(keywords, _HOROVOD_ARGS + ("scaler", "group_mb"),
                                      "DistributedOptimizer")

@@ -123,18 +123,21 @@ def reduce_scatter(tensors: list[torch.Tensor], op: Any, prescale: float, postsc
         per_row = [math.prod(tensors[i].shape[1:]) for i in idx]
         lengths = [sum(s[j][1] * k for s, k in zip(splits, per_row)) for j in range(n)]
         chunk = max(lengths)
-        wire = ops._WIRE.get(dtype, dtype)
-        send = torch.zeros(n * chunk, dtype=wire)
+        wire, device = ops._WIRE.get(dtype, dtype), tensors[idx[0]].device
+        send = torch.zeros(n * chunk, dtype=wire, device=device)
         for j in range(n):
             parts = [tensors[i][s[j][0]:s[j][0] + s[j][1]].reshape(-1)
                      for i, s in zip(idx, splits)]
             if lengths[j]:
                 send[j * chunk:j * chunk + lengths[j]].copy_(torch.cat(parts))
         ops._scale(send, prescale)
-        mine = send[me * chunk:(me + 1) * chunk] if n == 1 else torch.empty(chunk, dtype=wire)
-        if n > 1:
-            works.append(api.reduce_scatter_single(ops.lend(mine), ops.lend(send), op=ops._C10D_OPS[op],
-                                                   group=group, async_op=True))
+        if n == 1:
+            mine = send  # (nothing to send: this rank's part is the whole)
+        else:
+            mine = torch.empty(chunk, dtype=wire, device=device)
+            works.append(api.reduce_scatter_single(ops.lend(mine), ops.lend(send),
+                                                   op=ops._C10D_OPS[op], group=group,
+                                                   async_op=True))
         unpack.append((idx, splits, per_row, mine))
     post = postscale / n if op == ops.Average else postscale
 

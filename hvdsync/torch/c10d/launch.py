@@ -25,7 +25,8 @@ def export_horovod_environment(facts: Mapping[str, int]) -> None:
     """Set the variables ``horovodrun`` gives its ranks (a script or library may read them
     after ``init()``) from this job's ``facts`` (``rank``, ``size``...). Processes this one
     starts inherit them, and the mark that hvdsync set them, so that such a process does not
-    take ``HOROVOD_RANK`` for a sign of horovodrun (:func:`hvdsync.torch.engine.default_backend`)."""
+    take ``HOROVOD_RANK`` for a sign of horovodrun
+    (:func:`hvdsync.torch.engine.default_backend`)."""
     for var, fact in HOROVOD_ENVIRONMENT.items():
         os.environ[var] = str(facts[fact])
     os.environ[EXPORTED] = "torch"
