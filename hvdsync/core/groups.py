@@ -22,7 +22,8 @@ FIRST_GROUP_BYTES = 2**20
 
 
 def default_group_bytes(technique_names: list[str], fuses_by_itself: bool) -> tuple[int, int]:
-    """The ready groups' sizes when the user gives none: ``(group_bytes, first_group_bytes)``.
+    """The ready groups' sizes when the user gives none, for an adapter whose layers become
+    ready during backward (torch's hooks): ``(group_bytes, first_group_bytes)``.
     Where the engine fuses by itself (Horovod's cycle) and only the plain exchange runs, every
     layer goes alone, the moment backward makes it ready, as Horovod's optimizer sends it (a
     group held back the first MiB: 1.06x Horovod's step on a bandwidth-bound ResNet, issue

@@ -438,8 +438,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     else:
         sent = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
         if len(sent) != n or any(s < 0 for s in sent) or sum(sent) != tensor.shape[0]:
-            raise UnsupportedCall(f"alltoall splits must be {n} counts >= 0 summing to the first "
-                             f"dimension {tensor.shape[0]}; got {sent}")
+            raise UnsupportedCall(f"alltoall splits must be {n} counts >= 0 summing to the "
+                                  f"first dimension {tensor.shape[0]}; got {sent}")
     wire = _WIRE.get(tensor.dtype, tensor.dtype)
     me = current().api.get_rank(group)
     received = [row[me] for row in _gather_ints(torch.tensor(sent, dtype=torch.int64), group,
