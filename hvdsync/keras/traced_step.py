@@ -165,8 +165,9 @@ class TracedStep:
                 lambda xs: self._send(li, params, transport, one, xs),
                 lambda: [tf.zeros([t.record_size]) for _, t in self.on_average] + (
                     transport.staged(one, built=False) if transport is not None else []))
-            # a decided transport's staged memory leaves the branch (its staged/restage:
-            # hvdsync.core.traced.TracedRounds), written after the step where the plan sent it
+            # a decided transport's staged memory leaves the branch (its staged/restage, as
+            # TracedRounds' docstring says: lowrank's), written after the step where the plan
+            # sent it
             if transport is not None:
                 transport.restage(one, extras[n_after:], self.plan_of[li])
                 extras = extras[:n_after]

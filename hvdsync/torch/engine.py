@@ -25,6 +25,9 @@ from types import ModuleType
 from typing import Optional
 
 ENV = "HVDSYNC_BACKEND"
+#: the mark on the HOROVOD_* variables the torch engine's init() set (horovodrun did not):
+#: :func:`hvdsync.torch.c10d.launch.export_horovod_environment`
+EXPORTED = "HVDSYNC_HOROVOD_ENVIRONMENT"
 BACKENDS = {"horovod": "horovod.torch", "torch": "hvdsync.torch.c10d"}
 
 _chosen: dict[str, ModuleType] = {}
@@ -65,7 +68,7 @@ def default_backend() -> str:
             raise ValueError(f"{ENV} must be one of {sorted(BACKENDS)}, got {wanted!r}")
         return wanted
     if "HOROVOD_RANK" in os.environ and (
-            "HVDSYNC_HOROVOD_ENVIRONMENT" not in os.environ  # (c10d.launch set them)
+            EXPORTED not in os.environ  # (c10d.launch set them)
             or "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ):  # (horovodrun started it after)
         return "horovod"
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ

@@ -11,8 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-#: the mark on the HOROVOD_* variables this engine set (horovodrun did not)
-EXPORTED = "HVDSYNC_HOROVOD_ENVIRONMENT"
+from hvdsync.torch.engine import EXPORTED
 #: what ``horovodrun`` tells each rank in its environment: variable -> the job's fact
 HOROVOD_ENVIRONMENT = {"HOROVOD_RANK": "rank", "HOROVOD_SIZE": "size",
                        "HOROVOD_LOCAL_RANK": "local_rank", "HOROVOD_LOCAL_SIZE": "local_size",
