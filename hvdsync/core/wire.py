@@ -8,10 +8,10 @@
   is one class here and a line of :data:`CODECS`; it needs adapter code only for a primitive
   the ports lack.
 
-The context Horovod's compressor returns is, here, the tensors themselves (``like``): the caller
-keeps them, and their shapes and dtypes are what decoding needs. ``delay=``'s outer exchange
-chooses its codec by name (``compress=``); Horovod's own ``compression=`` keeps its meaning on
-the plain exchange."""
+``delay=``'s outer exchange chooses its codec by name (``compress=``); ``lowrank=``'s factors
+(two rounds) and ``sparse=``'s rows are codecs of their techniques' own
+(:mod:`hvdsync.techniques.lowrank.codec`, :mod:`hvdsync.techniques.sparse.codec`); Horovod's
+own ``compression=`` keeps its meaning on the plain exchange."""
 
 from __future__ import annotations
 
@@ -171,28 +171,40 @@ class CodecOps(Protocol):
 
 
 class Codec:
-    """One encoding. ``collective``: what carries the parts -- ``"allreduce"`` (the wire
-    averages them: the encoding must survive a sum) or ``"allgather"`` (every rank decodes every
-    rank's parts and averages them in rank order, so all get the same bits). ``exact``: decoding
-    gives back what was encoded (nothing for error feedback to keep)."""
+    """One encoding, in the shape of Horovod's ``Compressor``: :meth:`encode` gives the parts
+    that go on the wire and a context (what decoding needs); :meth:`decode` gives this rank's
+    parts back (what error feedback subtracts); :meth:`average` turns what the collective gave
+    into the average of the ranks' tensors. ``collective``: what carries the parts --
+    ``"allreduce"`` (the wire averages them: the encoding must survive a sum), ``"sum"`` (the
+    wire sums them and :meth:`average` divides) or ``"allgather"`` (every rank decodes every
+    rank's parts, in rank order, so all get the same bits).
+    ``exact``: decoding gives back what was encoded (nothing for error feedback to keep).
+
+    An encoding of more than one round (``rounds > 1``: ``lowrank=``'s factors) builds each
+    later round's parts from the last one's result with :meth:`next_round`; its
+    :meth:`average` takes the last round's."""
 
     name: str = ""
     collective: str = "allreduce"
     exact: bool = False
+    rounds: int = 1
 
-    def encode(self, ops: Any, tensors: Sequence[Any]) -> list:
-        """The parts that go on the wire for ``tensors``."""
+    def encode(self, ops: Any, tensors: Sequence[Any]) -> tuple[list, Any]:
+        """``(parts, ctx)``: what goes on the wire for ``tensors``, and what decoding needs."""
         raise NotImplementedError
 
-    def decode(self, ops: Any, parts: Sequence[Any], like: Sequence[Any]) -> list:
-        """This rank's :meth:`encode`-d ``parts`` back, shaped like ``like`` (what error
-        feedback subtracts)."""
+    def next_round(self, ops: Any, received: Sequence[Any], ctx: Any) -> tuple[list, Any]:
+        """A codec of several rounds: the next round's ``(parts, ctx)`` from what the last
+        round's collective gave."""
+        raise NotImplementedError(f"{self.name} has one round")
+
+    def decode(self, ops: Any, parts: Sequence[Any], ctx: Any) -> list:
+        """This rank's :meth:`encode`-d ``parts`` back (what error feedback subtracts)."""
         raise NotImplementedError
 
-    def average(self, ops: Any, received: Sequence[Any], size: int,
-                like: Sequence[Any]) -> list:
-        """What the :attr:`collective` of ``size`` ranks gave for the parts, as the average of
-        the ranks' tensors, shaped like ``like``."""
+    def average(self, ops: Any, received: Sequence[Any], size: int, ctx: Any) -> list:
+        """What the :attr:`collective` of ``size`` ranks gave for the (last round's) parts,
+        as the average of the ranks' tensors."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -200,19 +212,19 @@ class Codec:
 
 
 class AsTheyAre(Codec):
-    """The tensors as they are, averaged by allreduce."""
+    """The tensors as they are, averaged by allreduce (the context: the tensors, whose shapes
+    and dtypes decoding keeps)."""
 
     name, exact = "none", True
 
-    def encode(self, ops: Any, tensors: Sequence[Any]) -> list:
-        return list(tensors)
+    def encode(self, ops: Any, tensors: Sequence[Any]) -> tuple[list, Any]:
+        return list(tensors), tensors
 
-    def decode(self, ops: Any, parts: Sequence[Any], like: Sequence[Any]) -> list:
+    def decode(self, ops: Any, parts: Sequence[Any], ctx: Any) -> list:
         return list(parts)
 
-    def average(self, ops: Any, received: Sequence[Any], size: int,
-                like: Sequence[Any]) -> list:
-        return [ops.cast(x, like=t) for x, t in zip(received, like)]
+    def average(self, ops: Any, received: Sequence[Any], size: int, ctx: Any) -> list:
+        return [ops.cast(x, like=t) for x, t in zip(received, ctx)]
 
 
 class HalfPrecision(AsTheyAre):
@@ -221,11 +233,11 @@ class HalfPrecision(AsTheyAre):
 
     name, exact = "fp16", False
 
-    def encode(self, ops: Any, tensors: Sequence[Any]) -> list:
-        return [ops.cast(t, "float16") for t in tensors]
+    def encode(self, ops: Any, tensors: Sequence[Any]) -> tuple[list, Any]:
+        return [ops.cast(t, "float16") for t in tensors], tensors
 
-    def decode(self, ops: Any, parts: Sequence[Any], like: Sequence[Any]) -> list:
-        return [ops.cast(x, like=t) for x, t in zip(parts, like)]
+    def decode(self, ops: Any, parts: Sequence[Any], ctx: Any) -> list:
+        return [ops.cast(x, like=t) for x, t in zip(parts, ctx)]
 
 
 class BFloat16(Codec):
@@ -234,18 +246,17 @@ class BFloat16(Codec):
 
     name, collective = "bf16", "allgather"
 
-    def encode(self, ops: Any, tensors: Sequence[Any]) -> list:
-        return [ops.bitcast(ops.cast(ops.flat(tensors), "bfloat16"), "int16")]
+    def encode(self, ops: Any, tensors: Sequence[Any]) -> tuple[list, Any]:
+        return [ops.bitcast(ops.cast(ops.flat(tensors), "bfloat16"), "int16")], tensors
 
     def _values(self, ops: Any, bits: Any) -> Any:
         return ops.cast(ops.bitcast(bits, "bfloat16"), "float32")
 
-    def decode(self, ops: Any, parts: Sequence[Any], like: Sequence[Any]) -> list:
-        return ops.unflat(self._values(ops, parts[0]), like)
+    def decode(self, ops: Any, parts: Sequence[Any], ctx: Any) -> list:
+        return ops.unflat(self._values(ops, parts[0]), ctx)
 
-    def average(self, ops: Any, received: Sequence[Any], size: int,
-                like: Sequence[Any]) -> list:
-        return ops.average_rows(ops.rows(self._values(ops, received[0]), size), like)
+    def average(self, ops: Any, received: Sequence[Any], size: int, ctx: Any) -> list:
+        return ops.average_rows(ops.rows(self._values(ops, received[0]), size), ctx)
 
 
 class Int8Blocks(Codec):
@@ -257,17 +268,16 @@ class Int8Blocks(Codec):
     def __init__(self, chunk: int = 1024):
         self.chunk = chunk
 
-    def encode(self, ops: Any, tensors: Sequence[Any]) -> list:
-        return ops.quantize_blocks(ops.flat(tensors), self.chunk)
+    def encode(self, ops: Any, tensors: Sequence[Any]) -> tuple[list, Any]:
+        return ops.quantize_blocks(ops.flat(tensors), self.chunk), tensors
 
-    def decode(self, ops: Any, parts: Sequence[Any], like: Sequence[Any]) -> list:
+    def decode(self, ops: Any, parts: Sequence[Any], ctx: Any) -> list:
         codes, scale = parts
-        return ops.unflat(ops.dequantize_blocks(codes, scale, self.chunk), like)
+        return ops.unflat(ops.dequantize_blocks(codes, scale, self.chunk), ctx)
 
-    def average(self, ops: Any, received: Sequence[Any], size: int,
-                like: Sequence[Any]) -> list:
+    def average(self, ops: Any, received: Sequence[Any], size: int, ctx: Any) -> list:
         codes, scale = received
-        return ops.average_rows(ops.dequantize_blocks(codes, scale, self.chunk, size), like)
+        return ops.average_rows(ops.dequantize_blocks(codes, scale, self.chunk, size), ctx)
 
     def __repr__(self) -> str:
         return f"Int8Blocks(chunk={self.chunk})"

@@ -17,6 +17,7 @@ from hvdsync.keras.comm import KerasCommunicator, coalesce, payload_bytes
 from hvdsync.keras.rows import KerasRows, from_values
 from hvdsync.core.wire import Pending
 from hvdsync.techniques.sparse.protocol import ABSENT, DENSE
+from hvdsync.techniques.sparse.codec import GatheredRows, ScatteredRows
 from hvdsync.techniques.sparse.config import SparseConfig
 from hvdsync.techniques.sparse.exchange import Sparse
 from hvdsync.core.stats import SyncStats
@@ -120,21 +121,23 @@ class TracedSparse(Sparse, TracedRounds):
         like = tf.zeros([comm.size, 2 * len(self.shapes)], tf.int64)
 
         def gather():
-            packed, ctx = rows.pack(g)
+            codec = GatheredRows(shape, 1)
+            (packed,), ctx = codec.encode(rows, [g])
             first = [] if header is None else [rows.codes(header, packed)]
             got = comm.allgather(first + [packed], f"hvdsync.sparse.rows.{dtype.name}.{i}")
             if count is not None:
                 count(li, tf.size(packed, tf.int64) * dtype.size, 1)
-            summed = rows.unpack_summed(got[-1], ctx, shape, 1, divide_by)
+            summed, = codec.average(rows, got[-1:], divide_by, ctx)
             return (summed.values, summed.indices,
                     like if header is None else self._gathered(got[0]))
 
         def allreduce():
-            buffer, ctx = rows.scatter(g, shape)
-            b = comm.sum([buffer], f"hvdsync.sparse.dense.{i}")[0]
+            codec = ScatteredRows(shape, 1)
+            (buffer,), ctx = codec.encode(rows, [g])
+            summed_rows = comm.sum([buffer], f"hvdsync.sparse.dense.{i}")
             if count is not None:
                 count(li, payload_bytes(buffer), 1)
-            summed = rows.present_rows(b, ctx, shape, 1, divide_by)
+            summed, = codec.average(rows, summed_rows, divide_by, ctx)
             codes = like if header is None else self._gathered(comm.allgather(
                 [rows.codes(header, g.values)], f"hvdsync.sparse.codes.{dtype.name}")[0])
             return summed.values, summed.indices, codes

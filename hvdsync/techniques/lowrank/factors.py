@@ -1,5 +1,6 @@
-"""``lowrank=``'s arithmetic, the same in every mode: a parameter's rank, the seeded first ``Q``,
-the projection ``P Q^T`` and its residual, and one P and one Q round built at once."""
+"""``lowrank=``'s choices, the same in every mode: a parameter's rank, the seeded first ``Q``,
+and one P and one Q round of its codec (:mod:`hvdsync.techniques.lowrank.codec`) built at
+once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from hvdsync.core.ports import TensorOps
+from hvdsync.techniques.lowrank.codec import FACTORS
 from hvdsync.techniques.lowrank.config import LowRankConfig
 
 def rank_of(ops: TensorOps, config: LowRankConfig, t: Any) -> int:
@@ -30,40 +32,34 @@ def seeded_q(seed: int, key: str, cols: int, rank: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((cols, rank))
 
 
-def project(ops: TensorOps, m: Any, p: Any, q: Any) -> tuple[Any, Any]:
-    """From a matrix ``M`` (this rank's, error feedback included), its orthonormal ``P`` and
-    the rank-averaged ``Q``: what is delivered, ``P Q^T``, and what this rank still owes,
-    ``M - P Q^T``."""
-    approx = ops.matmul(p, q, transpose_b=True)
-    return approx, ops.accumulate(ops.clone(m), approx, sign=-1)
-
-
 def two_rounds(ops: TensorOps, layers: list[tuple[list, list, list, list]],
                reduce: Callable[[str, list], list], label: str
                ) -> tuple[list[list], list, list]:
-    """One P and one Q round over ``layers``, built at once (a traced step; the eager modes
-    run the same arithmetic spread over the step): per layer ``(gradients, matrices, warm Qs,
-    other dense gradients)`` -- its compressed parameters' gradients, their matrices (error
-    feedback included) and the Q each starts from, then the parameters that ride plain in
-    the P round. Returns per layer what is delivered (its compressed parameters, then the
-    rest), the new Qs and the residuals (``M - P Q^T``), both in the matrices' order."""
-    sent = []
-    for _, ms, qs, dense in layers:
-        sent += [ops.matmul(m, q) for m, q in zip(ms, qs)] + list(dense)
-    arrived = iter(reduce(f"hvdsync.lowrank.P.{label}", sent))
-    orth, rest = [], []
-    for _, ms, _, dense in layers:
-        orth += [ops.orthonormal(next(arrived)) for _ in ms]
-        rest.append([next(arrived) for _ in dense])
+    """One P and one Q round of :data:`FACTORS` over ``layers``, built at once (a traced step;
+    the eager modes run the same rounds spread over the step): per layer ``(gradients,
+    matrices, warm Qs, other dense gradients)`` -- its compressed parameters' gradients,
+    their matrices (error feedback included) and the Q each starts from, then the parameters
+    that ride plain in the P round. Returns per layer what is delivered (its compressed
+    parameters, then the rest), the new Qs and the residuals (``M - P Q^T``), both in the
+    matrices' order."""
     ms = [m for _, layer_ms, _, _ in layers for m in layer_ms]
-    new_q = list(reduce(f"hvdsync.lowrank.Q.{label}",
-                        [ops.matmul(m, p, transpose_a=True) for m, p in zip(ms, orth)]))
-    projected = iter([project(ops, m, p, q) for m, p, q in zip(ms, orth, new_q)])
-    residuals, delivered = [], []
+    ps, ctx = FACTORS.encode(ops, ms, [q for _, _, qs, _ in layers for q in qs])
+    at = iter(ps)
+    sent = []  # per layer: its P, then what rides plain
+    for _, layer_ms, _, dense in layers:
+        sent += [next(at) for _ in layer_ms] + list(dense)
+    arrived = iter(reduce(f"hvdsync.lowrank.P.{label}", sent))
+    p_avg, rest = [], []
+    for _, layer_ms, _, dense in layers:
+        p_avg += [next(arrived) for _ in layer_ms]
+        rest.append([next(arrived) for _ in dense])
+    qs_local, ctx = FACTORS.next_round(ops, p_avg, ctx)
+    new_q = list(reduce(f"hvdsync.lowrank.Q.{label}", qs_local))
+    approx = FACTORS.average(ops, new_q, 0, ctx)
+    residuals = FACTORS.residual(ops, approx, ctx)
+    delivered, at = [], iter(approx)
     for (xs, _, _, _), dense in zip(layers, rest):
-        approx = [next(projected) for _ in xs]
-        residuals += [r for _, r in approx]
-        delivered.append([ops.from_matrix(a, x) for (a, _), x in zip(approx, xs)] + dense)
+        delivered.append([ops.from_matrix(next(at), x) for x in xs] + dense)
     return delivered, new_q, residuals
 
 

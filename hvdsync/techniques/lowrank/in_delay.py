@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from hvdsync.techniques.lowrank.memory import LowRankBase
 from hvdsync.techniques.lowrank.config import LowRankConfig
-from hvdsync.techniques.lowrank.factors import project
+from hvdsync.techniques.lowrank.codec import FACTORS
 from hvdsync.techniques.lowrank.in_delay_traced import TracedRing, ring_memory, traffic
 from hvdsync.core.wire import Pending
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
@@ -34,27 +34,26 @@ class _Exchange(Pending):
         self.plain, self.plain_p, self.compressed = plain, plain_p, compressed
         self.keys, self.ms, self.taken, self.p_round, self.name = keys, ms, taken, p_round, name
         self._q: Optional[Pending] = None
-        self._p: list = []
+        self._ctx: Any = None  # the codec's context after its P round
         self._residuals: list = []
         # Keras: eager Horovod ops block its background thread, so the Q round runs there
         # right behind the step's flush (the same order on every rank); torch starts it when
         # this rank first sees P arrived (Horovod matches async collectives by name)
         self._chained = owner.comm.after_dispatch(self._q_round_blocking)
 
+    def _q_parts(self) -> list:
+        """The Q round's parts from the arrived P (the codec's next round)."""
+        parts, self._ctx = FACTORS.next_round(self.owner.ops, self.p_round.wait(), self.ms)
+        return parts
+
     def _q_round_blocking(self, reduce) -> None:
-        ops = self.owner.ops
-        self._p = [ops.orthonormal(p) for p in self.p_round.wait()]
-        qs = [ops.matmul(m, p, transpose_a=True) for m, p in zip(self.ms, self._p)]
-        self._q = Pending.resolved(reduce(f"{self.name}.Q", qs))
+        self._q = Pending.resolved(reduce(f"{self.name}.Q", self._q_parts()))
 
     def _start_q(self) -> None:
         if self._chained is not None:
             self._chained.result()
         elif self._q is None:
-            ops, comm = self.owner.ops, self.owner.comm
-            self._p = [ops.orthonormal(p) for p in self.p_round.wait()]
-            self._q = comm.allreduce(f"{self.name}.Q", [ops.matmul(m, p, transpose_a=True)
-                                                         for m, p in zip(self.ms, self._p)])
+            self._q = self.owner.comm.allreduce(f"{self.name}.Q", self._q_parts())
 
     def wait_idle(self) -> list:
         if self._chained is None and self._q is None and not self.owner.comm.matches_by_name:
@@ -82,13 +81,14 @@ class _Exchange(Pending):
         full: list = [None] * len(self.ks)
         for i, x in zip(self.plain, self.plain_p.wait()):
             full[i] = x
-        for i, key, m, p, q in zip(self.compressed, self.keys, self.ms, self._p, q_avg):
-            approx, residual = project(ops, m, p, q)
+        approx = FACTORS.average(ops, q_avg, self.owner.comm.size, self._ctx)
+        # the residuals are this rank's, committed when used
+        self._residuals = FACTORS.residual(ops, approx, self._ctx)
+        for i, key, q, x in zip(self.compressed, self.keys, q_avg, approx):
             # Q is shared: recorded whenever it arrives (the warm start reads only the ones
-            # every rank has); the residual is this rank's, committed when used
+            # every rank has)
             self.owner._q_at.setdefault(key, {})[self.step] = q
-            self._residuals.append(residual)
-            full[i] = ops.from_matrix(approx, self.grads[i])
+            full[i] = ops.from_matrix(x, self.grads[i])
         return full
 
     def used(self) -> None:
@@ -149,7 +149,7 @@ class LowRankInDelay(LowRankBase):
                    if plain else Pending.resolved([]))
         if not compressed:
             return plain_p
-        ms, ps, taken, keys = [], [], [], []
+        ms, qs, taken, keys = [], [], [], []
         for i in compressed:
             key = g.key(li, ks[i])
             m = ops.matrix(grads[i])
@@ -157,7 +157,8 @@ class LowRankInDelay(LowRankBase):
             taken.append(e)
             ms.append(m if e is None else ops.add(m, e))
             keys.append(key)
-            ps.append(ops.matmul(ms[-1], self._warm_q(key, li, ks[i], m, step - lag)))
+            qs.append(self._warm_q(key, li, ks[i], m, step - lag))
+        ps, _ = FACTORS.encode(ops, ms, qs)
         p_round = self.comm.allreduce(f"{name}.P", ps)
         rows = sum(ops.matrix_shape(p)[0] * ops.matrix_shape(p)[1] for p in ps)
         cols = sum(ops.matrix_shape(m)[1] * ops.matrix_shape(p)[1] for m, p in zip(ms, ps))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hvdsync.techniques.lowrank.codec import FACTORS
 from hvdsync.techniques.lowrank.factors import two_rounds
 from hvdsync.core.ports import TensorOps
 
@@ -184,16 +185,16 @@ class TracedRing:
         mem, ops, comm = self.memory, self.owner.ops, self.owner.comm
         if held and newest > self.owner.config.warmup_steps:
             slot = mem[f"q{newest % self.lag}"]
-            ms = {key: ops.add(ops.matrix(held[key]), mem["err"].read(key))
-                  for key in self.keys}
-            ps = {key: comm.allreduce(f"hvdsync.lowrank.flush.P.{key}",
-                                      [ops.matmul(m, slot.read(key))]) for key, m in ms.items()}
+            ms = [ops.add(ops.matrix(held[key]), mem["err"].read(key)) for key in self.keys]
+            sent, ctx = FACTORS.encode(ops, ms, [slot.read(key) for key in self.keys])
+            ps = [comm.allreduce(f"hvdsync.lowrank.flush.P.{key}", [p])
+                  for key, p in zip(self.keys, sent)]
             comm.dispatch()
-            qs = {key: comm.allreduce(f"hvdsync.lowrank.flush.Q.{key}", [ops.matmul(
-                m, ops.orthonormal(ps[key].wait()[0]), transpose_a=True)])
-                  for key, m in ms.items()}
+            sent, _ = FACTORS.next_round(ops, [p.wait()[0] for p in ps], ctx)
+            qs = [comm.allreduce(f"hvdsync.lowrank.flush.Q.{key}", [q])
+                  for key, q in zip(self.keys, sent)]
             comm.dispatch()
-            for key, q in qs.items():
+            for key, q in zip(self.keys, qs):
                 slot[key] = q.wait()[0]
         for key, total in self.owed().items():
             mem["err"][key] = total

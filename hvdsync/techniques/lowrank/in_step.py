@@ -1,6 +1,7 @@
 """``lowrank=`` in the step pipeline: per bucket of layers, a P round started in backward and
 a Q round once P has arrived (eager), or both rounds built into Keras' compiled step (traced).
-The arithmetic is :mod:`hvdsync.techniques.lowrank.base`'s; docs/lowrank.md says what a layer goes through.
+Both rounds are its codec's (:mod:`hvdsync.techniques.lowrank.codec`); docs/lowrank.md says what a
+layer goes through.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any, Optional
 
 from hvdsync.techniques.lowrank.memory import LowRankBase
 from hvdsync.techniques.lowrank.config import LowRankConfig
+from hvdsync.techniques.lowrank.codec import FACTORS
 from hvdsync.techniques.lowrank.factors import round_label, two_rounds
 from hvdsync.techniques.lowrank.in_delay import LowRankInDelay
 from hvdsync.core.wire import Pending
@@ -140,7 +142,7 @@ class LowRank(LowRankBase, TracedRounds):
                                               [self.err[where[i][2]] for i in owed])):
                 ms[i] = m
         qs = [self._initial_q(key, li, k, m) for (li, k, key), m in zip(where, ms)]
-        matrices, ps = iter(ms), iter(ops.matmul_all(ms, qs) if ms else [])
+        matrices, ps = iter(ms), iter(FACTORS.encode(ops, ms, qs)[0])
         for li, compressed, plain in layers:
             layer_ms = [next(matrices) for _ in compressed]
             layer_ps = [next(ps) for _ in compressed]
@@ -158,10 +160,10 @@ class LowRank(LowRankBase, TracedRounds):
             self._start_q(arrived)
 
     def _start_q(self, rounds: list[_Round]) -> None:
-        """The Q rounds of ``rounds`` (their P arrived): every P orthonormalized and every
-        ``M^T P`` computed at once; each round's Q allreduce; the delivery of all of them once
-        every reduction of the step arrived (:meth:`after_wait`: ``P Q^T`` and the residuals,
-        at once)."""
+        """The Q rounds of ``rounds`` (their P arrived): the codec's next round for all of
+        them at once; each round's Q allreduce; the delivery of all of them once every
+        reduction of the step arrived (:meth:`after_wait`: ``P Q^T`` and the residuals, at
+        once)."""
         g, ops = self.grads, self.ops
         ms, ps = [], []
         for rnd in rounds:
@@ -171,8 +173,8 @@ class LowRank(LowRankBase, TracedRounds):
                 ms += layer_ms
                 for k in plain:  # averaged already: delivered now
                     g.set(li, k, next(arrived))
-        ps = ops.orthonormal_all(ps) if ps else []
-        qs = iter(ops.matmul_all(ms, ps, transpose_a=True) if ms else [])
+        parts, ctx = FACTORS.next_round(ops, ps, ms)
+        qs = iter(parts)
         for rnd in rounds:
             mine = [next(qs) for _, _, layer_ms, _ in rnd.layers for _ in layer_ms]
             # (no matrix: its layers' only matrix was row-sparse this step)
@@ -185,8 +187,8 @@ class LowRank(LowRankBase, TracedRounds):
                 return
             delivered.append(True)
             q_avg = [q for rnd in rounds for q in rnd.q.wait()]
-            approx = ops.matmul_all(ps, q_avg, transpose_b=True) if ps else []
-            owed = iter(ops.sub_all(ms, approx))  # M - P Q^T: this rank still owes it
+            approx = FACTORS.average(ops, q_avg, self.comm.size, ctx)
+            owed = iter(FACTORS.residual(ops, approx, ctx))  # this rank still owes it
             at = iter(zip(q_avg, approx))
             for rnd in rounds:
                 for li, ks, _, _ in rnd.layers:

@@ -1,15 +1,14 @@
 """``lowrank=``: low-rank gradient compression (PowerSGD-style), as a transport.
 
-A weight matrix ``M`` (``n x m``) is sent as two thin factors: ``P = allreduce((grad + E) Q)``,
-orthonormalized, then ``Q = allreduce(M^T P)``; every rank applies ``P Q^T`` and keeps
-``E = M - P Q^T`` (its error feedback) for a later step. docs/lowrank.md says what is
+A weight matrix ``M`` (``n x m``) is sent as two thin factors, in two rounds of its codec
+(:class:`hvdsync.techniques.lowrank.codec.PowerFactors`): every rank applies ``P Q^T`` and
+keeps ``E = M - P Q^T`` (its error feedback) for a later step. docs/lowrank.md says what is
 compressed, how it composes and what it costs.
 
-This module holds the config, the arithmetic every mode shares (:func:`rank_of`,
-:func:`seeded_q`, :func:`project`, :func:`two_rounds`) and :class:`LowRankBase`, the memory
-every mode keeps (``Q``, ``E``, the step count) and how it is saved. The modes:
-:class:`hvdsync.techniques.lowrank.in_step.LowRank` in the step pipeline (eager and traced)
-and :class:`hvdsync.techniques.lowrank.in_delay.LowRankInDelay` inside ``delay=``.
+:class:`LowRankBase` is the memory every mode keeps (``Q``, ``E``, the step count) and how it
+is saved. The modes: :class:`hvdsync.techniques.lowrank.in_step.LowRank` in the step pipeline
+(eager and traced) and :class:`hvdsync.techniques.lowrank.in_delay.LowRankInDelay` inside
+``delay=``.
 """
 
 from __future__ import annotations

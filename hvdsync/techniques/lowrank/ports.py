@@ -17,15 +17,13 @@ class Factors(Protocol):
     def matrix(self, t: Any) -> Any: ...
     def from_matrix(self, m: Any, like: Any) -> Any:
         """``m`` (from :meth:`matrix`) in the shape of ``like``."""
-    def matmul(self, a: Any, b: Any, transpose_a: bool = False,
-               transpose_b: bool = False) -> Any: ...
     def matmul_all(self, a: Sequence[Any], b: Sequence[Any], transpose_a: bool = False,
                    transpose_b: bool = False) -> list:
-        """:meth:`matmul` pairwise, at once (one multi-tensor op where there is one)."""
+        """``a[i] @ b[i]`` (each operand transposed where asked), at once (one multi-tensor op
+        where there is one)."""
     def orthonormal_all(self, ps: Sequence[Any]) -> list:
-        """:meth:`orthonormal` of each (matrices of a shape in one batched call)."""
-    def orthonormal(self, p: Any) -> Any:
-        """An orthonormal basis of ``p``'s columns (QR's Q, same shape); deterministic."""
+        """An orthonormal basis of each ``p``'s columns (QR's Q, same shape; deterministic),
+        matrices of a shape in one batched call."""
     def from_host(self, values: Any, like: Any) -> Any:
         """``values`` (a numpy array) as a tensor with ``like``'s dtype and device."""
 

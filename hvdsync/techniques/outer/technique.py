@@ -52,21 +52,21 @@ def start_offsets(average_every: int, fragments: int) -> list[int]:
 
 
 def outgoing(ops: Any, codec: Codec, feedback: bool, anchors: list, params: list,
-             residuals: list) -> tuple[list, list, list]:
-    """``(deltas, sent, lost)``: the pseudo-gradients ``anchor - theta`` (plus this rank's
-    residual where it has one; ``None``: none), what goes on the wire (``codec``'s parts) and,
-    with error ``feedback``, what the encoding lost (the next residuals; else ``[]``). A few
-    multi-tensor ops for the whole fragment."""
+             residuals: list) -> tuple[list, Any, list]:
+    """``(sent, ctx, lost)``: what goes on the wire for the pseudo-gradients ``anchor - theta``
+    (plus this rank's residual where it has one; ``None``: none) -- ``codec``'s parts and
+    context -- and, with error ``feedback``, what the encoding lost (the next residuals; else
+    ``[]``). A few multi-tensor ops for the whole fragment."""
     deltas = ops.sub_all(anchors, params)
     have = [i for i, r in enumerate(residuals) if r is not None]
     if have:
         for i, x in zip(have, ops.accumulate_all([deltas[i] for i in have],
                                                  [residuals[i] for i in have])):
             deltas[i] = x
-    sent = codec.encode(ops, deltas)
+    sent, ctx = codec.encode(ops, deltas)
     if codec.exact or not feedback:  # nothing lost, or nothing kept: no decoding
-        return deltas, sent, []
-    return deltas, sent, ops.sub_all(deltas, codec.decode(ops, sent, deltas))
+        return sent, ctx, []
+    return sent, ctx, ops.sub_all(deltas, codec.decode(ops, sent, ctx))
 
 
 def outer_step(ops: Any, config: Any, averaged: list, momenta: list, anchors: list,
@@ -132,8 +132,8 @@ class Fragment:
         comm = o.comm
         params = self.params()
         keys = [key for key, _ in params]
-        deltas, sent, lost = o.outgoing([o.anchor[k] for k in keys], [p for _, p in params],
-                                        [o.residual.get(k) for k in keys])
+        sent, ctx, lost = o.outgoing([o.anchor[k] for k in keys], [p for _, p in params],
+                                     [o.residual.get(k) for k in keys])
         o.residual.update(zip(keys, lost))  # error feedback: joins the next exchange
         name = f"hvdsync.outer.f{self.index}"
         if o.codec.collective == "allreduce":  # averaged on the wire
@@ -141,7 +141,7 @@ class Fragment:
             comm.dispatch(background=True)  # Keras queues eager requests: send it now
         else:  # every rank decodes every rank's parts
             pending = comm.allgather_async(name, sent)
-        result = pending.then(lambda out: dict(zip(keys, o.average(out, comm.size, deltas))))
+        result = pending.then(lambda out: dict(zip(keys, o.average(out, comm.size, ctx))))
         o.stats.control(pending.nbytes, pending.collectives)
         o.stats.count("outer_started")
         o.stats.count("outer_bytes", pending.nbytes)

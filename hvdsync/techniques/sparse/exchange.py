@@ -11,10 +11,11 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from hvdsync.core.wire import Pending
+from hvdsync.core.wire import Codec, Pending
 from hvdsync.core.ports import Communicator, Gradients
 from hvdsync.techniques.sparse.ports import RowSparse
 from hvdsync.techniques.sparse.protocol import ABSENT, DENSE, SparseProtocol, SparseTransport
+from hvdsync.techniques.sparse.codec import ROUTE_CODECS
 from hvdsync.techniques.sparse.config import SparseConfig
 from hvdsync.core.stats import SyncStats
 
@@ -171,6 +172,10 @@ class Sparse(SparseTransport):
         row = math.prod(shape[s:])
         return (row + index_columns(s, esize)) * esize, math.prod(shape) * esize
 
+    def codec(self, i: int, route: str) -> Codec:
+        """The codec of parameter ``i``'s rows on ``route`` (``"gather"``, ``"dense"``)."""
+        return ROUTE_CODECS[route](self.shapes[i], self.protocol.sparse_dim(i))
+
     def divisor(self) -> int:
         """What the ranks' sum is divided by: the ranks for an average, else 1."""
         return self.comm.size if self.comm.averages else 1
@@ -228,7 +233,8 @@ class Sparse(SparseTransport):
         dense = [i for i, r in zip(positions, routes) if r == "dense"]
         groups: dict[str, list[tuple[int, Any, Any]]] = {}
         for i in gather:
-            packed, ctx = self.rows.pack(self.grads.get(*self._at[i]))
+            (packed,), ctx = self.codec(i, "gather").encode(self.rows,
+                                                            [self.grads.get(*self._at[i])])
             groups.setdefault(self.rows.dtype_key(packed), []).append((i, packed, ctx))
         if header is not None and not groups:
             self._absorb(self.comm.gather_rows("hvdsync.sparse.layouts",
@@ -254,8 +260,8 @@ class Sparse(SparseTransport):
         def finisher(j: int, i: int, ctx: Any):
             def finish() -> None:
                 out = gathered.wait()[len(first) + j]
-                self.grads.set(*self._at[i], self.rows.unpack_summed(
-                    out, ctx, self.shapes[i], self.protocol.sparse_dim(i), divide_by))
+                self.grads.set(*self._at[i], self.codec(i, "gather").average(
+                    self.rows, [out], divide_by, ctx)[0])
             return finish
         self._record([(i, packed, finisher(j, i, ctx))
                       for j, (i, packed, ctx) in enumerate(group)], sends)
@@ -263,19 +269,19 @@ class Sparse(SparseTransport):
     def _start_dense(self, positions: list[int], sends: dict[int, _Sends]) -> None:
         """The dense route: each gradient scattered into its dense shape with a "present"
         column (which rows any rank had), in one grouped allreduce of sums."""
-        scattered = [self.rows.scatter(self.grads.get(*self._at[i]), self.shapes[i])
+        scattered = [self.codec(i, "dense").encode(self.rows, [self.grads.get(*self._at[i])])
                      for i in positions]
-        summed = self.comm.sum_rows("hvdsync.sparse.dense", [b for b, _ in scattered])
+        summed = self.comm.sum_rows("hvdsync.sparse.dense", [b for (b,), _ in scattered])
         divide_by = self.divisor()
 
         def finisher(j: int, i: int, ctx: Any):
             def finish() -> None:
-                self.grads.set(*self._at[i], self.rows.present_rows(
-                    summed.wait()[j], ctx, self.shapes[i], self.protocol.sparse_dim(i),
-                    divide_by))
+                self.grads.set(*self._at[i], self.codec(i, "dense").average(
+                    self.rows, [summed.wait()[j]], divide_by, ctx)[0])
             return finish
         self._record([(i, buffer, finisher(j, i, ctx))
-                      for j, (i, (buffer, ctx)) in enumerate(zip(positions, scattered))], sends)
+                      for j, (i, ((buffer,), ctx)) in enumerate(zip(positions, scattered))],
+                     sends)
 
     def _record(self, items: list[tuple[int, Any, Any]], sends: dict[int, _Sends]) -> None:
         """Each gradient's finisher and bytes go to its layer's sends; the grouped collective
