@@ -51,7 +51,7 @@ PIPELINE_RECEIVERS = {"t": (Technique, Transform, Transport)}
 #: a technique's own ports (its package's ``ports.EXTENDS``) extend these receivers
 EXTENDED = {"ops": ("ops", "self.ops", "self.owner.ops"),
             "comm": ("comm", "self.comm", "self.owner.comm"),
-            "grads": ("self.grads", "self.owner.grads"), "rows": ("self.rows",)}
+            "grads": ("self.grads", "self.owner.grads"), "rows": ("self.rows", "rows")}
 
 
 def declared(interface: type) -> set[str]:
@@ -161,14 +161,11 @@ ONE_TECHNIQUE = {
                                     "before a traced step's first update",
     "Technique.after_optimizer_step": "after the update only the synchronization of the "
                                       "models (outer) acts",
-    "Decider.layer_seen": "select='s byte budget in its traced form",
     "Transport.backward_done": "sparse='s counts round before missing layers are filled, and "
                                "the layers whose layout only the counts tell",
     "Transport.start_early": "the same: the counts and the predicted rows, before the rest",
     "Transport.updates_locally": "delay= updates with this rank's gradient (the traced local "
                                  "step)",
-    "Parts.sparse_exchange": "the sparse exchange an adapter builds over its row-sparse "
-                             "primitives",
     "Parts.traces": "delay= folds when due where the adapter traces its step",
 }
 

@@ -60,7 +60,7 @@ def traced_decider_body(kind: str, cfg: dict, steps: int, nan_rank: int,
             plan = torch.tensor(t.host_flags()["plan"])
             flags = ({k: torch.tensor(v) for k, v in lr.host_flags().items()}
                      if lr is not None else {})
-            kept.begin([(li, g.payload_bytes(li)) for li in range(n)])
+            kept.begin([(li, list(range(g.size(li)))) for li in range(n)])
             layers, held_norms, bads, applied = [], [], [], []
             for li in range(n):
                 ks = list(range(g.size(li)))

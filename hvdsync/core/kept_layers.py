@@ -47,12 +47,13 @@ class KeptLayers:
         return [self.grads.key(li, k) for k in ks]
 
     # -- before backward ---------------------------------------------------------------------
-    def begin(self, layers: Sequence[tuple[int, int]]) -> None:
-        """At trace time: the layers in the step and their dense bytes (select's eligibility
-        and byte budget; every traced step has the same layers)."""
+    def begin(self, layers: Sequence[tuple[int, list[int]]]) -> None:
+        """At trace time: the layers in the step that it governs, ``(li, ks)`` each (every
+        traced step has the same), told as an eager step tells them in its ready groups
+        (:meth:`Technique.layer_ready`: select's eligibility); the others have none."""
         present = dict(layers)
         for li in range(self.decider.num_layers):
-            self.decider.layer_seen(li, li in present, lambda li=li: present[li])
+            self.decider.layer_ready(li, present.get(li, []))
 
     # -- per layer, as backward produces it --------------------------------------------------
     def exchange(self, li: int, ks: list[int], layer: list, send_plan: Any,

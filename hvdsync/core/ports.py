@@ -28,13 +28,12 @@ class Gradients(Protocol):
         its value: many :meth:`set` in one call."""
     def ready(self, lis: Sequence[int]) -> list[int]:
         """Layers ``lis``'s local gradients are final: before anything sees them, undo the
-        loss scale (torch ``scaler=``). Returns each one's :meth:`payload_bytes` (what plain
-        Horovod would send)."""
+        loss scale (torch ``scaler=``). Returns each one's payload bytes (what plain Horovod
+        would send: a sparse gradient's rows)."""
     def missing(self, li: int) -> list[int]: ...
     def zeros(self, li: int, k: int) -> Any: ...
     def value(self, li: int, k: int) -> Any: ...
     def is_row_sparse(self, li: int, k: int) -> bool: ...
-    def payload_bytes(self, li: int) -> int: ...
     def working(self) -> Any:
         """A context for the step's work after backward made layers ready (a ready group's,
         ``synchronize()``'s): where the adapter runs it (torch on CUDA: optionally a side
@@ -43,7 +42,7 @@ class Gradients(Protocol):
         """The step's work is queued; what the caller runs next waits for it."""
     def layer_bytes(self, li: int) -> int:
         """Layer ``li``'s parameters' bytes (what a dense gradient of it weighs: the same on
-        every rank and every step, unlike :meth:`payload_bytes` of a sparse one)."""
+        every rank and every step, unlike the payload of a sparse one)."""
     def snapshot(self, key: str) -> Any:
         """The parameter ``key`` and the optimizer's state for it, as they are now."""
     def restore(self, key: str, snap: Any) -> None:

@@ -219,11 +219,16 @@ def enabled(configs: dict[str, Optional[Any]]) -> list[str]:
 
 def build_techniques(configs: dict[str, Any], parts: Parts) -> list[Technique]:
     """The techniques of one wrapped optimizer, in the rulebook's order, each built by its
-    package from ``parts`` (the adapter's gradients, arithmetic, communicator and kernels)."""
+    package from ``parts`` (the adapter's gradients, arithmetic, communicator and kernels), or
+    by the adapter where it builds one itself (``parts.builds``)."""
     techniques: list[Technique] = []
     for name in pipeline_order(configs):  # (a keyword may build more than one: delay=)
-        built = (Plain(parts.grads, parts.comm, parts.layer_names) if name == "plain"
-                 else package(name).build(configs[name], parts))
+        if name == "plain":
+            built = Plain(parts.grads, parts.comm, parts.layer_names)
+        elif name in parts.builds:
+            built = parts.builds[name](configs[name])
+        else:
+            built = package(name).build(configs[name], parts)
         techniques += built if isinstance(built, list) else [built]
     parts.stats.describe(enabled(configs), lambda: parts.comm.size)
     for carried, (carrier, _) in CARRIED.items():  # the compositions (CARRIED)

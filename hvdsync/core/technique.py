@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hvdsync.core.wire import Pending
@@ -81,8 +81,9 @@ def refill(mapping: Any, items: dict) -> None:
 class Parts:
     """What a technique is built from (its package's ``build(config, parts)``): the adapter's
     ports, the optimizer's layer names and statistics, whether the adapter traces its step
-    (Keras), and the sparse exchange an adapter builds over its row-sparse primitives
-    (``sparse_exchange(config)``)."""
+    (Keras), and the techniques an adapter builds itself, by keyword (``builds[name](config)``,
+    in place of the package's ``build``: ``sparse=``'s exchange over the adapter's row-sparse
+    primitives)."""
 
     grads: Gradients
     ops: TensorOps
@@ -90,7 +91,7 @@ class Parts:
     stats: SyncStats
     layer_names: list[str]
     traces: bool = False
-    sparse_exchange: Any = None
+    builds: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
 
 
 # -- the roles -------------------------------------------------------------------------------
@@ -274,11 +275,6 @@ class Decider(Technique):
         ``sync_points``, with :data:`LOCAL_STEP`, each skipping parameter and its optimizer
         state as at its last sync (:meth:`Gradients.snapshot`)."""
         raise NotImplementedError(f"{self.name} declares no per-parameter memory")
-
-    def layer_seen(self, li: int, present: bool, nbytes: Callable[[], int]) -> None:
-        """Whether layer ``li`` has gradients in the step (``nbytes()``: its dense bytes);
-        :meth:`layer_ready` tells it already in an eager step, a tracing adapter tells it
-        once."""
 
     def plan_from(self, shared: Sequence[float], local: Sequence[float]) -> None:
         """The next step's plan from a step finite everywhere: ``shared``, the control vector

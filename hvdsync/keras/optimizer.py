@@ -91,7 +91,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
                                   update=self._update_uncounted)
         hv.techniques = build_techniques(hv.configs, Parts(
             hv.grads, KerasOps(), hv.comm, hv.stats, names, traces=True,
-            sparse_exchange=lambda c: TracedSparse(c, hv.grads, hv.comm, hv.stats)))
+            builds={"sparse": lambda c: TracedSparse(c, hv.grads, hv.comm, hv.stats)}))
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)
         # HVDSYNC_KERAS_PIPELINE=1: every step through the eager step pipeline (to compare)
         hv.graph_path = (graph_runs(hv.techniques)

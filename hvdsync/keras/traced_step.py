@@ -98,8 +98,7 @@ class TracedStep:
                                                     *self.decided.values()]}.values())
         if kept is not None:  # it governs the layers no transport of its own takes
             self.decider = kept.decider.name
-            kept.begin([(li, sum(payload_bytes(_dense(self.grads[p], self.comm, self.decider))
-                                 for p in positions))
+            kept.begin([(li, list(range(len(positions))))
                         for li, positions in self.layers if li not in self.grouped])
         with tf.init_scope():  # a flag may depend on what the trace saw (eagerly, now)
             self.flags.refresh()

@@ -84,7 +84,7 @@ class _DistributedOptimizer(SyncAPI):
                                               sparse_as_dense, process_set, self.stats)
         self._techniques = build_techniques(configs, Parts(
             self._grads, TorchOps(), comm, self.stats, layer_names,
-            sparse_exchange=lambda c: row_exchange(c, self._grads, comm, self.stats)))
+            builds={"sparse": lambda c: row_exchange(c, self._grads, comm, self.stats)}))
         if group_bytes is None:
             group_bytes = default_group_bytes([t.name for t in self._techniques],
                                               comm.matches_by_name)

@@ -1,6 +1,6 @@
 """What ``clip=`` alone needs of an adapter, beside the shared ports (:mod:`hvdsync.core.ports`):
 its arithmetic for a group of layers, which each adapter writes itself (Keras builds it into
-the compiled function)."""
+the compiled function), and which layers hold values at all."""
 
 from __future__ import annotations
 
@@ -22,5 +22,13 @@ class ClipKernel(Protocol):
         (``None``: the group holds no values)."""
 
 
+class Payloads(Protocol):
+    """The gradients' part (``grads``)."""
+
+    def payload_bytes(self, li: int) -> int:
+        """The bytes of layer ``li``'s gradients as they stand (a sparse one's rows; 0: no
+        values -- nothing to clip or observe)."""
+
+
 #: receiver -> what this technique adds to the shared ports there (tests/test_contracts.py)
-EXTENDS = {"ops": ClipKernel}
+EXTENDS = {"ops": ClipKernel, "grads": Payloads}

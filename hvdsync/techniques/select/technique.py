@@ -13,7 +13,7 @@ moment backward produces it. docs/select.md says how each selector works and wha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 
@@ -62,7 +62,8 @@ class Select(Decider):
         #: per ready group: its layers and their ``<g, theta>`` (a device vector)
         self._dots: list[tuple[list[int], Any]] = []
         self._eligible = [True] * n
-        self._bytes = [0] * n  # each layer's dense gradient bytes (for a byte budget)
+        #: each layer's dense gradient bytes (for a byte budget: its parameters', at first use)
+        self._bytes: Optional[list[int]] = None
         self._journal: dict[str, Any] = {}  # residuals as they were before this step
         self._withheld: list[tuple[str, Any]] = []  # withheld this step: (key, gradient)
         self._local: Any = None  # this rank's statistics of the step (a device vector)
@@ -76,7 +77,7 @@ class Select(Decider):
         group)."""
         g = self.grads
         for li, ks in layers:
-            self.layer_seen(li, bool(ks), lambda li=li: g.payload_bytes(li))
+            self.layer_ready(li, ks)
             for k in ks:
                 if g.is_row_sparse(li, k):
                     raise ValueError("select= needs dense gradients: pass sparse=True (row-"
@@ -89,12 +90,11 @@ class Select(Decider):
                                self.ops.dots([[(g.get(li, k), g.value(li, k)) for k in ks]
                                               for li, ks in layers])))
 
-    def layer_seen(self, li: int, present: bool, nbytes: Callable[[], int]) -> None:
-        """Whether layer ``li`` has gradients this step (else it cannot be chosen next), and
-        its dense bytes (``nbytes()``, asked once) for a byte budget."""
-        self._eligible[li] = present
-        if present and not self._bytes[li]:
-            self._bytes[li] = nbytes()
+    def layer_ready(self, li: int, ks: list[int]) -> None:
+        """Whether layer ``li`` has gradients this step that it governs (``ks``; else it
+        cannot be chosen next): told per ready group in an eager step, once at trace time in
+        a traced one."""
+        self._eligible[li] = bool(ks)
 
     def decision(self, li: int) -> bool:
         return self.policy.selected[li]  # chosen at the end of the last step
@@ -185,6 +185,8 @@ class Select(Decider):
         self.policy.pushed(list(self.policy.selected))  # round_robin scores by the waits
         scores = self.policy.scores(shared_dots, shared_norms,
                                     control_part(shared, control, "dot_squared", n))
+        if self._bytes is None:
+            self._bytes = [self.grads.layer_bytes(li) for li in range(n)]
         self.policy.choose(scores, list(self._eligible), self._bytes)
         own = control_part(local, control, "held", n)
         self.stats.count("residual_norm", sum(x * x for x in own) ** 0.5)
