@@ -40,7 +40,7 @@ class GatheredRows(Codec):
                 for x, c in zip(received, ctx)]
 
     def __repr__(self) -> str:
-        return f"GatheredRows({self.shape}, {self.sparse_dim})"
+        return f"{type(self).__name__}({self.shape}, {self.sparse_dim})"
 
 
 class ScatteredRows(GatheredRows):
@@ -58,9 +58,6 @@ class ScatteredRows(GatheredRows):
                 ctx: Sequence[Any]) -> list:
         return [rows.present_rows(x, c, self.shape, self.sparse_dim, size)
                 for x, c in zip(received, ctx)]
-
-    def __repr__(self) -> str:
-        return f"ScatteredRows({self.shape}, {self.sparse_dim})"
 
 
 #: the route names of :mod:`hvdsync.techniques.sparse.protocol` -> their codec class
