@@ -225,8 +225,8 @@ def build_techniques(configs: dict[str, Any], parts: Parts) -> list[Technique]:
     for name in pipeline_order(configs):  # (a keyword may build more than one: delay=)
         if name == "plain":
             built = Plain(parts.grads, parts.comm, parts.layer_names)
-        elif name in parts.builds:
-            built = parts.builds[name](configs[name])
+        elif type(configs[name]) in parts.builds:
+            built = parts.builds[type(configs[name])](configs[name])
         else:
             built = package(name).build(configs[name], parts)
         techniques += built if isinstance(built, list) else [built]

@@ -81,9 +81,9 @@ def refill(mapping: Any, items: dict) -> None:
 class Parts:
     """What a technique is built from (its package's ``build(config, parts)``): the adapter's
     ports, the optimizer's layer names and statistics, whether the adapter traces its step
-    (Keras), and the techniques an adapter builds itself, by keyword (``builds[name](config)``,
-    in place of the package's ``build``: ``sparse=``'s exchange over the adapter's row-sparse
-    primitives)."""
+    (Keras), and the techniques an adapter builds itself, by config class
+    (``builds[type(config)](config)``, in place of the package's ``build``: ``sparse=``'s
+    exchange over the adapter's row-sparse primitives)."""
 
     grads: Gradients
     ops: TensorOps
@@ -91,7 +91,7 @@ class Parts:
     stats: SyncStats
     layer_names: list[str]
     traces: bool = False
-    builds: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    builds: dict[type, Callable[[Any], Any]] = field(default_factory=dict)
 
 
 # -- the roles -------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.memory import VariableMemory
 from hvdsync.keras.params import groups_to_names, keras_layer_of, mixed_in, relative_names
 from hvdsync.keras.sparse import TracedSparse
+from hvdsync.techniques.sparse.config import SparseConfig
 from hvdsync.keras.flags import HostFlags, Traffic
 from hvdsync.keras.state import KerasCheckpointing
 from hvdsync.core.kept_layers import KeptLayers
@@ -91,7 +92,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
                                   update=self._update_uncounted)
         hv.techniques = build_techniques(hv.configs, Parts(
             hv.grads, KerasOps(), hv.comm, hv.stats, names, traces=True,
-            builds={"sparse": lambda c: TracedSparse(c, hv.grads, hv.comm, hv.stats)}))
+            builds={SparseConfig: lambda c: TracedSparse(c, hv.grads, hv.comm, hv.stats)}))
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)
         # HVDSYNC_KERAS_PIPELINE=1: every step through the eager step pipeline (to compare)
         hv.graph_path = (graph_runs(hv.techniques)

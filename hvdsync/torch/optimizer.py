@@ -40,6 +40,7 @@ from hvdsync.torch.ops import TorchOps
 from hvdsync.torch.comm import TorchCommunicator
 from hvdsync.torch.params import groups_to_names, parameter_names
 from hvdsync.torch.rows import row_exchange
+from hvdsync.techniques.sparse.config import SparseConfig
 from hvdsync.torch.saving import tensors_only
 
 _HOROVOD_ARGS = ("named_parameters", "compression", "backward_passes_per_step", "op",
@@ -84,7 +85,7 @@ class _DistributedOptimizer(SyncAPI):
                                               sparse_as_dense, process_set, self.stats)
         self._techniques = build_techniques(configs, Parts(
             self._grads, TorchOps(), comm, self.stats, layer_names,
-            builds={"sparse": lambda c: row_exchange(c, self._grads, comm, self.stats)}))
+            builds={SparseConfig: lambda c: row_exchange(c, self._grads, comm, self.stats)}))
         if group_bytes is None:
             group_bytes = default_group_bytes([t.name for t in self._techniques],
                                               comm.matches_by_name)

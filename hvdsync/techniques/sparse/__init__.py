@@ -1,6 +1,6 @@
 """``sparse=``: the sparse grouped allgather for row-sparse gradients, counts first (a
 transport; docs/sparse.md). The adapter builds it over its row-sparse primitives
-(``Parts.builds["sparse"]``)."""
+(``Parts.builds[SparseConfig]``)."""
 
 from hvdsync.techniques.sparse.config import SparseConfig
 from hvdsync.techniques.sparse.exchange import Sparse
@@ -11,7 +11,7 @@ CONFIG = SparseConfig
 def build(config: SparseConfig, parts) -> Sparse:
     """Only an adapter can: the exchange runs over its row-sparse primitives."""
     raise TypeError("sparse= needs the adapter's row-sparse primitives: the adapter builds it "
-                    "(Parts.builds['sparse'])")
+                    "(Parts.builds[SparseConfig])")
 
 
 __all__ = ["CONFIG", "SparseConfig", "Sparse", "build"]
