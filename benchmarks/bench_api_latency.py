@@ -18,8 +18,9 @@ import os
 import statistics
 import time
 
-from benchmarks.common import markdown_table, report
+from benchmarks.common import markdown_table, report, shows_progress
 from hvdsync.testing import run_ranks
+from hvdsync.testing import progress
 
 CALLS = ("allreduce", "allgather", "broadcast", "alltoall")
 
@@ -41,6 +42,7 @@ def latency_body(calls: int) -> dict:
     for mode in modes:
         os.environ["HVDSYNC_CHECK_COLLECTIVES"] = "0" if mode == "unchecked" else "1"
         for what, call in run.items():
+            progress.step(len(out), len(modes) * len(run), f"{what}, {mode}")
             for _ in range(20):
                 call()
             hvd.allreduce(torch.zeros(1), name="lat.sync")
@@ -51,6 +53,7 @@ def latency_body(calls: int) -> dict:
     return out
 
 
+@shows_progress
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.common import markdown_table, median_step_time, report
+from benchmarks.common import markdown_table, median_step_time, report, shows_progress
 from hvdsync.testing import run_ranks
+from hvdsync.testing import progress
 
 METHODS = ["horovod (no clip)", "horovod sync->clip_grad_norm_->step", "hvdsync (no clip)",
            "hvdsync clip max_norm per layer", "hvdsync clip ema+ratio per layer"]
@@ -63,12 +64,14 @@ def bench_body(width: int, depth: int, batch: int, steps: int, reps: int) -> dic
         for _ in range(3):
             s()
     times = {m: [] for m in METHODS}
-    for _ in range(reps):  # interleave methods so drift hits all of them alike
-        for m, s in steppers.items():
+    for rep in range(reps):  # interleave methods so drift hits all of them alike
+        for i, (m, s) in enumerate(steppers.items()):
+            progress.step(rep * len(steppers) + i, reps * len(steppers), f"rep {rep + 1}, {m}")
             times[m].append(median_step_time(s, steps))
     return {m: statistics.median(v) for m, v in times.items()}
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", type=int, default=2)

@@ -21,8 +21,9 @@ import argparse
 import statistics
 import time
 
-from benchmarks.common import markdown_table, report
+from benchmarks.common import markdown_table, report, shows_progress
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
+from hvdsync.testing import progress
 
 METHODS = {
     "horovod": None,
@@ -62,10 +63,11 @@ def methods_body(methods: list[str], steps: int, width: int, depth: int, batch: 
         data = [teacher.batch(g, batch) for _ in range(steps if name != "warm-up" else 20)]
         hvd.allreduce(torch.zeros(1), name=f"start.{name}")  # start together
         start = time.perf_counter()
-        for x, y in data:
+        for i, (x, y) in enumerate(data, 1):
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
+            progress.step(i, len(data), f"{name}, seed {seed}")
         if kwargs is not None:
             opt.flush()
         wall = time.perf_counter() - start
@@ -82,6 +84,7 @@ def methods_body(methods: list[str], steps: int, width: int, depth: int, batch: 
     return out
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", type=int, nargs="+", default=[2, 4])

@@ -21,8 +21,8 @@ import statistics
 
 import numpy as np
 
-from benchmarks.common import markdown_table, report
-from hvdsync.testing import run_elastic
+from benchmarks.common import markdown_table, report, shows_progress
+from hvdsync.testing import progress, run_elastic
 from tests.test_keras_elastic import BACKENDS, GLOO_TIMEOUT, keras_elastic_body
 from tests.test_keras_elastic import CASES as KERAS_CASES
 from tests.test_torch_elastic import CASES, GLOO_TIMEOUT_S, elastic_body
@@ -64,6 +64,7 @@ def _job(framework: str, scenario: str, case: str) -> list[dict]:
                        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT_S)})
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=1, help="runs of each job")
@@ -76,8 +77,10 @@ def main(argv=None) -> None:
              else ["all at once: " + ", ".join(KERAS_CASES)])
     for case in cases:
         for scenario in ("kill", "remove"):
-            runs = [_figures(scenario, _job(args.framework, scenario, case))
-                    for _ in range(args.seeds)]
+            runs = []
+            for seed in range(args.seeds):
+                progress.cell(f"{case}, {scenario} a rank, run {seed + 1}/{args.seeds}")
+                runs.append(_figures(scenario, _job(args.framework, scenario, case)))
             data[f"{case}/{scenario}"] = runs
             for what in runs[0]["recover_s"]:
                 secs = [r["recover_s"][what] for r in runs if what in r["recover_s"]]

@@ -47,8 +47,9 @@ import time
 from typing import Any
 
 from benchmarks.bench_overhead import RATIO_COLUMNS, ratio_cells, summarize
-from benchmarks.common import markdown_table, report
+from benchmarks.common import markdown_table, report, shows_progress
 from hvdsync.testing import run_ranks
+from hvdsync.testing import progress
 
 #: method -> (kind, hvdsync keywords): "bare" is the wrapped optimizer alone (no exchange)
 METHODS: dict[str, tuple[str, Any]] = {
@@ -195,8 +196,10 @@ def ops_body(methods: list[str], depths: list[int], window: int, warmup: int,
     out: dict = {}
     hvd_optimizer.allreduce_async_ = counted
     try:
-        for depth in depths:
-            for name in methods:
+        for d, depth in enumerate(depths):
+            for i, name in enumerate(methods):
+                progress.step(d * len(methods) + i, len(depths) * len(methods),
+                              f"{name}, {depth} layers")
                 opt, step = build(name, depth, horovod, hvd, width)
                 for _ in range(warmup):
                     step()
@@ -238,7 +241,9 @@ def time_body(methods: list[str], depth: int, rounds: int, steps: int) -> dict:
     per_round: dict[str, list[float]] = {name: [] for name in methods}
     for r in range(rounds):
         order = methods[r % len(methods):] + methods[:r % len(methods)]
-        for name in order:
+        for i, name in enumerate(order):
+            progress.step(r * len(order) + i, rounds * len(order),
+                          f"round {r + 1}/{rounds}, {name}")
             runs[name]()  # warm-up
             horovod.allreduce(torch.zeros(1), name=f"go.{r}.{name}")  # start together
             t0 = time.perf_counter()
@@ -262,7 +267,8 @@ def profile_body(methods: list[str], depth: int, steps: int) -> dict:
     hvd.init()
     torch.set_num_threads(1)
     out = {}
-    for name in methods:
+    for i, name in enumerate(methods):
+        progress.step(i, len(methods), f"profiling {name}")
         _, step = build(name, depth, horovod, hvd)
         for _ in range(3):
             step()
@@ -353,6 +359,7 @@ def time_tables(args: argparse.Namespace, data: dict) -> list[str]:
     return tables
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["ops", "time", "all"], default="all")

@@ -22,8 +22,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.common import markdown_table, report
+from benchmarks.common import markdown_table, report, shows_progress
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
+from hvdsync.testing import progress
 
 METHODS = {
     "horovod (DistributedGradientTape)": None,
@@ -98,7 +99,8 @@ def _one_round(methods: list[str], steps: int, width: int, depth: int, batch: in
     xt = np.random.default_rng(99).standard_normal((2048, features)).astype("float32")
     yt = np.argmax(xt @ teacher, axis=1)
     out = {}
-    for name in methods:
+    for i, name in enumerate(methods):
+        progress.step(i, len(methods), f"{name}, seed {seed} ({steps} steps each)")
         options = METHODS[name]
         keras.utils.set_random_seed(seed)
         model = mlp(width, depth)
@@ -176,6 +178,7 @@ HEADERS = ["network", "ranks", "method", "time/step ms (slowest rank)", "time/st
            "time to Horovod's accuracy - 1 pt, vs horovod"]
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", type=int, nargs="+", default=[2])

@@ -36,8 +36,9 @@ from typing import Any
 
 from benchmarks.bench_keras import CLASSES, FEATURES, mlp
 from benchmarks.bench_overhead import summarize
-from benchmarks.common import markdown_table, report
+from benchmarks.common import markdown_table, report, shows_progress
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
+from hvdsync.testing import progress
 
 METHODS: dict[str, Any] = {
     "horovod (tape)": None,
@@ -161,7 +162,9 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
     per_round: dict[str, list[float]] = {name: [] for name in methods}
     for r in range(rounds):
         order = methods[r % len(methods):] + methods[:r % len(methods)]
-        for name in order:
+        for i, name in enumerate(order):
+            progress.step(r * len(order) + i, rounds * len(order),
+                          f"round {r + 1}/{rounds}, {name}")
             htf.allreduce(tf.zeros([1]), name=f"go.{r}.{name}")  # start together
             marks: list[float] = []
             clock = keras.callbacks.LambdaCallback(
@@ -175,6 +178,7 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
     return dict(per_round=per_round, compile_s=compile_s)
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", type=int, default=2)

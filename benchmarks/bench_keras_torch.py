@@ -25,8 +25,9 @@ import os
 import statistics
 import time
 
-from benchmarks.common import markdown_table, report
+from benchmarks.common import markdown_table, report, shows_progress
 from benchmarks.network import IFACE, EmulatedNetwork, namespaces_unavailable, run_ranks_on
+from hvdsync.testing import progress
 
 METHODS = {
     "DDP (torch loop, same model)": "ddp",
@@ -193,6 +194,7 @@ def _ddp_loop(model, kind, x, y, xt, yt, steps: int, batch: int, every: int) -> 
     for i in range(5):
         step(i)
     for start in range(0, steps, every):
+        progress.step(start, steps, f"{method}, seed {seed}")
         t = time.perf_counter()
         for i in range(start, start + every):
             step(5 + i)
@@ -277,6 +279,7 @@ HEADERS = ["network", "model", "method", "ms/step", "step vs DDP", "bytes vs DDP
            "final (accuracy % / val. loss)", "time to target, vs DDP"]
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["mlp", "lm"], choices=["mlp", "lm"])

@@ -33,10 +33,11 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import markdown_table, report
+from benchmarks.common import markdown_table, report, shows_progress
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
 from benchmarks.workloads import WORKLOADS
 from hvdsync.testing import run_ranks
+from hvdsync.testing import progress
 
 METHODS: dict[str, Any] = {
     "horovod": None,
@@ -136,7 +137,9 @@ def overhead_body(workload: str, methods: list[str], rounds: int, steps: int,
     per_round: dict[str, list[float]] = {name: [] for name in methods}
     for r in range(rounds):
         order = methods[r % len(methods):] + methods[:r % len(methods)]
-        for name in order:
+        for i, name in enumerate(order):  # (progress by round: nothing inside a timed run)
+            progress.step(r * len(order) + i, rounds * len(order),
+                          f"round {r + 1}/{rounds}, {name}")
             train(name, batches[:1])  # warm-up
             horovod.allreduce(torch.zeros(1), name=f"go.{r}.{name}")  # start together
             t0 = time.perf_counter()
@@ -202,6 +205,7 @@ def _vs_base(per_round: dict[str, list[float]], name: str) -> list[str]:
     return [f"{s['ratio']:.3f}", f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"]
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=["teacher_cnn", "digits_mlp"],

@@ -27,8 +27,9 @@ import time
 
 import numpy as np
 
-from benchmarks.common import markdown_table, report
+from benchmarks.common import markdown_table, report, shows_progress
 from hvdsync.testing import run_ranks
+from hvdsync.testing import progress
 
 METHODS = ("horovod sparse", "horovod sparse_as_dense", "hvdsync", "hvdsync counts first",
            "hvdsync gather only", "hvdsync dense only")
@@ -86,6 +87,7 @@ def exchange_body(rows: int, dim: int, densities: list[float], reps: int, dense_
         opts = {method: wrap(method) for method in METHODS}
         times = {method: ([], []) for method in METHODS}
         for rep in range(reps + 1):  # the first is a warm-up
+            progress.step(rep, reps + 1, f"density {density:g}, rep {rep}")
             # Methods interleaved, in a rotating order: drift hits them all alike.
             for method in METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]:
                 if method in DENSE_METHODS and rep > dense_reps:
@@ -120,6 +122,7 @@ def exchange_body(rows: int, dim: int, densities: list[float], reps: int, dense_
     return out
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", type=int, nargs="+", default=[2, 4])

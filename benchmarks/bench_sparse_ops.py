@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from hvdsync.testing import run_ranks
+from benchmarks.common import shows_progress
+from hvdsync.testing import progress, run_ranks
 
 CASES = [("one round, gather", dict(sparse=True)),
          ("counts first, gather", dict(sparse=dict(one_round=False))),
@@ -27,7 +28,8 @@ def body(cases: list) -> dict:
     from benchmarks.bench_fixed_cost import op_counter
     hvd.init()
     out = {}
-    for name, keywords in cases:
+    for i, (name, keywords) in enumerate(cases):
+        progress.step(i, len(cases), name)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.EmbeddingBag(1000, 16, mode="sum", sparse=True),
                                     torch.nn.Linear(16, 4))
@@ -52,6 +54,7 @@ def body(cases: list) -> dict:
     return out
 
 
+@shows_progress
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")

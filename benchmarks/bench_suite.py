@@ -37,12 +37,13 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import RESULTS, markdown_table, report
+from benchmarks.common import RESULTS, markdown_table, report, shows_progress
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
 from benchmarks.workloads import METRIC_LABEL, WORKLOADS, as_shown
 from hvdsync.techniques.delay.config import STREAMING
 from hvdsync.core.stats import human_bytes
 from hvdsync.testing import RanksFailed
+from hvdsync.testing import progress
 
 THRESHOLD = dict(threshold=0.05, relative=True, max_skip=8)
 STREAMING_CFG = dict(exchange_gradients=False, outer_lr=0.7, outer_momentum=0.9, **STREAMING)
@@ -275,6 +276,8 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
         train_s += time.perf_counter() - t0
+        progress.step(step, steps, f"{name}, seed {seed}" + (
+            ", on to Horovod's time" if step > steps else ""))
         done = stop_after(step)
         if spec["kind"] == "hvdsync" and (step == steps or done):
             t0 = time.perf_counter()
@@ -497,6 +500,7 @@ def plot(results: dict, name: str) -> list[str]:
     return [str(acc_path), str(bytes_path)]
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -536,6 +540,8 @@ def main(argv=None) -> None:
                 if "horovod" not in methods:
                     methods.insert(0, "horovod")
                 started = time.monotonic()
+                progress.cell(f"{wl}, {np_} ranks, " + (
+                    "loopback" if net_name == "loopback" else f"{float(net_name):g} Mbit/s"))
                 if net_name == "loopback":
                     call = (wl, methods, list(range(args.seeds)), "127.0.0.1", 29511, "lo",
                             args.steps)

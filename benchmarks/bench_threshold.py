@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.common import markdown_table, report
+from benchmarks.common import markdown_table, report, shows_progress
 from hvdsync.testing import run_ranks
+from hvdsync.testing import progress
 
 CONFIGS = {
     "dense (hvdsync, no threshold)": None,
@@ -24,7 +25,8 @@ CONFIGS = {
 def seeds_body(threshold, epochs: int, seeds: list[int]) -> list[dict]:
     from examples.torch.train_digits import train
     out = []
-    for seed in seeds:
+    for i, seed in enumerate(seeds):
+        progress.step(i, len(seeds), f"threshold={threshold}, seed {seed}")
         r = train(epochs=epochs, seed=seed, threshold=threshold, verbose=False)
         t = r["stats"]["total"]
         out.append(dict(accuracy=r["accuracy"], skipped=t["layers_skipped"],
@@ -33,6 +35,7 @@ def seeds_body(threshold, epochs: int, seeds: list[int]) -> list[dict]:
     return out
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", type=int, default=2)

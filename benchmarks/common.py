@@ -8,7 +8,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import wraps
 from pathlib import Path
+
+from hvdsync.testing import progress
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,3 +51,14 @@ def report(name: str, title: str, table: str, data: dict, module: str, argv) -> 
     print(f"{title}\n{table}")
     args = sys.argv[1:] if argv is None else list(argv)
     write_results(name, data, table, " ".join([f"python -m {module}", *args]))
+
+
+def shows_progress(main: Callable) -> Callable:
+    """A benchmark's ``main``, showing what runs while it runs: the cell, the method and seed,
+    the step of steps and the time so far (:mod:`hvdsync.testing.progress`: one updating line
+    on a terminal, plain lines in a log)."""
+    @wraps(main)
+    def run(*args, **kwargs):
+        with progress.shown():
+            return main(*args, **kwargs)
+    return run

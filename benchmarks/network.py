@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+from hvdsync.testing import progress
 from hvdsync.testing import (collect_results, rank_command, rank_env, run_ranks,
                              write_call)
 
@@ -169,8 +170,9 @@ def run_ranks_on(network: Optional[EmulatedNetwork], fn: Callable[..., Any], np:
     procs, logs = [], []
     with tempfile.TemporaryDirectory(prefix="hvdsync-net-") as tmp:
         name = write_call(tmp, fn, args, kwargs)
-        base = rank_env({k: str(v) for k, v in
-                         create_run_env_vars(network.server_ip, [IFACE], port).items()})
+        progress.job(f"{fn.__name__} on {np} ranks")
+        base = rank_env({**progress.job_env(tmp), **{k: str(v) for k, v in create_run_env_vars(
+            network.server_ip, [IFACE], port).items()}})
         start = time.monotonic()
         try:
             for slot, ns in zip(plan, network.namespaces):
@@ -182,10 +184,14 @@ def run_ranks_on(network: Optional[EmulatedNetwork], fn: Callable[..., Any], np:
                                               start_new_session=True))
             hung, deadline = False, start + timeout
             for p in procs:
-                try:
-                    p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    hung = True
+                while not hung:
+                    try:  # (in short waits, showing the ranks' progress meanwhile)
+                        p.wait(timeout=min(max(deadline - time.monotonic(), 0.1), 1.0))
+                        break
+                    except subprocess.TimeoutExpired:
+                        hung = time.monotonic() >= deadline
+                        progress.poll(tmp)
+                if hung:
                     break
         finally:
             for p in procs:

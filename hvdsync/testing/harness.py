@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from hvdsync.testing import progress
 from hvdsync.testing.rank_errors import RanksFailed
 
 
@@ -70,9 +71,11 @@ def run_ranks(fn: Callable[..., Any], np: int, args: tuple = (), kwargs: dict | 
     rank's output."""
     with tempfile.TemporaryDirectory(prefix="hvdsync-ranks-") as tmp:
         name = write_call(tmp, fn, args, kwargs)
+        progress.job(f"{fn.__name__} on {np} ranks")
         start = time.monotonic()
         output, returncode, hung = _launch(launch_command(launcher, np, tmp, restarts), tmp,
-                                           rank_env(env), timeout)
+                                           rank_env({**progress.job_env(tmp), **(env or {})}),
+                                           timeout)
         return collect_results(tmp, np, name, hung, returncode, timeout,
                                time.monotonic() - start, output)
 
@@ -85,7 +88,7 @@ def _launch(cmd: list[str], tmp: str, env: dict[str, str], timeout: float
                             start_new_session=True, text=True, errors="replace")
     hung = False
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        output = _communicate(proc, tmp, timeout)
     except subprocess.TimeoutExpired:
         hung = True
         kill_job(proc, tmp)
@@ -96,6 +99,20 @@ def _launch(cmd: list[str], tmp: str, env: dict[str, str], timeout: float
     finally:
         kill_job(proc, tmp)  # stragglers of a finished launcher
     return output, proc.returncode, hung
+
+
+def _communicate(proc: subprocess.Popen, tmp: str, timeout: float) -> str:
+    """``proc``'s output once it ends (``TimeoutExpired`` past ``timeout``), showing the
+    ranks' progress meanwhile where a display is shown (:mod:`hvdsync.testing.progress`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return proc.communicate(timeout=min(1.0, max(deadline - time.monotonic(), 0.01))
+                                    if progress.job_env(tmp) else timeout)[0]
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline or not progress.job_env(tmp):
+                raise
+            progress.poll(tmp)
 
 
 def elastic_host_names() -> list[str]:
@@ -133,6 +150,7 @@ def run_elastic(fn: Callable[..., Any], np: int, min_np: int, max_np: int | None
     _check_horovod_gloo()
     with tempfile.TemporaryDirectory(prefix="hvdsync-ranks-") as tmp:
         name = write_call(tmp, fn, args, kwargs)
+        progress.job(f"{fn.__name__} on {np} elastic ranks")
         hosts_file = os.path.join(tmp, "hosts")
         with open(hosts_file, "w") as f:
             f.write("".join(f"{h}:1\n" for h in names[:hosts or np]))
@@ -147,8 +165,8 @@ def run_elastic(fn: Callable[..., Any], np: int, min_np: int, max_np: int | None
             cmd += ["--blacklist-cooldown-range", str(cooldown_s[0]), str(cooldown_s[1])]
         cmd += rank_command(tmp)
         start = time.monotonic()
-        output, returncode, hung = _launch(cmd, tmp, rank_env({HOSTS_ENV: hosts_file,
-                                                               **(env or {})}), timeout)
+        output, returncode, hung = _launch(cmd, tmp, rank_env({
+            HOSTS_ENV: hosts_file, **progress.job_env(tmp), **(env or {})}), timeout)
         done = sorted(f for f in os.listdir(tmp) if f.startswith("done.") and f.endswith(".pkl"))
         results = []
         for f in done:

@@ -7,10 +7,9 @@ performance model's table (:mod:`hvdsync.tools.perfmodel`) and a recommendation 
     python -m hvdsync.tools.advise --model examples.torch.train_teacher:student --input-shape 64,32 \\
         --measure --ranks 16 --bandwidth 1
 
-Offline, in seconds. Time per step and bytes are modelled; how many steps a technique needs to
-reach the baseline's quality is *measured* on this project's bench bed for a family of models
-(:data:`MEASURED_STEPS`), shown with its source; time to target is their product.
-"""
+Offline, in seconds. Time per step and bytes are modelled; the steps a technique needs to reach
+the baseline's quality are *measured* on the bench bed for a family of models
+(:data:`MEASURED_STEPS`, with the source); time to target is their product."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ import math
 import re
 import sys
 import textwrap
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -207,6 +207,13 @@ def embedding_rows(model: Any, given: Optional[str], input_shape: Optional[tuple
     return {name: min(lookups, rows) for name, rows in tables.items()}, notes
 
 
+def _measuring(steps: Iterable) -> Iterable:
+    """The measured steps, their progress on stderr (an updating line on a terminal)."""
+    from rich import console, progress
+    return progress.track(steps, "--measure: timing one local step", transient=True,
+                          console=console.Console(file=sys.stderr))
+
+
 def sizes_from_module(model: Any, input_shape: Optional[tuple[int, ...]], measure: bool,
                       compute_s: Optional[float], rows: Optional[dict[str, int]] = None
                       ) -> ModelSizes:
@@ -224,13 +231,15 @@ def sizes_from_module(model: Any, input_shape: Optional[tuple[int, ...]], measur
             out = model(x)
             y = torch.randint(out.shape[-1], out.shape[:1])
             f, b, o = perfmodel.measure_torch(model, (x, y), torch.nn.functional.cross_entropy,
-                                              torch.optim.SGD(model.parameters(), lr=1e-3))
+                                              torch.optim.SGD(model.parameters(), lr=1e-3),
+                                              shown=_measuring)
             return ModelSizes(layers, f, b, o, adapter=adapter)
         import numpy as np  # a Keras model
         x = np.random.default_rng(0).standard_normal(input_shape).astype("float32")
         classes = int(model(x[:1]).shape[-1])
         y = np.random.default_rng(1).integers(0, classes, input_shape[0])
-        return ModelSizes(layers, *perfmodel.measure_keras(model, x, y), adapter=adapter)
+        return ModelSizes(layers, *perfmodel.measure_keras(model, x, y, shown=_measuring),
+                          adapter=adapter)
     if compute_s is None:
         raise SystemExit("give --compute-ms (forward+backward+optimizer per step) or --measure")
     return ModelSizes(layers, compute_s / 3, 2 * compute_s / 3, adapter=adapter)

@@ -16,6 +16,7 @@ Accuracy is not modelled. docs/at-scale.md, "The model", has each term.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -446,14 +447,16 @@ def layers_of(model: Any, embedding_rows: Optional[dict[str, int]] = None) -> tu
 
 
 def measure_torch(model: Any, batch: tuple, loss_fn: Any, optimizer: Any,
-                  repeats: int = 10) -> tuple[float, float, float]:
+                  repeats: int = 10, shown: Callable[[Iterable], Iterable] = iter
+                  ) -> tuple[float, float, float]:
     """Seconds of one local step of a torch model on ``batch`` = ``(inputs, targets)``:
-    forward (with the loss), backward, optimizer step; medians after two warm-up steps."""
+    forward (with the loss), backward, optimizer step; medians after two warm-up steps
+    (``shown``: wraps the steps' range, to show their progress)."""
     import statistics
     import time
     times: list[tuple[float, float, float]] = []
     x, y = batch
-    for i in range(repeats + 2):
+    for i in shown(range(repeats + 2)):
         optimizer.zero_grad()
         t0 = time.perf_counter()
         loss = loss_fn(model(x), y)
@@ -467,8 +470,8 @@ def measure_torch(model: Any, batch: tuple, loss_fn: Any, optimizer: Any,
     return tuple(statistics.median(t[k] for t in times) for k in range(3))
 
 
-def measure_keras(model: Any, x: Any, y: Any, repeats: int = 10,
-                  optimizer: Any = None) -> tuple[float, float, float]:
+def measure_keras(model: Any, x: Any, y: Any, repeats: int = 10, optimizer: Any = None,
+                  shown: Callable[[Iterable], Iterable] = iter) -> tuple[float, float, float]:
     """Seconds of one local training step of a Keras model (compiled, as ``fit`` runs it) on
     ``x``, ``y`` with ``optimizer`` (default: SGD): the step's median after two warm-up
     steps, split as forward 1/3, backward 2/3 (a compiled step cannot be timed in parts)."""
@@ -488,7 +491,7 @@ def measure_keras(model: Any, x: Any, y: Any, repeats: int = 10,
         opt.apply(grads, model.trainable_variables)
         return loss
     times = []
-    for i in range(repeats + 2):
+    for i in shown(range(repeats + 2)):
         t0 = time.perf_counter()
         step().numpy()
         if i >= 2:
