@@ -69,6 +69,7 @@ class Sparse(SparseTransport):
         self._queue: list[tuple[int, int]] = []
         self._at: dict[int, tuple[int, int]] = {}  # position -> (layer, k) this step
         self._done: set[int] = set()  # positions sent with the codes (one round)
+        self._codecs: dict[tuple[int, str, int], Codec] = {}
 
     def _each(self):
         """``(position, layer, k)`` of every parameter of this step."""
@@ -173,8 +174,13 @@ class Sparse(SparseTransport):
         return (row + index_columns(s, esize)) * esize, math.prod(shape) * esize
 
     def codec(self, i: int, route: str) -> Codec:
-        """The codec of parameter ``i``'s rows on ``route`` (``"gather"``, ``"dense"``)."""
-        return ROUTE_CODECS[route](self.shapes[i], self.protocol.sparse_dim(i))
+        """The codec of parameter ``i``'s rows on ``route`` (``"gather"``, ``"dense"``; made
+        once per layout)."""
+        key = (i, route, self.protocol.sparse_dim(i))
+        codec = self._codecs.get(key)
+        if codec is None:
+            codec = self._codecs[key] = ROUTE_CODECS[route](self.shapes[i], key[2])
+        return codec
 
     def divisor(self) -> int:
         """What the ranks' sum is divided by: the ranks for an average, else 1."""
