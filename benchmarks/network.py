@@ -193,6 +193,7 @@ def run_ranks_on(network: Optional[EmulatedNetwork], fn: Callable[..., Any], np:
                         progress.poll(tmp)
                 if hung:
                     break
+            progress.poll(tmp)  # (the ranks' last report)
         finally:
             for p in procs:
                 if p.poll() is None:

@@ -29,10 +29,12 @@ def test_a_jobs_steps_reach_the_launchers_display():
     assert lines[0].startswith("[progress] digits, 2 ranks, loopback; cell 0:00:0"), lines
     assert any(line.startswith("[progress] digits, 2 ranks, loopback | reporting_body on 2 "
                                "ranks") for line in lines), lines
-    # a line for each method/seed the ranks went through (the display polls once a second:
-    # at least the one it was at when the job ended)
+    # a line for each method/seed the ranks went through (the display polls once a second),
+    # the last one always: the job's last report
     shown = [line for line in lines if "| method m, seed" in line]
     assert shown and all(", step " in line and "/12; cell " in line for line in shown), lines
+    assert shown[-1].startswith("[progress] digits, 2 ranks, loopback | method m, seed 3, "
+                                "step 12/12; cell "), lines
 
 
 def test_plain_lines_when_what_runs_changes_and_the_times(monkeypatch):

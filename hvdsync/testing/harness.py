@@ -107,8 +107,10 @@ def _communicate(proc: subprocess.Popen, tmp: str, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return proc.communicate(timeout=min(1.0, max(deadline - time.monotonic(), 0.01))
-                                    if progress.job_env(tmp) else timeout)[0]
+            output = proc.communicate(timeout=min(1.0, max(deadline - time.monotonic(), 0.01))
+                                      if progress.job_env(tmp) else timeout)[0]
+            progress.poll(tmp)  # (the ranks' last report)
+            return output
         except subprocess.TimeoutExpired:
             if time.monotonic() >= deadline or not progress.job_env(tmp):
                 raise
