@@ -24,7 +24,11 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.common import shows_progress
+from hvdsync.testing import progress
 
+
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -97,8 +101,10 @@ def main(argv=None) -> None:
     for k in kinds:  # warm-up
         run(k, 10)
     per = {k: [] for k in kinds}
-    for _ in range(args.rounds):
-        for k in kinds:
+    for r in range(args.rounds):
+        for i, k in enumerate(kinds):
+            progress.step(r * len(kinds) + i, args.rounds * len(kinds),
+                          f"round {r + 1}/{args.rounds}, {k}")
             per[k].append(run(k, args.steps))
     med = {k: statistics.median(v) for k, v in per.items()}
     ref = med["horovod, full path"]

@@ -19,6 +19,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import hvdsync.keras as hvd  # noqa: E402
+from benchmarks.common import shows_progress  # noqa: E402
+from hvdsync.testing import progress  # noqa: E402
 
 CASES = {"plain": {}, "clip_local": dict(clip=1.0),
          "clip_global": dict(clip=dict(max_norm=1.0, mode="global")),
@@ -77,13 +79,17 @@ def count(name: str, keywords: dict) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+@shows_progress
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--compare", help="an earlier run's file: print each setting's counts")
     args = parser.parse_args()
     hvd.init()
-    out = {name: count(name, keywords) for name, keywords in CASES.items()}
+    out = {}
+    for i, (name, keywords) in enumerate(CASES.items()):
+        progress.step(i, len(CASES), name)
+        out[name] = count(name, keywords)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1, sort_keys=True)
     if args.compare:

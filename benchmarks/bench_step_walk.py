@@ -21,7 +21,8 @@ import os
 import sys
 from typing import Any
 
-from benchmarks.common import RESULTS, markdown_table, write_results
+from benchmarks.common import RESULTS, markdown_table, write_results, shows_progress
+from hvdsync.testing import progress
 
 #: configuration -> hvdsync keywords
 CASES: dict[str, dict[str, Any]] = {
@@ -74,6 +75,7 @@ def walk(options: dict[str, Any]) -> dict[str, Any]:
             "entered": dict(files.most_common()), "hops": dict(cross.most_common())}
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="after", help="the rows' name (e.g. before, after)")
@@ -88,7 +90,10 @@ def main(argv=None) -> None:
     data = json.loads(path.read_text()) if path.exists() else {}
     data.pop("meta", None)
     data[args.label] = {"backend": hvd.backend_name(),
-                        "cases": {name: walk(options) for name, options in CASES.items()}}
+                        "cases": {}}
+    for i, (name, options) in enumerate(CASES.items()):
+        progress.step(i, len(CASES), name)
+        data[args.label]["cases"][name] = walk(options)
     rows = [[label, run["backend"], name, case["files"], case["calls"],
              f"{case['per_layer']:.1f}"]
             for label, run in data.items() for name, case in run["cases"].items()]

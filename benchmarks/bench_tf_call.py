@@ -23,7 +23,8 @@ import os
 import statistics
 import time
 
-from benchmarks.common import markdown_table, report
+from benchmarks.common import markdown_table, report, shows_progress
+from hvdsync.testing import progress
 
 CAPTURES = (0, 16, 64, 128)
 BRANCHES = (0, 6, 12, 24)
@@ -36,7 +37,8 @@ def _us_per_call(fns: dict, calls: int, repeats: int) -> dict:
     for fn in fns.values():
         for _ in range(200):
             fn()
-    for _ in range(repeats):
+    for r in range(repeats):
+        progress.step(r, repeats, f"round {r + 1}/{repeats} of {len(fns)} cases")
         for key, fn in fns.items():
             start = time.perf_counter()
             for _ in range(calls):
@@ -116,6 +118,7 @@ def _train_functions(width: int) -> list[list]:
     return rows
 
 
+@shows_progress
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=500, help="timed calls per repeat")
