@@ -202,6 +202,7 @@ def main(argv=None) -> None:
             print(f"skipping the {net_name} Mbit/s network: {reason}")
             continue
         for np_ in args.np:
+            progress.cell(f"{np_} ranks, {net_name}" + ("" if net_name == "loopback" else " Mbit/s"))
             call = (args.methods, args.steps, args.width, args.depth, args.batch, args.seed,
                     args.repeats, args.eval_every)
             if net_name == "loopback":

@@ -296,6 +296,7 @@ def main(argv=None) -> None:
     methods = [m for m in METHODS if m in args.methods]
     rows, data = [], {}
     for kind in args.models:
+        progress.cell(f"{kind}, 2 ranks, {args.net:g} Mbit/s")
         batch = 4 if kind == "lm" else 128
         with EmulatedNetwork(2, rate_mbit=args.net) as net:
             call = (kind, methods, list(range(args.seeds)), args.steps, batch, args.every,

@@ -47,6 +47,7 @@ METHODS: dict[str, Any] = {
     "select (every layer)": dict(select=dict(k=1.0)),
     "delay staleness=0": dict(delay=dict(staleness=0)),
     "hvdsync fp16": dict(compression="fp16"),
+    "lowrank (rank 4)": dict(lowrank=dict(rank=4, warmup_steps=0)),
     # the cost of the entry tags (hvdsync.safety.entries): the same, with the tag round left out
     "hvdsync, no entry tags": dict(_entry_tags=False),
     "threshold=0, no entry tags": dict(threshold=0.0, _entry_tags=False),
@@ -235,6 +236,8 @@ def main(argv=None) -> None:
         methods += [m + BASE for m in methods if isinstance(METHODS[m], dict)]
     rows, data = [], {}
     for wl in args.workloads:
+        progress.cell(f"{wl}, {args.np} ranks, {args.net}" + (
+            "" if args.net == "loopback" else " Mbit/s"))
         call = (wl, methods, args.rounds, args.steps, args.backend)
         if args.net == "loopback":
             per_rank = run_ranks(overhead_body, np=args.np, args=call, timeout=3600)

@@ -137,6 +137,7 @@ def main(argv=None) -> None:
 
     rows, data = [], {}
     for np_ in args.np:
+        progress.cell(f"{np_} ranks")
         per_rank = run_ranks(exchange_body, np=np_,
                              args=(args.rows, args.dim, args.densities, args.reps,
                                    args.dense_reps, args.exponent), timeout=3000)

@@ -19,7 +19,8 @@ def reporting_body(steps: int) -> int:
     return steps
 
 
-def test_a_jobs_steps_reach_the_launchers_display():
+def test_a_jobs_steps_reach_the_launchers_display(monkeypatch):
+    monkeypatch.setattr(progress, "LOG_CHANGE_S", 0.0)  # a line for every change seen
     log = io.StringIO()
     with progress.shown(plain=True, stream=log) as show:
         show.cell("digits, 2 ranks, loopback")
@@ -37,19 +38,34 @@ def test_a_jobs_steps_reach_the_launchers_display():
                                 "step 12/12; cell "), lines
 
 
-def test_plain_lines_when_what_runs_changes_and_the_times(monkeypatch):
+def steps_logged(change_s: float, monkeypatch) -> list[str]:
+    """A cell, then reports (in this process: straight to the display), logged with a line
+    at most every ``change_s`` seconds when only what runs changes."""
+    monkeypatch.setattr(progress, "LOG_CHANGE_S", change_s)
     log = io.StringIO()
     with progress.shown(plain=True, stream=log) as show:
         show.cell("lm, 4 ranks, 100 Mbit/s")
-        progress.step(3, 10, "horovod, seed 0")  # (in this process: straight to the display)
+        progress.step(3, 10, "horovod, seed 0")
         progress.step(4, 10, "horovod, seed 0")  # same method: no line (until a minute)
         progress.step(1, 10, "hvdsync streaming, seed 0")
     lines = log.getvalue().splitlines()
-    assert [line.split(";")[0] for line in lines] == [
+    assert all(line.endswith(", run 0:00:00") for line in lines), lines
+    return [line.split(";")[0] for line in lines]
+
+
+def test_plain_lines_when_what_runs_changes(monkeypatch):
+    assert steps_logged(0.0, monkeypatch) == [
         "[progress] lm, 4 ranks, 100 Mbit/s",
         "[progress] lm, 4 ranks, 100 Mbit/s | horovod, seed 0, step 3/10",
         "[progress] lm, 4 ranks, 100 Mbit/s | hvdsync streaming, seed 0, step 1/10"]
-    assert all(line.endswith(", run 0:00:00") for line in lines), lines
+
+
+def test_a_log_is_not_flooded_and_keeps_the_last_change(monkeypatch):
+    """Methods a second apart (timed rounds) give a line every few seconds, not one each;
+    the last change is shown when the display closes."""
+    assert steps_logged(5.0, monkeypatch) == [
+        "[progress] lm, 4 ranks, 100 Mbit/s",
+        "[progress] lm, 4 ranks, 100 Mbit/s | hvdsync streaming, seed 0, step 1/10"]
 
 
 def test_a_rank_reports_nothing_without_a_display(monkeypatch, tmp_path):

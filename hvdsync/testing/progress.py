@@ -24,8 +24,9 @@ from typing import Optional, TextIO
 ENV = "HVDSYNC_PROGRESS_FILE"
 #: a rank writes at most this often (and always its last step)
 EVERY_S = 0.25
-#: in a log, a line at least this often while a step count moves
-LOG_EVERY_S = 60.0
+#: in a log, a line at least this often while a step count moves, and at most this often
+#: when only what runs changes (a method a second would flood it)
+LOG_EVERY_S, LOG_CHANGE_S = 60.0, 5.0
 
 _written = [0.0]
 _target: list[str] = []  # this process's file to report to ("": none), once looked up
@@ -72,6 +73,7 @@ class Display:
         self._job = ""  # the function the running job runs (shown until a rank reports)
         self._last: tuple[int, int, str] = (0, 0, "")
         self._logged = (0.0, "")
+        self._pending = False  # a change not yet shown in a log (LOG_CHANGE_S)
         self._live = None
         if not self.plain:
             from rich.console import Console
@@ -91,7 +93,7 @@ class Display:
             self._live.reset(self._task, total=None, description=name)
             self._refresh_run()
         else:
-            self._line()
+            self._line()  # (a new cell: always a line)
 
     def job(self, name: str) -> None:
         """A job of ranks starts (``name``: what it runs), in the current cell."""
@@ -107,7 +109,20 @@ class Display:
             self._live.update(self._task, completed=done, total=total or None,
                               description=" | ".join(x for x in (self._cell, what) if x))
             self._refresh_run()
-        elif changed or time.monotonic() - self._logged[0] >= LOG_EVERY_S:
+        else:
+            self._pending = self._pending or changed
+            self.tick()
+
+    def tick(self) -> None:
+        """A second passed (the launcher polls): in a log, the line a change left pending
+        once :data:`LOG_CHANGE_S` have passed since the last, or one at least every
+        :data:`LOG_EVERY_S` while steps go on."""
+        if self._live is not None:
+            self._refresh_run()
+            return
+        since = time.monotonic() - self._logged[0]
+        if (self._pending and since >= LOG_CHANGE_S) or (self._last[1] and
+                                                         since >= LOG_EVERY_S):
             self._line()
 
     def _refresh_run(self) -> None:
@@ -120,9 +135,11 @@ class Display:
         steps = f", step {done}/{total}" if total else ""
         print(f"[progress] {' | '.join(parts)}{steps}; cell {_clock(now - self._cell_started)}"
               f", run {_clock(now - self.started)}", file=self.stream, flush=True)
-        self._logged = (now, what)
+        self._logged, self._pending = (now, what), False
 
     def close(self) -> None:
+        if self._pending:  # (the last change, where the throttle held it back)
+            self._line()
         if self._live is not None:
             self._live.stop()
             self._live = None
@@ -177,11 +194,10 @@ def poll(workdir: str) -> None:
         with open(os.path.join(workdir, "progress")) as f:
             done, total, what = f.read().split("\t", 2)
     except (OSError, ValueError):  # (nothing reported yet)
-        if _display[-1]._live is not None:
-            _display[-1]._refresh_run()
+        _display[-1].tick()
         return
     report = (int(done), int(total), what or _display[-1]._job)
     if report != _display[-1]._last:
         _display[-1].report(*report)
-    elif _display[-1]._live is not None:
-        _display[-1]._refresh_run()
+    else:
+        _display[-1].tick()
