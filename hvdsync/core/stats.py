@@ -56,6 +56,8 @@ class SyncStats:
         self.backend = backend
         #: the techniques' keywords on and the ranks, for :meth:`summary` (:meth:`describe`)
         self.techniques: list[str] = []
+        #: how the ranks are laid out in nodes with ``between="nodes"`` ("": flat)
+        self.levels = ""
         self._world_size: Callable[[], int] = lambda: 1
         self.layers: dict[str, LayerCounters] = {n: LayerCounters() for n in layer_names}
         self.total = StepRecord()
@@ -155,6 +157,11 @@ class SyncStats:
         if "delay" in self.techniques:
             rows.append(("delay=", _delay_line(t)))
         lines = [f"hvdsync on {self.backend}, {size} rank{'s' * (size != 1)}; techniques: {on}"]
+        if self.levels:
+            lines.append(self.levels)
+            inside = t.counters.get("bytes_intra_node", 0)
+            rows.insert(2, ("inside the node", f"{human_bytes(inside / steps)} a step, full "
+                                               "precision ('bytes sent': between nodes)"))
         lines += _aligned(rows, right=())
         if t.counters:
             lines.append("counters (this rank, every step):")
@@ -190,6 +197,7 @@ COUNTERS = {
     "outer_bytes": "delay=: bytes those outer synchronizations sent",
     "outer_nonfinite": "delay=: outer synchronizations dropped for a NaN/Inf",
     "entry_tags": "checks that every rank is in the same call (a step, flush, save)",
+    "bytes_intra_node": "between='nodes': bytes reduced inside the node (full precision)",
 }
 
 

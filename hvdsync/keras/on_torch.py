@@ -24,8 +24,8 @@ import hvdsync.torch as hvd_torch
 from hvdsync.core import rules
 from hvdsync.core.api import SyncAPI
 from hvdsync.core.config import non_negative_float
-from hvdsync.keras.params import (groups_to_names, keras_layer_of, mixed_in, relative_names,
-                                  slots_of)
+from hvdsync.keras.params import (flat_only, groups_to_names, keras_layer_of, mixed_in,
+                                  relative_names, slots_of)
 from hvdsync.keras.state import SavedState
 from hvdsync.core.layers import Layer, build_layers
 from hvdsync.core.stats import SyncStats
@@ -354,7 +354,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                                   dynamic_growth_steps=optimizer.dynamic_growth_steps,
                                   name=optimizer.name)
     _check_wrappable(optimizer, device_dense or device_sparse, scale_local_gradients)
-    layers, techniques = rules.given(keywords, _HOROVOD_ARGS, "DistributedOptimizer")
+    layers, techniques = rules.given(flat_only(keywords), _HOROVOD_ARGS, "DistributedOptimizer")
     compression, op, process_set, configs, groups = checked_arguments(
         compression, op, process_set, backward_passes_per_step, gradient_predivide_factor,
         sparse_as_dense, num_groups, groups, layers, techniques)

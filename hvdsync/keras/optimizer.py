@@ -37,7 +37,8 @@ from hvdsync.keras.backend import KerasGradients, Slots
 from hvdsync.keras.ops import KerasOps
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.memory import VariableMemory
-from hvdsync.keras.params import groups_to_names, keras_layer_of, mixed_in, relative_names
+from hvdsync.keras.params import (flat_only, groups_to_names, keras_layer_of, mixed_in,
+                                  relative_names)
 from hvdsync.keras.sparse import TracedSparse
 from hvdsync.techniques.sparse.config import SparseConfig
 from hvdsync.keras.flags import HostFlags, Traffic
@@ -281,7 +282,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
             ``delay=``, each a config, a dict of its fields or a shorthand
             (:class:`hvdsync.techniques.TechniqueKeywords`).
     """
-    layers, techniques = rules.given(keywords, _HOROVOD_ARGS, "DistributedOptimizer")
+    layers, techniques = rules.given(flat_only(keywords), _HOROVOD_ARGS, "DistributedOptimizer")
     if isinstance(optimizer, LossScaleOptimizer):  # wrap what it wraps; it decides for all
         inner = DistributedOptimizer(
             optimizer.inner_optimizer, name, device_dense, device_sparse, compression,

@@ -93,6 +93,7 @@ from hvdsync.core.stats import SyncStats  # noqa: E402
 from hvdsync.techniques.threshold import ThresholdConfig
 from hvdsync.torch.optimizer import DistributedOptimizer  # noqa: E402,F811
 from hvdsync.torch.optimizer import _DistributedOptimizer  # noqa: E402
+from hvdsync.torch.nodes import node_process_sets  # noqa: E402 - between="nodes" on Horovod
 from hvdsync.torch.saving import (UntrustedCheckpoint, broadcast_technique_state,  # noqa: E402
                                   load_checkpoint,
                                   save_checkpoint)

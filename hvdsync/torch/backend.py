@@ -50,6 +50,9 @@ class TorchGradients:
                 self._key[(li, k)] = key
                 self._param[key] = p
         self._withheld: list[torch.Tensor] = []
+        #: between="nodes": each ready layer's gradients reduced inside the node first
+        #: (hvdsync.torch.nodes.NodeReduce), else None
+        self.node_reduce: Optional[Callable[[list, str], None]] = None
         #: the side stream: ``True`` until made at first use, ``None``: off
         self._side: Any = True if os.environ.get("HVDSYNC_SIDE_STREAM") == "1" else None
         self._main: Any = None  # the stream the step's caller runs on, while it is in use
@@ -174,8 +177,8 @@ class TorchGradients:
 
     def ready(self, lis: list[int]) -> list[int]:
         """Undo the loss scale of the layers' gradients (GradScaler's scales are powers of
-        two: exact), so clip limits, norms, scores and every memory see true gradients; each
-        layer's payload bytes."""
+        two: exact), so clip limits, norms, scores and every memory see true gradients; with
+        ``between="nodes"``, reduce them inside the node; each layer's payload bytes."""
         scale = self._scale()
         if scale is not None:
             if self._inv_scale is None:  # once per step, as GradScaler.unscale_ computes it
@@ -185,6 +188,8 @@ class TorchGradients:
                     if p.grad is not None:
                         (p.grad._values() if p.grad.is_sparse else p.grad).mul_(
                             self._inv_scale.to(p.grad.device))
+        if self.node_reduce is not None:
+            self.node_reduce(self.layers(lis), f"{lis[0]}+{len(lis)}")
         lp = self.layer_params
         return [sum(_payload(p.grad) for _, p in lp[li]) for li in lis]
 

@@ -34,7 +34,7 @@ from hvdsync.core.pipeline import StepPipeline
 from hvdsync.core.rules import build_techniques
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import Parts
-from hvdsync.torch import engine
+from hvdsync.torch import engine, nodes
 from hvdsync.torch.backend import TorchGradients
 from hvdsync.torch.ops import TorchOps
 from hvdsync.torch.comm import TorchCommunicator
@@ -55,7 +55,8 @@ class _DistributedOptimizer(SyncAPI):
     def _hvdsync_init(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
                       layers: Grouping, configs: dict[str, Any], scaler: Any,
-                      group_bytes: Optional[tuple[int, int]]) -> None:
+                      group_bytes: Optional[tuple[int, int]],
+                      between: Optional[str] = None) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         names = parameter_names(params, named_parameters)
         by_name = {n: p for p, n in names.items()}
@@ -81,8 +82,15 @@ class _DistributedOptimizer(SyncAPI):
         self.stats = SyncStats(layer_names, backend=engine.active_name())
         self._grads = TorchGradients(layer_params, self, scaler,
                                      base_step=super(_DistributedOptimizer, self).step)
-        self._comm = comm = TorchCommunicator(compression, op, gradient_predivide_factor,
-                                              sparse_as_dense, process_set, self.stats)
+        levels = nodes.communicators(between, process_set, lambda ps, wire: TorchCommunicator(
+            compression if wire else engine.ops().Compression.none, op,
+            gradient_predivide_factor if wire else 1.0, sparse_as_dense, ps, self.stats),
+            self.stats, list(configs))
+        self._comm = comm = levels.comm
+        self._grads.node_reduce = levels.node
+        if levels.synchronous:  # one node: Horovod's synchronous exchange, nothing else
+            configs = {}
+        self.stats.levels = levels.describe()
         self._techniques = build_techniques(configs, Parts(
             self._grads, TorchOps(), comm, self.stats, layer_names,
             builds={SparseConfig: lambda c: row_exchange(c, self._grads, comm, self.stats)}))
@@ -99,16 +107,23 @@ class _DistributedOptimizer(SyncAPI):
         def agree() -> None:
             """Every rank checks it has the same setup (a collective; the process set's ranks
             as they are now: Horovod Elastic changes them)."""
-            agreement.require(comm, layers_seen, configs, dict(
+            agreement.require(levels.agree or comm, layers_seen, configs, dict(
                 op=op, compression=compression,
                 backward_passes_per_step=backward_passes_per_step,
                 gradient_predivide_factor=gradient_predivide_factor,
-                sparse_as_dense=sparse_as_dense, process_set=process_set.ranks))
+                sparse_as_dense=sparse_as_dense, process_set=process_set.ranks,
+                between=between, nodes=str(levels.topology)))
+            if isinstance(levels.topology, str):  # (every rank alike, past the check)
+                raise ValueError(levels.topology)
         self._agree = agree
         # under Horovod Elastic a rank joining later builds its optimizer while the others
         # wait in the state's sync(): the check runs there, on every rank (hvdsync.torch.elastic)
         if process_set.included() and not elastic.launched():
             self._agree()
+        self._start_hooks(process_set)
+
+    def _start_hooks(self, process_set: Any) -> None:
+        """A step's counters, and a hook on every parameter of the process set's ranks."""
         self._synchronized = False
         self._should_synchronize = True
         self._closed: Optional[str] = None
@@ -324,6 +339,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          *,
                          scaler: Any = None,
                          group_mb: Optional[float] = None,
+                         between: Optional[str] = None,
                          **keywords: Unpack[TechniqueKeywords]) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients reduced across the ranks (on Horovod
     or torch.distributed: :mod:`hvdsync.torch.engine`).
@@ -361,9 +377,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             Horovod's optimizer sends them; its cycle fuses them). A number: every group
             that size (``25``: the fewest ops; ``0``: every layer alone, sent the moment it
             is ready).
+        between: ``"nodes"``: the techniques run between nodes only, on each node's gradient,
+            which its ranks average inside the node in full precision first (docs/nodes.md;
+            on Horovod, ``hvd.init(process_sets=hvd.node_process_sets())``). Default: every
+            rank alike, as Horovod.
     """
-    layers, techniques = rules.given(keywords, _HOROVOD_ARGS + ("scaler", "group_mb"),
+    layers, techniques = rules.given(keywords, _HOROVOD_ARGS + ("scaler", "group_mb",
+                                                                "between"),
                                      "DistributedOptimizer")
+    between = nodes.check_between(between)
     # (None: the default, core.groups.default_group_bytes, once the techniques are known)
     group_bytes = (None if group_mb is None else
                    (int(non_negative_float("group_mb", group_mb) * 2**20),) * 2)
@@ -377,9 +399,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # Share the wrapped optimizer's state (param_groups, state, defaults, hooks): it keeps
     # its own hyper-parameters and anything it already accumulated.
     wrapped.__dict__.update(optimizer.__dict__)
+    if between and op not in (engine.ops().Average, engine.ops().Sum):
+        raise ValueError("between='nodes' reduces inside the node, then between nodes: it "
+                         "supports op=Average or op=Sum")
     wrapped._hvdsync_init(named_parameters, compression, backward_passes_per_step, op,
                           gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                          layers, configs, scaler, group_bytes)
+                          layers, configs, scaler, group_bytes, between)
     return wrapped
 
 

@@ -1,0 +1,170 @@
+"""Nodes, not GPUs (``between="nodes"``, docs/nodes.md): the layout from the launcher, and on
+real ranks -- 4 processes as 2 nodes x 2 (``HVDSYNC_RANKS_PER_NODE=2``), on horovodrun and
+torchrun -- every technique run between the nodes on each node's gradient: identical replicas
+after ``flush()``, nothing on equal to Horovod's average, the node's reduction in full
+precision and the inter-node bytes one rank's; one rank per node is the flat exchange bit for
+bit, one node Horovod's synchronous one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hvdsync.core.topology import OVERRIDE, Topology, from_environment
+from tests.models import MLP, assert_construction_fails, run_job, teacher_batches
+
+# -- the layout ---------------------------------------------------------------------------------
+
+
+def test_the_layout_from_each_launcher_and_the_override():
+    horovodrun = {"HOROVOD_LOCAL_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_CROSS_RANK": "1"}
+    torchrun = {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1", "GROUP_RANK": "2"}
+    assert from_environment(8, 5, horovodrun) == Topology(8, 4)
+    assert from_environment(6, 5, torchrun) == Topology(6, 2)
+    assert from_environment(6, 5, {**torchrun, OVERRIDE: "3"}) == Topology(6, 3)
+    assert from_environment(4, 3, {}) == Topology(4, 4)  # a lone host: one node
+    t = Topology(6, 2)
+    assert (t.nodes, t.two_level, t.node_of(3), t.local_rank_of(3)) == (3, True, 1, 1)
+    assert t.node_ranks(1) == [2, 3] and t.cross_ranks(1) == [1, 3, 5]
+    assert not Topology(4, 1).two_level and not Topology(4, 4).two_level
+
+
+def test_unequal_nodes_and_other_layouts_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="nodes of equal size: 5 ranks do not make nodes of 2"):
+        from_environment(5, 0, {OVERRIDE: "2"})
+    with pytest.raises(ValueError, match="whole number"):
+        from_environment(4, 0, {OVERRIDE: "two"})
+    with pytest.raises(ValueError, match="laid out node by node; rank 1 is local rank 0 of "
+                                         "node 1"):
+        from_environment(4, 1, {"HOROVOD_LOCAL_SIZE": "2", "HOROVOD_LOCAL_RANK": "0",
+                                "HOROVOD_CROSS_RANK": "1"})
+
+
+def test_a_bad_between_is_refused_at_construction():
+    assert_construction_fails(ValueError, "between must be 'nodes'", between="racks")
+
+
+# -- on real ranks ------------------------------------------------------------------------------
+STEPS = 12
+#: case -> the optimizer's keywords (between="nodes" added)
+CASES = {
+    "nothing on": {},
+    "clip": dict(clip=1.0),
+    "threshold": dict(threshold=dict(threshold=0.5, max_skip=4)),
+    "select": dict(select=dict(k=1)),
+    "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
+    "delay": dict(delay=dict(staleness=1, average_every=5)),
+    "streaming": dict(delay="streaming"),
+    "fp16": dict(compression="fp16"),
+}
+
+
+def trained(keywords: dict, between: str | None, nan_rank: int = -1) -> dict:
+    """On a rank: STEPS steps of the MLP on this rank's batches, then flush(); its parameters,
+    the first and last losses, and its bytes a step (between nodes, inside the node).
+    ``nan_rank``: its loss is NaN at the sixth step."""
+    import hvdsync.torch as hvd
+    torch.manual_seed(0)
+    model = MLP()
+    kw = dict(keywords)
+    if kw.pop("compression", None) == "fp16":
+        kw["compression"] = hvd.Compression.fp16
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), between=between,
+                                   **kw)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    losses = []
+    for step, (x, y) in enumerate(teacher_batches(hvd.rank(), STEPS)):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        (loss * (float("nan") if step == 5 and hvd.rank() == nan_rank else 1.0)).backward()
+        opt.step()
+        losses.append(loss.item())
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    opt.flush()
+    total = opt.stats.as_dict()["total"]
+    return dict(params=torch.cat([p.detach().flatten() for p in model.parameters()]),
+                before_flush=before,
+                first=losses[0], last=losses[-1], summary=opt.stats.summary(),
+                sent=total["bytes_sent"] / STEPS, dense=total["bytes_dense"] / STEPS,
+                inside=total.get("bytes_intra_node", 0) / STEPS)
+
+
+def nodes_body(cases: dict[str, dict], flat_too: bool) -> dict:
+    """Every case in turn on this rank: two-level, and flat where ``flat_too``."""
+    import hvdsync.torch as hvd
+    hvd.init(process_sets=hvd.node_process_sets())
+    out = {}
+    for name, keywords in cases.items():
+        out[name] = trained(keywords, "nodes")
+        if flat_too:
+            out[f"{name}, flat"] = trained(keywords, None)
+    for name in [c for c in NAN_CASES if c in cases] if flat_too else ():
+        out[f"{name}, NaN"] = trained(cases[name], "nodes", nan_rank=1)
+    return out
+
+
+#: the cases run again with a NaN gradient on rank 1 (node 0) at one step
+NAN_CASES = ("nothing on", "threshold", "delay", "streaming")
+
+
+def identical(runs: list[dict], case: str) -> bool:
+    return all(torch.equal(r[case]["params"], runs[0][case]["params"]) for r in runs)
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "torchrun"])
+def test_two_nodes_of_two_ranks(launcher):
+    cases = CASES if launcher == "horovodrun" else {k: CASES[k] for k in ("nothing on",
+                                                                           "threshold",
+                                                                           "streaming")}
+    runs = run_job(nodes_body, 4, (cases, True), timeout=600, env={OVERRIDE: "2"},
+                   launcher=launcher)
+    for case in cases:
+        assert identical(runs, case), case  # every rank of every node, after flush()
+        # one replica per node: a node's ranks alike even before flush() (0, 1 and 2, 3)
+        for a, b in ((0, 1), (2, 3)):
+            assert torch.equal(runs[a][case]["before_flush"], runs[b][case]["before_flush"]), \
+                (case, a, b)
+        if case in ("delay", "streaming"):  # local steps between nodes: the nodes differ
+            assert not torch.equal(runs[0][case]["before_flush"],
+                                   runs[2][case]["before_flush"]), case
+        assert runs[0][case]["last"] < runs[0][case]["first"], case  # it learns
+        two, flat = runs[0][case], runs[0][f"{case}, flat"]
+        # the node's gradient reduced in full precision: the dense bytes, every step
+        assert two["inside"] == two["dense"] > 0, case
+        assert "between='nodes': 2 nodes x 2 ranks" in two["summary"], two["summary"]
+    for case in (f"{c}, NaN" for c in NAN_CASES if c in cases):  # skipped, or zeroed, alike
+        assert identical(runs, case) and torch.isfinite(runs[0][case]["params"]).all(), case
+    nothing = runs[0]["nothing on"]
+    # nothing on: Horovod's average, summed in another order (inside the node first)
+    torch.testing.assert_close(nothing["params"], runs[0]["nothing on, flat"]["params"],
+                               rtol=1e-5, atol=1e-6)
+    # between nodes each rank sends what a rank of the flat job sends (one worker's bytes)
+    assert nothing["sent"] == runs[0]["nothing on, flat"]["sent"] == nothing["dense"]
+    if "lowrank" in cases:  # the factors of the node's gradient: the flat job's bytes
+        assert runs[0]["lowrank"]["sent"] == runs[0]["lowrank, flat"]["sent"] < nothing["sent"]
+
+
+def edge_body() -> dict:
+    """One job's layout (the override the launcher gave): nothing on and a technique, each
+    two-level and flat."""
+    return nodes_body({"nothing on": {}, "threshold": CASES["threshold"]}, True)
+
+
+@pytest.mark.parametrize("per_node, what", [("1", "flat"), ("2", "one node")])
+def test_one_rank_per_node_is_flat_and_one_node_is_horovods_step(per_node, what):
+    """Two ranks: as two nodes of one rank, two-level is the flat exchange bit for bit; as one
+    node of two, it is Horovod's synchronous step -- a technique does nothing and sends
+    nothing between nodes, and the statistics say so."""
+    runs = run_job(edge_body, 2, (), timeout=300, env={OVERRIDE: per_node})
+    for r in runs:
+        if what == "flat":
+            assert torch.equal(r["threshold"]["params"], r["threshold, flat"]["params"])
+            assert r["threshold"]["inside"] == 0
+            assert "one rank per node: the flat exchange" in r["threshold"]["summary"]
+        else:
+            assert torch.equal(r["threshold"]["params"], r["nothing on, flat"]["params"])
+            assert "synchronous inside it, as Horovod: no technique runs" in \
+                r["threshold"]["summary"]
+        assert torch.equal(r["nothing on"]["params"], r["nothing on, flat"]["params"])
