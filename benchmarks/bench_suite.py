@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from typing import Any
@@ -115,6 +116,16 @@ METHODS: dict[str, dict[str, Any]] = {
                                  kwargs=dict(delay=dict(staleness=4, average_every=32))),
     "hvdsync recommended": dict(kind="hvdsync", fp16=True, kwargs=dict(delay="streaming"),
                                 sparse_kwargs=dict(sparse=True)),
+    # nodes of several ranks (--ranks-per-node): the techniques between nodes only, and
+    # post-local SGD's local steps synchronous inside the node (its subgroup: the node)
+    "hvdsync recommended, nodes": dict(kind="hvdsync", fp16=True, extra=True,
+                                       kwargs=dict(delay="streaming", between="nodes"),
+                                       sparse_kwargs=dict(sparse=True, between="nodes")),
+    "hvdsync lowrank + fp16, nodes": dict(kind="hvdsync", fp16=True, dense_model=True,
+                                          extra=True,
+                                          kwargs=dict(lowrank=LOWRANK, between="nodes")),
+    "ddp post-local sgd, nodes": dict(kind="ddp", hook="post_local", dense_model=True,
+                                      extra=True, subgroup="node"),
 }
 # select='s selectors at equal bytes (issue 20): a quarter of the dense bytes per step, a
 # layer at least every 9 steps; "seed hypernet" is the seed design's objective and inputs.
@@ -226,8 +237,10 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
             from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plsgd
             from torch.distributed.algorithms.model_averaging.averagers import \
                 PeriodicModelAverager
-            # one rank per machine here: the "intra-node" subgroup of local SGD is the rank
-            local_group, _ = dist.new_subgroups(group_size=1)
+            # the "intra-node" subgroup of local SGD: the rank (one rank per machine), or
+            # with nodes of several ranks the node (a node's ranks in one namespace)
+            local_group, _ = dist.new_subgroups(group_size=int(os.environ.get(
+                "HOROVOD_LOCAL_SIZE", "1")) if spec.get("subgroup") == "node" else 1)
             net.register_comm_hook(plsgd.PostLocalSGDState(process_group=None,
                                                            subgroup=local_group,
                                                            start_localSGD_iter=10),
@@ -325,19 +338,26 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
 
 
 def suite_body(workload: str, methods: list[str], seeds: list[int], ddp_addr: str,
-               ddp_port: int, ddp_iface: str, steps: int | None = None) -> dict:
-    """On each rank: every (seed, method) in turn; the DDP process group is joined once."""
-    import os
-
+               ddp_port: int, ddp_iface: str, steps: int | None = None,
+               engine: str = "horovod") -> dict:
+    """On each rank: every (seed, method) in turn; the DDP process group is joined once.
+    ``engine``: what hvdsync's methods run on -- Horovod, or torch.distributed (the DDP
+    process group; Horovod's peers still run on Horovod)."""
     import torch.distributed as dist
 
-    import hvdsync.torch as hvd
-    hvd.init()
-    if any(METHODS[m]["kind"] == "ddp" for m in methods):
-        os.environ["GLOO_SOCKET_IFNAME"] = ddp_iface
-        dist.init_process_group("gloo", init_method=f"tcp://{ddp_addr}:{ddp_port}",
-                                rank=hvd.rank(), world_size=hvd.size())
     import horovod.torch as horovod
+    import hvdsync.torch as hvd
+    horovod.init(process_sets=hvd.node_process_sets() if engine == "horovod" else None)
+    rank, size = horovod.rank(), horovod.size()
+    if engine == "torch" or any(METHODS[m]["kind"] == "ddp" for m in methods):
+        os.environ["GLOO_SOCKET_IFNAME"] = ddp_iface
+        # torchrun's names for the layout horovodrun gave (hvdsync's torch engine reads them)
+        os.environ.update(LOCAL_WORLD_SIZE=str(horovod.local_size()),
+                          LOCAL_RANK=str(horovod.local_rank()),
+                          GROUP_RANK=str(horovod.cross_rank()))
+        dist.init_process_group("gloo", init_method=f"tcp://{ddp_addr}:{ddp_port}",
+                                rank=rank, world_size=size)
+    hvd.init(backend=engine)
     import torch
     out: dict[str, list] = {m: [] for m in methods}
     run_method("horovod", workload, 99, steps=20)  # warm-up: first-use costs land here
@@ -514,6 +534,13 @@ def main(argv=None) -> None:
                     help="one-way delay added to each rank's link (netem; where the kernel "
                          "has no netem the run says so and only the rate applies)")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--engine", choices=["horovod", "torch"], default="horovod",
+                    help="what hvdsync's methods run on (Horovod's peers run on Horovod either "
+                         "way): torch.distributed gives between='nodes' a node reduction of "
+                         "its own, where Horovod runs every collective on one thread")
+    ap.add_argument("--ranks-per-node", type=int, default=1,
+                    help="ranks per node: each node one network namespace, its ranks on its "
+                         "loopback, the link rate per node (methods ', nodes': between='nodes')")
     ap.add_argument("--steps", type=int, default=None,
                     help="train this many steps instead of the workload's count (a longer "
                          "cell: a second target at Horovod's score at the workload's count)")
@@ -524,6 +551,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.delay_ms < 0:
         ap.error(f"--delay-ms must be >= 0, got {args.delay_ms}")
+    if args.ranks_per_node > 1 and "loopback" in args.nets:
+        ap.error("--ranks-per-node needs an emulated network (--nets <Mbit/s>)")
     if args.quick:
         args.workloads, args.np, args.nets, args.seeds = ["digits_mlp", "teacher_cnn"], [2], \
             ["100"], 1
@@ -540,28 +569,30 @@ def main(argv=None) -> None:
                 if "horovod" not in methods:
                     methods.insert(0, "horovod")
                 started = time.monotonic()
-                progress.cell(f"{wl}, {np_} ranks, " + (
+                ranks = (f"{np_} ranks" if args.ranks_per_node == 1 else
+                         f"{np_ // args.ranks_per_node} nodes x {args.ranks_per_node} ranks")
+                progress.cell(f"{wl}, {ranks}, " + (
                     "loopback" if net_name == "loopback" else f"{float(net_name):g} Mbit/s"))
                 if net_name == "loopback":
                     call = (wl, methods, list(range(args.seeds)), "127.0.0.1", 29511, "lo",
-                            args.steps)
+                            args.steps, args.engine)
                     label = "loopback"
                     per_rank = run_ranks_on(None, suite_body, np_, args=call, timeout=7200)
                 else:
-                    with EmulatedNetwork(np_, rate_mbit=float(net_name),
-                                         delay_ms=args.delay_ms) as net:
+                    with EmulatedNetwork(np_, rate_mbit=float(net_name), delay_ms=args.delay_ms,
+                                         ranks_per_node=args.ranks_per_node) as net:
                         print(f"{wl}, {np_} ranks: {net.describe()}", flush=True)
                         label = f"{float(net_name):g} Mbit/s" + (
                             f" {args.delay_ms:g} ms" if net.delay_emulated else "")
                         call = (wl, methods, list(range(args.seeds)), net.addresses[0], 29511,
-                                "hvs0", args.steps)
+                                "hvs0", args.steps, args.engine)
                         try:
                             per_rank = run_ranks_on(net, suite_body, np_, args=call,
                                                     timeout=7200)
                         except RanksFailed as e:  # report it, go on with the other cells
                             print(f"{wl}, {np_} ranks, {label} FAILED:\n{e}", flush=True)
                             continue
-                cell = f"{wl}, {np_} ranks, {label}" + (
+                cell = f"{wl}, {ranks}, {label}" + (
                     f", {args.steps} steps" if args.steps else "")
                 results[cell] = summarize(per_rank, methods, wl)
                 rows += rows_for(cell, results[cell], wl)

@@ -69,21 +69,27 @@ def _netem_available(ns: str, dev: str) -> bool:
 
 
 class EmulatedNetwork:
-    """``np`` namespaces on one bridge, each link limited to ``rate_mbit`` (and ``delay_ms``
-    one-way on the rank's egress, where netem exists)."""
+    """``np`` ranks in namespaces on one bridge: one namespace per rank, or with
+    ``ranks_per_node`` one per *node* of that many ranks (which talk over the namespace's own
+    loopback: the fast link inside a node). Each namespace's link is limited to ``rate_mbit``
+    (and ``delay_ms`` one-way on its egress, where netem exists): a rank's NIC, or a node's."""
 
-    def __init__(self, np: int, rate_mbit: float, delay_ms: float = 0.0):
-        if np < 1:
-            raise ValueError(f"np must be >= 1, got {np}")
+    def __init__(self, np: int, rate_mbit: float, delay_ms: float = 0.0,
+                 ranks_per_node: int = 1):
+        if np < 1 or ranks_per_node < 1 or np % ranks_per_node:
+            raise ValueError(f"np must be >= 1 and a multiple of ranks_per_node, got {np}, "
+                             f"{ranks_per_node}")
         if rate_mbit <= 0 or delay_ms < 0:
             raise ValueError(f"need rate_mbit > 0 and delay_ms >= 0, got {rate_mbit}, {delay_ms}")
         self.np, self.rate_mbit, self.delay_ms = np, rate_mbit, delay_ms
+        self.ranks_per_node = ranks_per_node
+        nodes = np // ranks_per_node
         tag = f"hvs{os.getpid() % 100000}"
         self.bridge = f"{tag}br"
-        self.namespaces = [f"{tag}r{i}" for i in range(np)]
-        self._host_ends = [f"{tag}v{i}" for i in range(np)]
+        self.namespaces = [f"{tag}r{i}" for i in range(nodes)]
+        self._host_ends = [f"{tag}v{i}" for i in range(nodes)]
         subnet = 10 + os.getpid() % 200
-        self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(np)]
+        self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(nodes)]
         self.server_ip = f"10.213.{subnet}.254"
         self.delay_emulated = False
 
@@ -119,20 +125,30 @@ class EmulatedNetwork:
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
             with open(f"/etc/netns/{ns}/hosts", "w") as f:
                 f.write(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
-            self._limit(ns, host_end)
+            self._limit(ns, host_end, addr)
 
-    def _limit(self, ns: str, host_end: str) -> None:
+    def _limit(self, ns: str, host_end: str, addr: str) -> None:
         rate = f"{self.rate_mbit:g}mbit"
         # burst: at least one 64 KiB TSO segment and ~2 ms at the rate, so tbf can keep up
         burst = str(max(65536 * 2, int(self.rate_mbit * 1e6 / 8 * 0.002)))
         tbf = ["tbf", "rate", rate, "burst", burst, "latency", "100ms"]
-        if self.delay_ms > 0 and _netem_available(ns, IFACE):
-            _tc(ns, "qdisc", "add", "dev", IFACE, "root", "handle", "1:", "netem", "delay",
-                f"{self.delay_ms:g}ms")
-            _tc(ns, "qdisc", "add", "dev", IFACE, "parent", "1:1", "handle", "10:", *tbf)
+        # The namespace's egress in two classes: to its own address unlimited (the ranks of a
+        # node reach each other through it -- Horovod's Gloo sends by the interface's address,
+        # not the loopback's -- at 100 Gbit/s), everything else through the link's limit
+        netem = self.delay_ms > 0 and _netem_available(ns, IFACE)
+        _tc(ns, "qdisc", "add", "dev", IFACE, "root", "handle", "1:", "htb", "default", "20")
+        for cls in ("1:10", "1:20"):
+            _tc(ns, "class", "add", "dev", IFACE, "parent", "1:", "classid", cls, "htb",
+                "rate", "100gbit")
+        if netem:
+            _tc(ns, "qdisc", "add", "dev", IFACE, "parent", "1:20", "handle", "20:", "netem",
+                "delay", f"{self.delay_ms:g}ms")
+            _tc(ns, "qdisc", "add", "dev", IFACE, "parent", "20:1", "handle", "30:", *tbf)
             self.delay_emulated = True
         else:
-            _tc(ns, "qdisc", "add", "dev", IFACE, "root", *tbf)
+            _tc(ns, "qdisc", "add", "dev", IFACE, "parent", "1:20", "handle", "20:", *tbf)
+        _tc(ns, "filter", "add", "dev", IFACE, "parent", "1:", "protocol", "ip", "prio", "1",
+            "u32", "match", "ip", "dst", f"{addr}/32", "flowid", "1:10")
         _tc(None, "qdisc", "add", "dev", host_end, "root", *tbf)
 
     def close(self) -> None:
@@ -147,6 +163,9 @@ class EmulatedNetwork:
     def describe(self) -> str:
         delay = (f", {self.delay_ms:g} ms delay" if self.delay_emulated else
                  ", delay not emulated (no netem in this kernel)" if self.delay_ms else "")
+        if self.ranks_per_node > 1:
+            return (f"{len(self.namespaces)} nodes x {self.ranks_per_node} ranks (loopback "
+                    f"inside a node), {self.rate_mbit:g} Mbit/s per node link{delay}")
         return f"{self.rate_mbit:g} Mbit/s per rank link{delay}"
 
 
@@ -162,7 +181,7 @@ def run_ranks_on(network: Optional[EmulatedNetwork], fn: Callable[..., Any], np:
     from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
     from horovod.runner.http.http_server import RendezvousServer
 
-    hosts = ",".join(f"{a}:1" for a in network.addresses)
+    hosts = ",".join(f"{a}:{network.ranks_per_node}" for a in network.addresses)
     plan = get_host_assignments(parse_hosts(hosts), np)
     server = RendezvousServer()
     port = server.start()
@@ -175,7 +194,8 @@ def run_ranks_on(network: Optional[EmulatedNetwork], fn: Callable[..., Any], np:
             network.server_ip, [IFACE], port).items()}})
         start = time.monotonic()
         try:
-            for slot, ns in zip(plan, network.namespaces):
+            for slot in plan:  # (host by host: a node's ranks in its namespace)
+                ns = network.namespaces[network.addresses.index(slot.hostname)]
                 env = {**base, **create_slot_env_vars(slot)}
                 log = open(os.path.join(tmp, f"rank{slot.rank}.log"), "w+")
                 logs.append(log)

@@ -54,7 +54,7 @@ def node_process_sets() -> list:
     topology = _job_topology()
     if not topology.two_level:
         return []
-    ops = engine.select()
+    ops = engine.ops()  # (the engine chosen, else the one init() will choose)
     ranks = ([topology.node_ranks(n) for n in range(topology.nodes)]
              + [topology.cross_ranks(r) for r in range(topology.ranks_per_node)])
     return [_REGISTERED.setdefault(tuple(r), ops.ProcessSet(r)) for r in ranks]
