@@ -62,7 +62,7 @@ def _train(model, opt, batches) -> None:
 def _start():
     """One rank's start: Horovod up, one thread, its 2 * STEPS batches."""
     import hvdsync.torch as hvd
-    hvd.init()
+    hvd.init(process_sets=hvd.node_process_sets())  # (none but on nodes of several ranks)
     torch.set_num_threads(1)
     return hvd, teacher_batches(hvd.rank(), 2 * STEPS)
 

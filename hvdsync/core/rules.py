@@ -13,6 +13,7 @@ docs/internals.md, "Adding a technique", the steps.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import warnings
 from dataclasses import dataclass
@@ -97,6 +98,31 @@ UNDECIDED = {
               "counts are shared every step, so the rows go every step and the deciders "
               "govern the dense parameters",
 }
+
+
+#: What a technique takes in the two-level mode (``between="nodes"``): keyword -> (field, what
+#: its ``"auto"`` becomes, the values refused, why). A node's ranks keep one replica, so every
+#: choice they make must be the same on all of them.
+TWO_LEVEL = {
+    "delay": ("fold", "due", ("arrived",),
+              "a node's ranks hold one replica and must fold alike; what has arrived by now "
+              "differs between them, the step a global gradient is due does not"),
+}
+
+
+def for_nodes(configs: dict[str, Any]) -> dict[str, Any]:
+    """``configs`` as the two-level mode runs them (:data:`TWO_LEVEL`); raises ``ValueError``
+    for a setting it cannot run."""
+    out = dict(configs)
+    for name, (field, auto, refused, why) in TWO_LEVEL.items():
+        cfg = out.get(name)
+        value = getattr(cfg, field, None)
+        if value in refused:
+            raise ValueError(f"{name}= {field}={value!r} cannot run with between='nodes': "
+                             f"{why}; use {field}={auto!r}")
+        if value == "auto":
+            out[name] = dataclasses.replace(cfg, **{field: auto})
+    return out
 
 
 def decided(transport: Technique) -> bool:

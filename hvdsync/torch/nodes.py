@@ -21,7 +21,10 @@ import torch
 
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.topology import Topology, from_environment
+from hvdsync.core.wire import Pending
+from hvdsync.safety import elastic
 from hvdsync.torch import engine
+from hvdsync.torch.comm import payload_bytes
 
 #: the values of ``between=``: the flat exchange (Horovod's), or two levels
 BETWEEN = (None, "ranks", "nodes")
@@ -88,8 +91,9 @@ class Communicators:
 
 def communicators(between: Optional[str], process_set: Any, make: Any, stats: SyncStats,
                   techniques: list[str]) -> Communicators:
-    """The communicators of an optimizer with ``between=`` (``make(process_set, wire)``
-    builds one, ``wire``: with the optimizer's compression, else full precision): flat where
+    """The communicators of an optimizer with ``between=`` (``make(process_set, wire, op)``
+    builds one, ``wire``: with the optimizer's compression, else full precision; ``op``: a
+    reduction other than the optimizer's): flat where
     ``between`` is ``None`` or the job reduces to it (one rank per node; one node: Horovod's
     synchronous exchange, every technique off). Flat on nodes of several ranks with
     ``techniques`` on: rank 0 says once what the two-level mode would change."""
@@ -99,6 +103,9 @@ def communicators(between: Optional[str], process_set: Any, make: Any, stats: Sy
     ops = engine.ops()
     if process_set.ranks and len(process_set.ranks) != ops.size():
         raise ValueError("between='nodes' runs over every rank: pass no process_set")
+    if elastic.launched():  # (its process sets would have to be registered at every reset)
+        raise NotImplementedError("between='nodes' does not run under Horovod Elastic yet; "
+                                  "torchrun's restarts (--max-restarts) start it afresh")
     try:
         topology = from_environment(ops.size(), ops.rank())
     except ValueError as e:  # (compared at the setup check, then raised on every rank)
@@ -109,10 +116,10 @@ def communicators(between: Optional[str], process_set: Any, make: Any, stats: Sy
     rank = ops.rank()
     node = _registered(topology.node_ranks(topology.node_of(rank)))
     cross = _registered(topology.cross_ranks(topology.local_rank_of(rank)))
-    comm = make(cross, True)
-    # one order on every rank, as on torch.distributed: a node reduction blocks, and two
-    # ranks waiting in different orders would wait on each other
-    comm.matches_by_name = False
+    # (collectives start in one order on every rank, as on torch.distributed: a node's
+    # reduction blocks, and two ranks waiting in different orders would wait on each other)
+    comm = OwnedCross(make(cross, True), make(node, False, ops.Sum),
+                      topology.local_rank_of(rank), topology.ranks_per_node, stats)
     return Communicators(comm, NodeReduce(make(node, False), stats), make(process_set, True),
                          topology)
 
@@ -164,3 +171,103 @@ class NodeReduce:
             pending = self.comm.allreduce(f"hvdsync.node.{name}", grads)
             pending.wait()
             self.stats.count("bytes_intra_node", pending.nbytes)
+
+
+class OwnedCross:
+    """The cross-node communicator of a rank in the two-level mode. Each of the techniques'
+    data collectives is run by one rank of the node -- its *owner*, the local rank with the
+    fewest bytes so far: the same choice on every rank of the node, which make the same calls
+    in the same order -- and its result is shared inside the node, an allreduce of sums to
+    which the others bring zeros (the same bits). So a node's link carries one worker's bytes,
+    not one per rank; and a rank's cross-node peers (the same local rank on every node) own the
+    same collectives, so none waits for a peer that sends nothing. What is small or differs
+    between a node's ranks (control rounds, entry tags, row-sparse gathers of unknown size,
+    the setup's gathers) every rank runs itself."""
+
+    def __init__(self, cross: Any, share: Any, local_rank: int, local_size: int,
+                 stats: SyncStats):
+        self._cross, self._share, self._me, self._stats = cross, share, local_rank, stats
+        self._load = [0] * local_size  # bytes each local rank has run so far
+        self.matches_by_name = False  # (see communicators())
+
+    def __getattr__(self, name: str) -> Any:  # the rest is the cross-node communicator's
+        return getattr(self._cross, name)
+
+    @property
+    def size(self) -> int:
+        return self._cross.size
+
+    def _owner(self, nbytes: int) -> int:
+        owner = min(range(len(self._load)), key=lambda r: (self._load[r], r))
+        self._load[owner] += max(nbytes, 1)
+        return owner
+
+    def _owned(self, name: str, tensors: list, start: Any, what: str) -> Pending:
+        """``start()`` (a pending whose result is ``tensors``, reduced in place) on the owner,
+        the result shared inside the node at the first wait -- on every rank at the same point
+        of its calls."""
+        mine = self._owner(sum(payload_bytes(t) for t in tensors)) == self._me
+        inner = start() if mine else None
+
+        def wait() -> list:
+            if inner is not None:
+                inner.wait()
+            else:
+                for t in tensors:
+                    t.zero_()
+            self._stats.count("bytes_intra_node", _shared(self._share, f"{name}.shared",
+                                                          tensors))
+            return tensors
+        return Pending(wait, inner.ready if inner is not None else lambda: True,
+                       inner.nbytes if inner is not None else 0,
+                       inner.collectives if inner is not None else 0,
+                       what=f"{what} (shared inside the node)")
+
+    def allreduce(self, name: str, tensors: list) -> Pending:
+        tensors = list(tensors)
+        if self.size == 1 or any(t.is_sparse for t in tensors):  # (Horovod's sparse path)
+            return self._cross.allreduce(name, tensors)
+        return self._owned(name, tensors, lambda: self._cross.allreduce(name, tensors),
+                           f"the allreduce {name!r}")
+
+    def allgather_async(self, name: str, tensors: list) -> Pending:
+        """Every node's 1-d ``tensors`` alike in size (an encoding's parts): gathered by the
+        owner, shared inside the node."""
+        if self.size == 1:
+            return self._cross.allgather_async(name, tensors)
+        out = [t.new_zeros(t.numel() * self.size) for t in tensors]
+
+        def start() -> Pending:
+            return self._cross.allgather_async(name, tensors).then(
+                lambda got: [o.copy_(g) for o, g in zip(out, got)])
+        return self._owned(name, out, start, f"the allgather {name!r}")
+
+    def average(self, groups: list[tuple[str, list]]) -> None:
+        """The parameters averaged across nodes by one rank of the node, shared inside it."""
+        if self.size == 1:
+            return
+        tensors = [t for _, ts in groups for t in ts]
+        self._owned(f"hvdsync.outer.average.{groups[0][0]}", tensors,
+                    lambda: _done(self._cross.average(groups), tensors),
+                    "the parameter averaging").wait()
+
+
+def _shared(comm: Any, name: str, tensors: list) -> int:
+    """Sum ``tensors`` over the node in place -- one rank's values, the others' zeros: the
+    same bits -- as one buffer of their bytes in int32 words (any dtype: Horovod sums no
+    8-bit one); returns the bytes sent."""
+    raw = [t.contiguous().view(-1).view(torch.uint8) for t in tensors]
+    n = sum(r.numel() for r in raw)
+    words = torch.cat(raw + [torch.zeros((-n) % 4, dtype=torch.uint8)]).view(torch.int32)
+    pending = comm.allreduce(name, [words])
+    pending.wait()
+    out, at = words.view(torch.uint8), 0
+    for t, r in zip(tensors, raw):
+        t.view(-1).view(torch.uint8).copy_(out[at:at + r.numel()])
+        at += r.numel()
+    return pending.nbytes
+
+
+def _done(_: Any, result: list) -> Pending:
+    """A pending already finished with ``result`` (what a blocking call left in place)."""
+    return Pending.resolved(result)

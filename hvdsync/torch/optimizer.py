@@ -82,14 +82,20 @@ class _DistributedOptimizer(SyncAPI):
         self.stats = SyncStats(layer_names, backend=engine.active_name())
         self._grads = TorchGradients(layer_params, self, scaler,
                                      base_step=super(_DistributedOptimizer, self).step)
-        levels = nodes.communicators(between, process_set, lambda ps, wire: TorchCommunicator(
-            compression if wire else engine.ops().Compression.none, op,
-            gradient_predivide_factor if wire else 1.0, sparse_as_dense, ps, self.stats),
+        levels = nodes.communicators(
+            between, process_set, lambda ps, wire, reduce=None: TorchCommunicator(
+                compression if wire else engine.ops().Compression.none, reduce or op,
+                gradient_predivide_factor if wire else 1.0, sparse_as_dense, ps, self.stats),
             self.stats, list(configs))
         self._comm = comm = levels.comm
+        #: every rank of the process set (the techniques' comm is the cross-node one with
+        #: between="nodes"): the setup check, a checkpoint's every-rank memory
+        self._everyone = levels.agree or comm
         self._grads.node_reduce = levels.node
         if levels.synchronous:  # one node: Horovod's synchronous exchange, nothing else
             configs = {}
+        elif levels.node is not None:
+            configs = rules.for_nodes(configs)
         self.stats.levels = levels.describe()
         self._techniques = build_techniques(configs, Parts(
             self._grads, TorchOps(), comm, self.stats, layer_names,
@@ -107,7 +113,7 @@ class _DistributedOptimizer(SyncAPI):
         def agree() -> None:
             """Every rank checks it has the same setup (a collective; the process set's ranks
             as they are now: Horovod Elastic changes them)."""
-            agreement.require(levels.agree or comm, layers_seen, configs, dict(
+            agreement.require(self._everyone, layers_seen, configs, dict(
                 op=op, compression=compression,
                 backward_passes_per_step=backward_passes_per_step,
                 gradient_predivide_factor=gradient_predivide_factor,

@@ -102,13 +102,13 @@ def save_checkpoint(path: str, model: torch.nn.Module,
     (atomically), with every rank's own hvdsync memory; every rank returns once it is
     written. With ``delay=``, call ``optimizer.flush()`` first (replicas identical)."""
     if isinstance(optimizer, SyncAPI):  # hvdsync's wrapper  # refused at once where ranks differ
-        optimizer._comm.entries.begin("save", optimizer.stats.total.step)
-        optimizer._comm.entries.now("save_checkpoint's gather")
+        optimizer._everyone.entries.begin("save", optimizer.stats.total.step)
+        optimizer._everyone.entries.now("save_checkpoint's gather")
     state = optimizer.state_dict() if optimizer is not None else None
     if isinstance(optimizer, SyncAPI) and "hvdsync" in state:
         own = checkpoint.per_rank_part(optimizer._configured, state["hvdsync"])
         parts = [safe_load(io.BytesIO(b), what=f"rank {r}'s hvdsync state")
-                 for r, b in enumerate(optimizer._comm.gather_bytes(
+                 for r, b in enumerate(optimizer._everyone.gather_bytes(
                      _to_bytes(own), "hvdsync.checkpoint.save"))]
         state["hvdsync"] = checkpoint.with_every_rank(optimizer._configured, state["hvdsync"],
                                                       parts)
