@@ -69,10 +69,11 @@ def _netem_available(ns: str, dev: str) -> bool:
 
 
 class EmulatedNetwork:
-    """``np`` ranks in namespaces on one bridge: one namespace per rank, or with
-    ``ranks_per_node`` one per *node* of that many ranks (which talk over the namespace's own
-    loopback: the fast link inside a node). Each namespace's link is limited to ``rate_mbit``
-    (and ``delay_ms`` one-way on its egress, where netem exists): a rank's NIC, or a node's."""
+    """``np`` ranks, each in its own namespace on one bridge, each link limited to
+    ``rate_mbit`` (and ``delay_ms`` one-way on its egress, where netem exists): a rank's NIC.
+    With ``ranks_per_node``, nodes of that many ranks: a node's ranks on a bridge of its own,
+    unlimited (the fast links inside a node), the node's uplink to the others limited (the
+    node's NIC)."""
 
     def __init__(self, np: int, rate_mbit: float, delay_ms: float = 0.0,
                  ranks_per_node: int = 1):
@@ -83,15 +84,23 @@ class EmulatedNetwork:
             raise ValueError(f"need rate_mbit > 0 and delay_ms >= 0, got {rate_mbit}, {delay_ms}")
         self.np, self.rate_mbit, self.delay_ms = np, rate_mbit, delay_ms
         self.ranks_per_node = ranks_per_node
-        nodes = np // ranks_per_node
         tag = f"hvs{os.getpid() % 100000}"
         self.bridge = f"{tag}br"
-        self.namespaces = [f"{tag}r{i}" for i in range(nodes)]
-        self._host_ends = [f"{tag}v{i}" for i in range(nodes)]
+        self.namespaces = [f"{tag}r{i}" for i in range(np)]
+        self._host_ends = [f"{tag}v{i}" for i in range(np)]
+        nodes = np // ranks_per_node if ranks_per_node > 1 else 0
+        self._node_bridges = [f"{tag}n{n}" for n in range(nodes)]
+        self._uplinks = [(f"{tag}u{n}", f"{tag}w{n}") for n in range(nodes)]  # node, core end
         subnet = 10 + os.getpid() % 200
-        self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(nodes)]
+        self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(np)]
         self.server_ip = f"10.213.{subnet}.254"
         self.delay_emulated = False
+
+    @property
+    def hosts(self) -> list[str]:
+        """One name per node (its first rank's address), for Horovod's slots: a node's ranks
+        are one host's local ranks."""
+        return self.addresses[::self.ranks_per_node]
 
     # -- set up / tear down ---------------------------------------------------------------
     def __enter__(self) -> "EmulatedNetwork":
@@ -111,10 +120,21 @@ class EmulatedNetwork:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.server_ip}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
-        for ns, host_end, addr in zip(self.namespaces, self._host_ends, self.addresses):
+        for node_bridge, (node_end, core_end) in zip(self._node_bridges, self._uplinks):
+            _ip("link", "add", node_bridge, "type", "bridge")
+            _ip("link", "set", node_bridge, "up")
+            _ip("link", "add", node_end, "type", "veth", "peer", "name", core_end)
+            for end, bridge in ((node_end, node_bridge), (core_end, self.bridge)):
+                _ip("link", "set", end, "master", bridge)
+                _ip("link", "set", end, "up")
+            self._limit(None, node_end, core_end)  # the node's NIC, both ways
+        for i, (ns, host_end, addr) in enumerate(zip(self.namespaces, self._host_ends,
+                                                     self.addresses)):
             _ip("netns", "add", ns)
             _ip("link", "add", host_end, "type", "veth", "peer", "name", IFACE, "netns", ns)
-            _ip("link", "set", host_end, "master", self.bridge)
+            node = i // self.ranks_per_node
+            _ip("link", "set", host_end, "master",
+                self._node_bridges[node] if self._node_bridges else self.bridge)
             _ip("link", "set", host_end, "up")
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", IFACE)
             _ip("-n", ns, "link", "set", IFACE, "up")
@@ -125,31 +145,23 @@ class EmulatedNetwork:
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
             with open(f"/etc/netns/{ns}/hosts", "w") as f:
                 f.write(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
-            self._limit(ns, host_end, addr)
+            if not self._node_bridges:
+                self._limit(ns, IFACE, host_end)
 
-    def _limit(self, ns: str, host_end: str, addr: str) -> None:
+    def _limit(self, ns: Optional[str], dev: str, other_end: str) -> None:
+        """Limit a link at both ends (``dev`` in namespace ``ns``, ``other_end`` here)."""
         rate = f"{self.rate_mbit:g}mbit"
         # burst: at least one 64 KiB TSO segment and ~2 ms at the rate, so tbf can keep up
         burst = str(max(65536 * 2, int(self.rate_mbit * 1e6 / 8 * 0.002)))
         tbf = ["tbf", "rate", rate, "burst", burst, "latency", "100ms"]
-        # The namespace's egress in two classes: to its own address unlimited (the ranks of a
-        # node reach each other through it -- Horovod's Gloo sends by the interface's address,
-        # not the loopback's -- at 100 Gbit/s), everything else through the link's limit
-        netem = self.delay_ms > 0 and _netem_available(ns, IFACE)
-        _tc(ns, "qdisc", "add", "dev", IFACE, "root", "handle", "1:", "htb", "default", "20")
-        for cls in ("1:10", "1:20"):
-            _tc(ns, "class", "add", "dev", IFACE, "parent", "1:", "classid", cls, "htb",
-                "rate", "100gbit")
-        if netem:
-            _tc(ns, "qdisc", "add", "dev", IFACE, "parent", "1:20", "handle", "20:", "netem",
-                "delay", f"{self.delay_ms:g}ms")
-            _tc(ns, "qdisc", "add", "dev", IFACE, "parent", "20:1", "handle", "30:", *tbf)
+        if self.delay_ms > 0 and _netem_available(ns, dev):
+            _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                f"{self.delay_ms:g}ms")
+            _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf)
             self.delay_emulated = True
         else:
-            _tc(ns, "qdisc", "add", "dev", IFACE, "parent", "1:20", "handle", "20:", *tbf)
-        _tc(ns, "filter", "add", "dev", IFACE, "parent", "1:", "protocol", "ip", "prio", "1",
-            "u32", "match", "ip", "dst", f"{addr}/32", "flowid", "1:10")
-        _tc(None, "qdisc", "add", "dev", host_end, "root", *tbf)
+            _tc(ns, "qdisc", "add", "dev", dev, "root", *tbf)
+        _tc(None, "qdisc", "add", "dev", other_end, "root", *tbf)
 
     def close(self) -> None:
         """Remove every namespace (their veths go with them) and the bridge."""
@@ -158,14 +170,17 @@ class EmulatedNetwork:
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         for host_end in self._host_ends:
             _ip("link", "del", host_end, check=False)
-        _ip("link", "del", self.bridge, check=False)
+        for node_end, _ in self._uplinks:  # (its peer goes with it)
+            _ip("link", "del", node_end, check=False)
+        for bridge in [*self._node_bridges, self.bridge]:
+            _ip("link", "del", bridge, check=False)
 
     def describe(self) -> str:
         delay = (f", {self.delay_ms:g} ms delay" if self.delay_emulated else
                  ", delay not emulated (no netem in this kernel)" if self.delay_ms else "")
         if self.ranks_per_node > 1:
-            return (f"{len(self.namespaces)} nodes x {self.ranks_per_node} ranks (loopback "
-                    f"inside a node), {self.rate_mbit:g} Mbit/s per node link{delay}")
+            return (f"{len(self._node_bridges)} nodes x {self.ranks_per_node} ranks (a bridge "
+                    f"inside a node, unlimited), {self.rate_mbit:g} Mbit/s per node link{delay}")
         return f"{self.rate_mbit:g} Mbit/s per rank link{delay}"
 
 
@@ -181,7 +196,7 @@ def run_ranks_on(network: Optional[EmulatedNetwork], fn: Callable[..., Any], np:
     from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
     from horovod.runner.http.http_server import RendezvousServer
 
-    hosts = ",".join(f"{a}:{network.ranks_per_node}" for a in network.addresses)
+    hosts = ",".join(f"{a}:{network.ranks_per_node}" for a in network.hosts)
     plan = get_host_assignments(parse_hosts(hosts), np)
     server = RendezvousServer()
     port = server.start()
@@ -194,8 +209,7 @@ def run_ranks_on(network: Optional[EmulatedNetwork], fn: Callable[..., Any], np:
             network.server_ip, [IFACE], port).items()}})
         start = time.monotonic()
         try:
-            for slot in plan:  # (host by host: a node's ranks in its namespace)
-                ns = network.namespaces[network.addresses.index(slot.hostname)]
+            for slot, ns in zip(plan, network.namespaces):  # (host by host: rank order)
                 env = {**base, **create_slot_env_vars(slot)}
                 log = open(os.path.join(tmp, f"rank{slot.rank}.log"), "w+")
                 logs.append(log)
