@@ -553,6 +553,12 @@ def main(argv=None) -> None:
         ap.error(f"--delay-ms must be >= 0, got {args.delay_ms}")
     if args.ranks_per_node > 1 and "loopback" in args.nets:
         ap.error("--ranks-per-node needs an emulated network (--nets <Mbit/s>)")
+    if args.ranks_per_node > 1:
+        # Four ranks on two cores drift apart where nothing synchronizes them ("no exchange"):
+        # at its next evaluation one waits for the others in Horovod's budget check, and
+        # Gloo's 30 s limit (twice, in runs of 20 and 30 minutes) ended the job there. The
+        # wait is outside every method's training time.
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "600")
     if args.quick:
         args.workloads, args.np, args.nets, args.seeds = ["digits_mlp", "teacher_cnn"], [2], \
             ["100"], 1
