@@ -71,6 +71,10 @@ CASES = {
     "delay": dict(delay=dict(staleness=1, average_every=5)),
     "streaming": dict(delay="streaming"),
     "fp16": dict(compression="fp16"),
+    # a GradScaler (the node reduces unscaled gradients), and two backward passes a step
+    "amp threshold": dict(threshold=dict(threshold=0.5, max_skip=4), _scaler=2.0 ** 10),
+    "accumulated lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0),
+                                backward_passes_per_step=2),
 }
 
 
@@ -84,16 +88,28 @@ def trained(keywords: dict, between: str | None, nan_rank: int = -1) -> dict:
     kw = dict(keywords)
     if kw.pop("compression", None) == "fp16":
         kw["compression"] = hvd.Compression.fp16
+    scale = kw.pop("_scaler", None)
+    scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale,
+                                                             growth_interval=10 ** 6)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), between=between,
-                                   **kw)
+                                   scaler=scaler, **kw)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    losses = []
+    passes, losses = kw.get("backward_passes_per_step", 1), []
     for step, (x, y) in enumerate(teacher_batches(hvd.rank(), STEPS)):
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        (loss * (float("nan") if step == 5 and hvd.rank() == nan_rank else 1.0)).backward()
-        opt.step()
+        for xs, ys in zip(x.chunk(passes), y.chunk(passes)):
+            loss = nn.functional.cross_entropy(model(xs), ys)
+            loss = loss * (float("nan") if step == 5 and hvd.rank() == nan_rank else 1.0)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
         losses.append(loss.item())
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
     opt.flush()
