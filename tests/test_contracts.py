@@ -157,16 +157,11 @@ IDENTITY = {"name", "role", "keyword"}
 #: members that still serve one technique, each with why and where it goes (issue 80; the list
 #: only shrinks)
 ONE_TECHNIQUE = {
-    "Technique.host_before_update": "the outer synchronization takes its anchors on the host "
-                                    "before a traced step's first update",
     "Technique.after_optimizer_step": "after the update only the synchronization of the "
                                       "models (outer) acts",
     "Transport.backward_done": "sparse='s counts round before missing layers are filled, and "
                                "the layers whose layout only the counts tell",
     "Transport.start_early": "the same: the counts and the predicted rows, before the rest",
-    "Transport.updates_locally": "delay= updates with this rank's gradient (the traced local "
-                                 "step)",
-    "Parts.traces": "delay= folds when due where the adapter traces its step",
 }
 
 

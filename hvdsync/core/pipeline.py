@@ -21,10 +21,10 @@ from typing import Any, Optional
 from hvdsync.core.groups import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, ReadyGroups
 from hvdsync.core.wire import Pending, finish_dropped, wait_all
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
-from hvdsync.core.rules import CARRIED, decided
+from hvdsync.core.rules import CARRIED, decided, updates_locally
 from hvdsync.core.stats import SyncStats
-from hvdsync.core.technique import (DECIDER, SYNC, TRANSFORM, TRANSPORT, Decider, Technique,
-                                    Transform, Transport)
+from hvdsync.core.technique import (BEFORE_UPDATE, DECIDER, SYNC, TRANSFORM, TRANSPORT, Decider,
+                                    Technique, Transform, Transport)
 from hvdsync.safety import checkpoint
 from hvdsync.safety.agreement import RanksDisagree
 
@@ -105,13 +105,13 @@ class StepPipeline:
         self.state = StepState(len(layer_names))
 
     def _set_local_step(self) -> None:
-        local = [t for t in self.transports if t.updates_locally]
+        local = [t for t in self.transports if updates_locally(t)]
         beside = [t for t in self.transports if local and t is not local[0]
                   and CARRIED.get(t.name, ("",))[0] != local[0].name]
         if len(local) > 1 or beside:
             raise ValueError("a transport that updates locally must be the step's only one "
                              "(but for those it carries)")
-        #: the transport of a step that updates locally (:attr:`Transport.updates_locally`),
+        #: the transport of a step that updates locally (:func:`rules.updates_locally`),
         #: or None. A tracing adapter builds such a step as: its traced form's ``trace_local``
         #: (``local_step.traced``: :class:`hvdsync.techniques.delay.traced.TracedDelay`) on
         #: every layer (graph ops: the gradients to apply), then on the host
@@ -249,7 +249,7 @@ class StepPipeline:
 
     def _send(self, li: int, t: Transport, ks: list[int], layer: list) -> None:
         state = self.state
-        if not t.updates_locally:  # (else it checks its own: Transport.updates_locally)
+        if not updates_locally(t):  # (else it checks its own: rules.UPDATES_LOCALLY)
             state.sent.setdefault(li, []).extend(ks)
         if not state.started[li]:
             if not state.any_started:
@@ -412,9 +412,9 @@ class StepPipeline:
     def host_before_update(self) -> bool:
         """Whether the next traced step that updates locally must run
         :meth:`before_local_update` on the host before its update (a technique reads the
-        parameters as they are then: :meth:`Technique.host_before_update`); if not, it runs
+        parameters as they are then: its host flag :data:`BEFORE_UPDATE`); if not, it runs
         after the update, in the step's one host call."""
-        return any(t.host_before_update() for t in self._around_update)
+        return any(t.host_flags().get(BEFORE_UPDATE, False) for t in self._around_update)
 
     def before_local_update(self) -> None:
         """Host, before the update of a traced step that updates locally -- or, where

@@ -108,21 +108,55 @@ TWO_LEVEL = {
               "a node's ranks hold one replica and must fold alike; what has arrived by now "
               "differs between them, the step a global gradient is due does not"),
 }
+#: What a technique takes where the adapter traces its step (Keras' compiled one), in
+#: :data:`TWO_LEVEL`'s shape; elsewhere each ``"auto"`` is the technique's own default.
+TRACED = {
+    "delay": ("fold", "due", (),
+              "a compiled step cannot ask the host what has arrived; the step a global "
+              "gradient is due is known when the step is traced"),
+}
 
 
 def for_nodes(configs: dict[str, Any]) -> dict[str, Any]:
     """``configs`` as the two-level mode runs them (:data:`TWO_LEVEL`); raises ``ValueError``
     for a setting it cannot run."""
+    return _resolved(configs, TWO_LEVEL, "with between='nodes'")
+
+
+def for_tracing(configs: dict[str, Any]) -> dict[str, Any]:
+    """``configs`` as an adapter that traces its step runs them (:data:`TRACED`)."""
+    return _resolved(configs, TRACED, "in a traced step")
+
+
+def _resolved(configs: dict[str, Any], table: dict, where: str) -> dict[str, Any]:
     out = dict(configs)
-    for name, (field, auto, refused, why) in TWO_LEVEL.items():
+    for name, (field, auto, refused, why) in table.items():
         cfg = out.get(name)
         value = getattr(cfg, field, None)
         if value in refused:
-            raise ValueError(f"{name}= {field}={value!r} cannot run with between='nodes': "
-                             f"{why}; use {field}={auto!r}")
+            raise ValueError(f"{name}= {field}={value!r} cannot run {where}: {why}; use "
+                             f"{field}={auto!r}")
         if value == "auto":
             out[name] = dataclasses.replace(cfg, **{field: auto})
     return out
+
+
+#: Transports whose step updates with this rank's own gradient: name -> why. Such a transport
+#: checks the gradients it starts for NaN/Inf itself -- they are not averaged in the step, so
+#: the verdict cannot come from exchanged values -- and the pipeline leaves them out of its own
+#: check; it is the step's only transport but those it carries (:data:`CARRIED`). A tracing
+#: adapter builds such a step from its traced form's ``trace_local`` and runs its moments on
+#: the host around the update (:attr:`hvdsync.core.pipeline.StepPipeline.local_step`).
+UPDATES_LOCALLY = {
+    "delay": "each rank steps at once with its own gradient; the global one is folded in later "
+             "(or the models synchronized after the update)",
+}
+
+
+def updates_locally(transport: Technique) -> bool:
+    """Whether ``transport``'s step updates with this rank's own gradient
+    (:data:`UPDATES_LOCALLY`)."""
+    return transport.name in UPDATES_LOCALLY
 
 
 def decided(transport: Technique) -> bool:

@@ -28,6 +28,9 @@ TRANSFORM, DECIDER, TRANSPORT = "transform", "decider", "transport"
 #: the role of a technique that synchronizes the replicas after the update (delay='s K-step
 #: synchronization: :mod:`hvdsync.techniques.outer`)
 SYNC = "sync"
+#: the host flag (:meth:`Technique.host_flags`) that moves a traced local step's host moments
+#: before its update
+BEFORE_UPDATE = "before_update"
 
 
 def control_part(values: Sequence[float], control: Sequence[str], name: str,
@@ -80,8 +83,8 @@ def refill(mapping: Any, items: dict) -> None:
 @dataclass
 class Parts:
     """What a technique is built from (its package's ``build(config, parts)``): the adapter's
-    ports, the optimizer's layer names and statistics, whether the adapter traces its step
-    (Keras), and the techniques an adapter builds itself, by config class
+    ports, the optimizer's layer names and statistics, and the techniques an adapter builds
+    itself, by config class
     (``builds[type(config)](config)``, in place of the package's ``build``: ``sparse=``'s
     exchange over the adapter's row-sparse primitives)."""
 
@@ -90,7 +93,6 @@ class Parts:
     comm: Communicator
     stats: SyncStats
     layer_names: list[str]
-    traces: bool = False
     builds: dict[type, Callable[[Any], Any]] = field(default_factory=dict)
 
 
@@ -154,7 +156,9 @@ class Technique:
         """What the host decides between steps that a traced step branches on (by name, a
         boolean or a list of them; a tracing adapter keeps each in a device boolean or
         boolean vector, written whenever it changed: after a step, a restore, shared state
-        taken). Default: none."""
+        taken). :data:`BEFORE_UPDATE` true: the next traced step that updates locally runs
+        :meth:`before_optimizer_step` on the host before its update (the technique reads the
+        parameters as they are then), not after it. Default: none."""
         return {}
 
     def after_wait(self, layers: list[int]) -> None:
@@ -164,12 +168,6 @@ class Technique:
 
     def before_optimizer_step(self) -> None:
         """Every reduced gradient is in place; the wrapped optimizer steps next."""
-
-    def host_before_update(self) -> bool:
-        """Whether the next traced step must run :meth:`before_optimizer_step` on the host
-        before its update (it reads the parameters as they are then); if not, a traced step
-        runs it after the update, in the one host call of the step. Default: no."""
-        return False
 
     def end_step(self, ok: bool) -> None:
         """The exchange of this step is over (read device values once); ``ok``: the step's
@@ -310,14 +308,6 @@ class Decider(Technique):
 
 class Transport(Technique):
     role = TRANSPORT
-    #: whether its step updates with this rank's own gradient (``delay=``: at once, the
-    #: global gradient folded in later or the models synchronized after the update). Such a
-    #: transport checks the gradients it starts for NaN/Inf itself -- they are not averaged in
-    #: the step, so the verdict cannot come from exchanged values -- and the pipeline leaves
-    #: them out of its own check. A tracing adapter builds such a step from its traced form's
-    #: ``trace_local`` and runs its moments on the host around the update
-    #: (:attr:`hvdsync.core.pipeline.StepPipeline.local_step`)
-    updates_locally = False
 
     def owns(self, li: int, k: int) -> bool:
         """Whether this transport moves parameter ``k`` of layer ``li`` (the last transport

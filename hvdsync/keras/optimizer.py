@@ -91,8 +91,8 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
                                     hv.process_set, hv.stats)
         hv.grads = KerasGradients(layer_vars, Slots(self.variables, variables),
                                   update=self._update_uncounted)
-        hv.techniques = build_techniques(hv.configs, Parts(
-            hv.grads, KerasOps(), hv.comm, hv.stats, names, traces=True,
+        hv.techniques = build_techniques(rules.for_tracing(hv.configs), Parts(
+            hv.grads, KerasOps(), hv.comm, hv.stats, names,
             builds={SparseConfig: lambda c: TracedSparse(c, hv.grads, hv.comm, hv.stats)}))
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)
         # HVDSYNC_KERAS_PIPELINE=1: every step through the eager step pipeline (to compare)

@@ -20,7 +20,7 @@ def build(config: DelayConfig, parts: Parts) -> list[Technique]:
     """The transport, then the synchronization after the update: the outer optimizer where
     the config has one; else plain averaging, unless synchronous (every step uses its own
     global gradient: the replicas never differ)."""
-    config = config.for_adapter(parts.traces)
+    config = config.resolved()
     n = len(parts.layer_names)
     if config.fragments > n:  # a fragment is one layer at least
         config = dataclasses.replace(config, fragments=n)

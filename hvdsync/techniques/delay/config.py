@@ -120,12 +120,10 @@ class DelayConfig:
         """Every step uses its own global gradient: the replicas never diverge."""
         return self.exchange_gradients and (self.staleness == 0 or self.average_every == 1)
 
-    def for_adapter(self, traces: bool) -> "DelayConfig":
-        """This config with ``fold="auto"`` resolved for an adapter that traces its step
-        (``traces``) or not."""
-        if self.fold != "auto":
-            return self
-        return dataclasses.replace(self, fold="due" if traces else "arrived")
+    def resolved(self) -> "DelayConfig":
+        """This config with ``fold="auto"`` as an eager step runs it: ``"arrived"`` (a traced
+        step or the two-level mode has resolved it before: :mod:`hvdsync.core.rules`)."""
+        return self if self.fold != "auto" else dataclasses.replace(self, fold="arrived")
 
     @classmethod
     def diloco(cls, **overrides: Any) -> "DelayConfig":

@@ -121,10 +121,9 @@ class Delay(Transport):
     every K steps) are the same on every rank.
     """
 
+    # its step updates locally (hvdsync.core.rules.UPDATES_LOCALLY), and so it checks its own
+    # gradients: a non-finite one becomes zeros on its rank (start, flush)
     name = "delay"
-    # and so checks its own gradients: a non-finite one becomes zeros on its rank (start,
-    # flush)
-    updates_locally = True
 
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats,

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 class TracedDelay:
     """The traced form of :class:`hvdsync.techniques.delay.technique.Delay`, a step that
-    updates locally (:attr:`hvdsync.core.technique.Transport.updates_locally`): a tracing
+    updates locally (:data:`hvdsync.core.rules.UPDATES_LOCALLY`): a tracing
     adapter builds :meth:`trace_local` in place of ``layer_ready``/``start``/``send_rest``,
     counts what it sends with :meth:`traced_traffic`, and calls :meth:`end_local_step` on the
     host in place of ``end_step``. On its owner's state, memory and ``_zeroed`` /

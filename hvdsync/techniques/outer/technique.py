@@ -23,7 +23,7 @@ from typing import Any, Optional
 from hvdsync.core.wire import CODECS, Codec, Pending, finish_dropped
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.stats import SyncStats
-from hvdsync.core.technique import SYNC, Technique
+from hvdsync.core.technique import BEFORE_UPDATE, SYNC, Technique
 from hvdsync.techniques.outer.averaging import rank_values, restore_rank_values
 
 def fragment_layers(layer_bytes: list[int], fragments: int) -> list[list[int]]:
@@ -236,9 +236,9 @@ class OuterSync(Technique):
         return [f for f in self.fragments if f.exchange is not None]
 
     # -- the step -----------------------------------------------------------------------------
-    def host_before_update(self) -> bool:
-        """The anchors are taken before the first update only."""
-        return not self.anchor
+    def host_flags(self) -> dict[str, bool]:
+        """The anchors are taken before the first update only (:data:`BEFORE_UPDATE`)."""
+        return {BEFORE_UPDATE: not self.anchor}
 
     def before_optimizer_step(self) -> None:
         """Before the first update: every fragment takes its anchor (the parameters every rank
