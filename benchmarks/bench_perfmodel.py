@@ -29,7 +29,7 @@ from torch import nn
 
 from benchmarks.common import RESULTS, markdown_table, report
 from benchmarks.workloads import WORKLOADS
-from hvdsync.tools import perfmodel
+from hvdsync.tools import perfmodel, twolevel
 from hvdsync.tools.perfmodel import Cluster, Constants, ModelSizes
 
 #: bench method -> (model technique, settings); None: not modelled (why)
@@ -58,6 +58,10 @@ METHODS = {
                                  {"outer": dict(average_every=8, fragments=4, overlap=1,
                                                 value_bytes=4)}),
     "no exchange": ("no exchange", {}),
+    # the two-level mode (between="nodes"): hvdsync.tools.twolevel.predict
+    "hvdsync recommended, nodes": ("hvdsync streaming", {}),
+    "hvdsync lowrank + fp16, nodes": ("hvdsync lowrank", {"fp16": True}),
+    "ddp post-local sgd, nodes": ("ddp post-local sgd", {}),
 }
 #: the Keras bench's cells (``python -m benchmarks.bench_keras --name keras_np2_perfmodel``:
 #: its MLP, Adam, batch 128 per rank), all held out: the constants are fitted on torch cells.
@@ -162,13 +166,25 @@ def _sizes(workload: str) -> ModelSizes:
 LOOPBACK = dict(bandwidth_gbit=1000.0, latency_us=5.0)
 
 
-def _cell_cluster(cell: str) -> Cluster:
-    ranks = int(re.search(r"(\d+) ranks", cell).group(1))
+def _cell_cluster(cell: str, two_level: bool = False) -> Cluster:
+    """A cell's ranks and links; on a bed of nodes ("2 nodes x 2 ranks") the link is the
+    node's: a flat ring (ranks in node order) crosses each node's link once each way, as a
+    ring of one rank per node at the node's rate does; the two-level mode's cluster has the
+    node's ranks on their bridge (unlimited: the loopback's rate) and a rank's share of the
+    node's link."""
+    nodes = re.search(r"(\d+) nodes x (\d+) ranks", cell)
+    ranks = (int(nodes.group(1)) * int(nodes.group(2)) if nodes
+             else int(re.search(r"(\d+) ranks", cell).group(1)))
     if cell.endswith("loopback"):
         return Cluster(ranks=ranks, algorithm="ring", **LOOPBACK)
     mbit = float(re.search(r"(\d+) Mbit/s", cell).group(1))
-    # the emulated link: a token bucket per rank, no delay emulated (no netem on this kernel);
-    # the bridge and veth pairs: ~50 us a hop
+    # the emulated link: a token bucket per rank (per node), no delay emulated (no netem on
+    # this kernel); the bridge and veth pairs: ~50 us a hop
+    if nodes and two_level:
+        g = int(nodes.group(2))
+        return Cluster(ranks=ranks, bandwidth_gbit=mbit / 1000 / g, latency_us=50.0,
+                       ranks_per_node=g, intra_bandwidth_gbit=LOOPBACK["bandwidth_gbit"],
+                       intra_latency_us=50.0, algorithm="ring")
     return Cluster(ranks=ranks, bandwidth_gbit=mbit / 1000, latency_us=50.0,
                    algorithm="ring")
 
@@ -217,7 +233,8 @@ def _cells() -> list[dict]:
 def _predict(row: dict, sizes: ModelSizes, c: Constants) -> tuple[float, float, str]:
     """Predicted step seconds and bytes of one bench row, and what it assumed."""
     technique, settings = _technique(row)
-    cluster = _cell_cluster(row["cell"])
+    two_level = row["method"].endswith(twolevel.SUFFIX)
+    cluster = _cell_cluster(row["cell"], two_level)
     settings = dict(settings)
     said = ""
     if row["cell"].endswith("loopback"):
@@ -227,9 +244,12 @@ def _predict(row: dict, sizes: ModelSizes, c: Constants) -> tuple[float, float, 
         settings["warmup_share"] = plain / row["steps"]
     if row.get("local_step_s") and technique != "no exchange":
         # the job ran each rank alone too: its compute, as this job's machine had it (the
-        # VM's speed drifts by tens of percent between jobs: docs/at-scale.md)
+        # VM's speed drifts by tens of percent between jobs: docs/at-scale.md) -- with its
+        # ranks sharing the cores as in every other run of the cell, so that the slowdown of
+        # more ranks than cores is in it already
         local = max(row["local_step_s"] - c.step_s, 1e-6)
         sizes = perfmodel.with_compute(sizes, local / 3, 2 * local / 3)
+        c = replace(c, cores=None)
         said = "compute from this job's no-exchange run"
     if technique == "no exchange":
         p = perfmodel.predict("horovod", sizes, replace(cluster, ranks=1), c)
@@ -245,7 +265,8 @@ def _predict(row: dict, sizes: ModelSizes, c: Constants) -> tuple[float, float, 
             technique, settings = "hvdsync sparse", {"fp16": True}
         elif row["recommended"].startswith("delay= (staleness"):  # the preset before issue 29
             technique, settings = "hvdsync delay", {"fp16": True}
-    p = perfmodel.predict(technique, sizes, cluster, c, **settings)
+    p = (twolevel.predict if two_level else perfmodel.predict)(technique, sizes, cluster, c,
+                                                               **settings)
     nbytes = p.bytes_per_step
     if technique == "ddp+powersgd":  # bench_suite counts its factors' bytes, warm-up aside
         nbytes = perfmodel.predict(technique, sizes, cluster, c,

@@ -541,6 +541,10 @@ def main(argv=None) -> None:
     ap.add_argument("--ranks-per-node", type=int, default=1,
                     help="ranks per node: each node one network namespace, its ranks on its "
                          "loopback, the link rate per node (methods ', nodes': between='nodes')")
+    ap.add_argument("--job-per-seed", action="store_true",
+                    help="each seed in processes of its own (the default with "
+                         "--ranks-per-node > 1: four ranks kept the state of every method of "
+                         "a seed, and the next seed's Horovod run took 6x the first's)")
     ap.add_argument("--steps", type=int, default=None,
                     help="train this many steps instead of the workload's count (a longer "
                          "cell: a second target at Horovod's score at the workload's count)")
@@ -559,6 +563,7 @@ def main(argv=None) -> None:
         # Gloo's 30 s limit (twice, in runs of 20 and 30 minutes) ended the job there. The
         # wait is outside every method's training time.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "600")
+        args.job_per_seed = True
     if args.quick:
         args.workloads, args.np, args.nets, args.seeds = ["digits_mlp", "teacher_cnn"], [2], \
             ["100"], 1
@@ -579,22 +584,22 @@ def main(argv=None) -> None:
                          f"{np_ // args.ranks_per_node} nodes x {args.ranks_per_node} ranks")
                 progress.cell(f"{wl}, {ranks}, " + (
                     "loopback" if net_name == "loopback" else f"{float(net_name):g} Mbit/s"))
+                jobs = ([[s] for s in range(args.seeds)] if args.job_per_seed
+                        else [list(range(args.seeds))])
                 if net_name == "loopback":
-                    call = (wl, methods, list(range(args.seeds)), "127.0.0.1", 29511, "lo",
-                            args.steps, args.engine)
                     label = "loopback"
-                    per_rank = run_ranks_on(None, suite_body, np_, args=call, timeout=7200)
+                    per_rank = _seeds_run(None, np_, jobs, lambda seeds: (
+                        wl, methods, seeds, "127.0.0.1", 29511, "lo", args.steps, args.engine))
                 else:
                     with EmulatedNetwork(np_, rate_mbit=float(net_name), delay_ms=args.delay_ms,
                                          ranks_per_node=args.ranks_per_node) as net:
                         print(f"{wl}, {np_} ranks: {net.describe()}", flush=True)
                         label = f"{float(net_name):g} Mbit/s" + (
                             f" {args.delay_ms:g} ms" if net.delay_emulated else "")
-                        call = (wl, methods, list(range(args.seeds)), net.addresses[0], 29511,
-                                "hvs0", args.steps, args.engine)
                         try:
-                            per_rank = run_ranks_on(net, suite_body, np_, args=call,
-                                                    timeout=7200)
+                            per_rank = _seeds_run(net, np_, jobs, lambda seeds: (
+                                wl, methods, seeds, net.addresses[0], 29511, "hvs0",
+                                args.steps, args.engine))
                         except RanksFailed as e:  # report it, go on with the other cells
                             print(f"{wl}, {np_} ranks, {label} FAILED:\n{e}", flush=True)
                             continue
@@ -607,6 +612,17 @@ def main(argv=None) -> None:
                 write(results, rows, args, argv)
     if not results:
         print("nothing was run")
+
+
+def _seeds_run(net: Any, np_: int, jobs: list[list[int]], call: Any) -> list[dict]:
+    """:func:`suite_body` for each job's seeds (``call(seeds)``: its arguments), every rank's
+    runs of each method joined over the jobs in seed order."""
+    per_rank: list[dict] = []
+    for seeds in jobs:
+        got = run_ranks_on(net, suite_body, np_, args=call(seeds), timeout=7200)
+        per_rank = got if not per_rank else [{m: a[m] + b[m] for m in a}
+                                              for a, b in zip(per_rank, got)]
+    return per_rank
 
 
 def write(results: dict, rows: list, args, argv) -> None:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from benchmarks import bench_suite
 from benchmarks.bench_suite import rows_for, summarize
 
 
@@ -62,3 +63,21 @@ def test_a_longer_cell_has_a_second_target_at_the_workloads_own_steps():
     assert m["time_to_target_ratio"] == pytest.approx(0.5)
     row = rows_for("cell", s, "stdlib_lm")[1]
     assert row[2] == "3.0 / 18.0" and row[3] == "0.25 +- 0.00 / 0.50 +- 0.00"
+
+
+def test_seeds_in_jobs_of_their_own_join_in_seed_order(monkeypatch):
+    """--job-per-seed: each seed's ranks start afresh; every rank's runs of each method are
+    joined over the jobs, seed by seed."""
+    calls = []
+
+    def fake_run(net, fn, np_, args, timeout):
+        seeds = args[2]
+        calls.append(seeds)
+        return [{"horovod": [f"h{r}s{s}" for s in seeds], "m": [f"m{r}s{s}" for s in seeds]}
+                for r in range(np_)]
+    monkeypatch.setattr(bench_suite, "run_ranks_on", fake_run)
+    per_rank = bench_suite._seeds_run(None, 2, [[0], [1], [2]], lambda seeds: ("w", [], seeds))
+    assert calls == [[0], [1], [2]]
+    assert per_rank[1] == {"horovod": ["h1s0", "h1s1", "h1s2"], "m": ["m1s0", "m1s1", "m1s2"]}
+    assert bench_suite._seeds_run(None, 2, [[0, 1]], lambda seeds: ("w", [], seeds))[0] == {
+        "horovod": ["h0s0", "h0s1"], "m": ["m0s0", "m0s1"]}

@@ -10,6 +10,7 @@ import os
 import signal
 import tempfile
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -94,24 +95,26 @@ def test_every_technique_refuses_a_save_on_one_rank_and_a_flush_that_communicate
 
 
 # -- the stall report -------------------------------------------------------------------------
-def one_rank_stops(seconds: float) -> str:
-    """Rank 1 stops for ``seconds`` (SIGSTOP, as a debugger or a swapped-out host would do;
-    a child process continues it) before step 3's backward, while rank 0 waits in that
-    step's collective. Returns what hvdsync printed to stderr on this rank."""
+def one_rank_stops(seconds: float, stopped: int = 1, keywords: Optional[dict] = None) -> str:
+    """Rank ``stopped`` stops for ``seconds`` (SIGSTOP, as a debugger or a swapped-out host
+    would do; a child process continues it) before step 3's backward, while the others wait in
+    that step's collectives. ``keywords``: the optimizer's (``between="nodes"``...). Returns
+    what hvdsync printed to stderr on this rank."""
     import io
     import subprocess
     import sys
 
     import hvdsync.torch as hvd
-    hvd.init()
+    hvd.init(process_sets=hvd.node_process_sets())  # (none but on nodes of several ranks)
     torch.manual_seed(0)
     model = MLP()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   **(keywords or {}))
     printed, sys.stderr = sys.stderr, io.StringIO()
     try:
         for step, (x, y) in enumerate(teacher_batches(hvd.rank(), 5), start=1):
-            if step == 3 and hvd.rank() == 1:
+            if step == 3 and hvd.rank() == stopped:
                 subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
                 os.kill(os.getpid(), signal.SIGSTOP)
             opt.zero_grad()

@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+from hvdsync.core.topology import OVERRIDE
 from hvdsync.testing import HIDE_ENV, RanksFailed, run_ranks
 
 ENV = {HIDE_ENV: "horovod,tensorflow", "KERAS_BACKEND": "torch"}
@@ -208,6 +209,36 @@ def test_nothing_enabled_equals_an_averaged_gradient_and_hvdsync_torch(ranks):
         np.testing.assert_allclose(plain, r["reference"][0], rtol=0, atol=1e-6)
         np.testing.assert_allclose(plain, r["hvdsync_torch"], rtol=0, atol=1e-6)
     assert ranks[0]["plain_sgd"][1][-1] < ranks[0]["plain_sgd"][1][0]  # it trained
+
+
+# -- between="nodes": Keras on its torch backend runs hvdsync.torch's two levels -------------
+NODE_CASES = ("plain", "threshold", "lowrank", "streaming", "sparse")
+
+
+def keras_torch_nodes(names: tuple[str, ...]) -> dict:
+    """On a rank of 2 nodes x 2: each case two-level (``between="nodes"``), after ``fit``
+    and ``FlushCallback``; and the summary's line on the layout."""
+    import keras
+
+    import hvdsync.keras as hvd
+    hvd.init(process_sets=hvd.node_process_sets())
+    out = {}
+    for name in names:
+        kind, keywords = CASES[name]
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                       between="nodes", **keywords)
+        out[name] = _fit(kind, opt)
+        out[f"{name} summary"] = opt.stats.summary()
+    return out
+
+
+def test_two_levels_on_nodes_leave_identical_replicas_and_learn():
+    """4 torchrun ranks as 2 nodes x 2 (docs/nodes.md): every case leaves identical replicas
+    on every rank of every node after FlushCallback, and learns."""
+    ranks = run_ranks(keras_torch_nodes, 4, args=(NODE_CASES,), timeout=420,
+                      launcher="torchrun", env={**ENV, OVERRIDE: "2"})
+    test_every_case_leaves_identical_replicas_and_learns(ranks)
+    assert "between='nodes': 2 nodes x 2 ranks" in ranks[0]["threshold summary"]
 
 
 #: resumed from hvd.save_model in fresh processes, bit for bit (delay= folding when due: by

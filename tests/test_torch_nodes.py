@@ -7,6 +7,8 @@ bit, one node Horovod's synchronous one."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -75,7 +77,24 @@ CASES = {
     "amp threshold": dict(threshold=dict(threshold=0.5, max_skip=4), _scaler=2.0 ** 10),
     "accumulated lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0),
                                 backward_passes_per_step=2),
+    # a row-sparse table beside the MLP: its rows gathered (counts first), or summed dense
+    "sparse": dict(sparse=dict(dense_ratio=math.inf, one_round=False), _model="embedded"),
+    "sparse dense": dict(sparse=0, _model="embedded"),
 }
+SPARSE_CASES = ("sparse", "sparse dense")
+
+
+class Embedded(nn.Module):
+    """The MLP with a row-sparse table added to its input: each rank's batch touches rows of
+    its own (``sparse=``'s rows on real ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.EmbeddingBag(64, 12, mode="sum", sparse=True)
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x + self.table((x.abs() * 8).long().clamp(max=63)))
 
 
 def trained(keywords: dict, between: str | None, nan_rank: int = -1) -> dict:
@@ -84,8 +103,8 @@ def trained(keywords: dict, between: str | None, nan_rank: int = -1) -> dict:
     ``nan_rank``: its loss is NaN at the sixth step."""
     import hvdsync.torch as hvd
     torch.manual_seed(0)
-    model = MLP()
     kw = dict(keywords)
+    model = Embedded() if kw.pop("_model", None) == "embedded" else MLP()
     if kw.pop("compression", None) == "fp16":
         kw["compression"] = hvd.Compression.fp16
     scale = kw.pop("_scaler", None)
@@ -166,8 +185,8 @@ def test_two_nodes_of_two_ranks(launcher):
         assert runs[0][case]["last"] < runs[0][case]["first"], case  # it learns
         two = runs[0][case]
         # the node's gradient reduced in full precision: the dense bytes, every step (and what
-        # another rank of the node sent, shared)
-        assert two["inside"] >= two["dense"] > 0, case
+        # another rank of the node sent, shared; a sparse table: its rows)
+        assert two["inside"] >= two["dense"] > 0 or case in SPARSE_CASES, case
         assert "between='nodes': 2 nodes x 2 ranks" in two["summary"], two["summary"]
     for case in (f"{c}, NaN" for c in NAN_CASES if c in cases):  # skipped, or zeroed, alike
         assert identical(runs, case) and torch.isfinite(runs[0][case]["params"]).all(), case
@@ -178,12 +197,19 @@ def test_two_nodes_of_two_ranks(launcher):
                                rtol=1e-5, atol=1e-6)
     # between nodes a node sends what a rank of the flat job sends: one worker's bytes, the
     # collectives split between its ranks (each rank's its own share)
-    for case in [c for c in ("nothing on", "lowrank", "fp16") if c in cases]:
+    for case in [c for c in ("nothing on", "lowrank", "fp16", "sparse dense") if c in cases]:
         for node in ((0, 1), (2, 3)):
             assert sum(runs[r][case]["sent"] for r in node) == pytest.approx(
                 runs[0][f"{case}, flat"]["sent"], rel=1e-12), case
         assert 0 < runs[0][case]["sent"] < runs[0][f"{case}, flat"]["sent"], case
     assert runs[0]["nothing on, flat"]["sent"] == nothing["dense"]
+    # sparse='s rows: the node's gradient holds its ranks' rows (each once), gathered by one
+    # rank of the node at a time -- a node sends no more than its ranks did flat
+    for case in [c for c in SPARSE_CASES if c in cases]:
+        for node in ((0, 1), (2, 3)):
+            assert all(runs[r][case]["sent"] > 0 for r in node), case
+            assert sum(runs[r][case]["sent"] for r in node) <= sum(
+                runs[r][f"{case}, flat"]["sent"] for r in node), case
 
 
 def edge_body() -> dict:
@@ -238,3 +264,46 @@ def test_a_two_level_run_resumes_exactly_in_fresh_processes(tmp_path):
 def second_jobs_of(directory: str) -> dict:
     from tests.test_torch_resume import second_job
     return {how: second_job(directory, how, RESUMED) for how in ("helper", "own")}
+
+
+def test_torchrun_restarts_a_two_level_job_that_lost_a_rank_or_a_whole_node(tmp_path):
+    """``torchrun --max-restarts 1`` on 2 nodes x 2: one rank of a node dies, and in another
+    job both ranks of node 1. The restarted workers resume from the last checkpoints and end
+    with identical replicas after flush(), equal bit for bit to an uninterrupted job resumed
+    from the same checkpoints."""
+    from tests.test_torch_resume import restarted_job, resumed_job
+    env = {OVERRIDE: "2", "HOROVOD_FUSION_THRESHOLD": "0"}
+    results = {}
+    for what, lost in (("a rank", (1,)), ("a node", (2, 3))):
+        directory = tmp_path / what.replace(" ", "_")
+        directory.mkdir()
+        results[what] = run_job(restarted_job, 4, (str(directory), RESUMED, lost),
+                                timeout=600, launcher="torchrun", restarts=1, env=env)
+        assert [r["restarts"] for r in results[what]] == [1] * 4, what
+    # (the checkpoints of both jobs are the same bits: every case is deterministic)
+    uninterrupted = run_job(resumed_job, 4, (str(directory), RESUMED), timeout=600,
+                            launcher="torchrun", env=env)
+    for what, ranks in results.items():
+        for rank, r in enumerate(ranks):
+            for case in RESUMED:
+                assert r["cases"][case]["dropped"] == [], (what, case)
+                for x, y in zip(uninterrupted[0]["cases"][case]["params"],
+                                r["cases"][case]["params"]):
+                    assert (x == y).all(), (what, case, rank)
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "torchrun"])
+def test_a_stalled_rank_of_a_node_is_reported_by_every_other_rank(launcher):
+    """Rank 3 (node 1) stops for 3 s in step 3 of a two-level job: its node's other rank waits
+    in the node's reduction, node 0's ranks between nodes or inside their node; each reports
+    the stall with the step and what it waits for, and the job ends."""
+    from tests.test_entries import one_rank_stops
+    out = run_job(one_rank_stops, 4, (3.0, 3, dict(threshold=0.5, between="nodes")),
+                  timeout=200, launcher=launcher,
+                  env={OVERRIDE: "2", "HVDSYNC_STALL_WARNING_SECONDS": "1"})
+    assert out[3] == "", out  # the stopped rank waited for nobody
+    for rank in (0, 1, 2):
+        assert "hvdsync: stall:" in out[rank], (rank, out)
+        report = out[rank][out[rank].index("hvdsync: stall:"):]
+        assert report.startswith(f"hvdsync: stall: rank {rank} has waited "), report
+        assert "in a training step (step 3)" in report and "docs/failures.md" in report, report

@@ -176,34 +176,34 @@ def test_one_ranks_state_on_every_rank_reuses_no_memory(jobs):
 
 
 # -- torchrun --max-restarts: a rank dies, every worker restarts and resumes --------------------
-def restarted_job(directory: str) -> dict:
+def restarted_job(directory: str, cases: dict = CASES, lost: tuple[int, ...] = (1,)) -> dict:
     """Under ``torchrun --max-restarts 1``. The first attempt trains every case STEPS steps,
-    checkpoints it and trains on; in the last case rank 1 dies (SIGKILL) before a step's
-    backward while rank 0 is in that step. torchrun starts every worker again, and the
-    second attempt is :func:`resumed_job`."""
+    checkpoints it and trains on; in the last case the ranks ``lost`` die (SIGKILL) before a
+    step's backward while the others are in that step. torchrun starts every worker again,
+    and the second attempt is :func:`resumed_job`."""
     hvd, batches = _start()
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return resumed_job(directory)
-    for case, options in CASES.items():
+        return resumed_job(directory, cases)
+    for case, options in cases.items():
         model, opt = _make(options)
         _train(model, opt, batches[:STEPS])
         if case not in IN_FLIGHT:
             opt.flush()
         hvd.save_checkpoint(os.path.join(directory, f"{case}.pt"), model, opt)
         _train(model, opt, batches[STEPS:STEPS + 2])  # lost with the failure
-    if hvd.rank() == 1:
+    if hvd.rank() in lost:
         os.kill(os.getpid(), signal.SIGKILL)
-    _train(model, opt, batches[STEPS + 2:])  # rank 0: its collectives fail with the peer
+    _train(model, opt, batches[STEPS + 2:])  # the others: their collectives fail with the peer
     raise AssertionError("a step with a dead peer returned")
 
 
-def resumed_job(directory: str) -> dict:
+def resumed_job(directory: str, cases: dict = CASES) -> dict:
     """Every case restored from its checkpoint (per-rank memory included), STEPS more steps,
     ``flush()``: each case's parameters, and the warnings that per-rank memory was lost."""
     import warnings
     hvd, batches = _start()
     out = {}
-    for case, options in CASES.items():
+    for case, options in cases.items():
         model, opt = _make(options)
         with warnings.catch_warnings(record=True) as caught:  # (the first step checks too)
             warnings.simplefilter("always")

@@ -23,7 +23,7 @@ except ImportError as _e:  # e.g. KERAS_BACKEND=jax without JAX installed
 _BACKEND = _keras.backend.backend() if _keras is not None else _os.environ["KERAS_BACKEND"]
 #: hvdsync.torch's names that are Horovod's API, given on the torch backend
 _TORCH_NAMES = ("init", "backend_name", "Compression", "Average", "Sum", "Adasum", "Min", "Max",
-                "Product")
+                "Product", "node_process_sets")
 #: what to use where Horovod Elastic cannot run: Horovod is not installed
 _NO_ELASTIC = "torchrun --max-restarts with hvd.save_model checkpoints (docs/elastic.md)"
 

@@ -24,11 +24,12 @@ import hvdsync.torch as hvd_torch
 from hvdsync.core import rules
 from hvdsync.core.api import SyncAPI
 from hvdsync.core.config import non_negative_float
-from hvdsync.keras.params import (flat_only, groups_to_names, keras_layer_of, mixed_in,
+from hvdsync.keras.params import (groups_to_names, keras_layer_of, mixed_in,
                                   relative_names, slots_of)
 from hvdsync.keras.state import SavedState
 from hvdsync.core.layers import Layer, build_layers
 from hvdsync.core.stats import SyncStats
+from hvdsync.torch.nodes import check_between
 from hvdsync.torch.optimizer import checked_arguments
 from hvdsync.torch.saving import tensors_only
 
@@ -46,7 +47,7 @@ _NO_SCALED_PASSES = ("backward_passes_per_step > 1 with a LossScaleOptimizer (mi
 _HOROVOD_ARGS = ("name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
                  "gradient_predivide_factor", "op", "backward_passes_per_step",
                  "average_aggregated_gradients", "num_groups", "groups", "process_set",
-                 "scale_local_gradients", "group_mb")
+                 "scale_local_gradients", "group_mb", "between")
 
 
 class SlotState(MutableMapping):
@@ -190,8 +191,9 @@ class _DistributedOptimizer(SavedState, SyncAPI):
             update, named_parameters=[(v.path, v.value) for v in variables],
             layers=layer_of.__getitem__, scaler=None if lso is None else self._shared_by(lso),
             **hv.options)
-        # what hvd.save_model reads of a built optimizer, as on the TensorFlow backend
-        hv.comm, hv.stats = hv.torch._comm, hv.torch.stats
+        # what hvd.save_model reads of a built optimizer, as on the TensorFlow backend (every
+        # rank's communicator: two-level techniques run on the cross-node ones)
+        hv.comm, hv.stats = hv.torch._everyone, hv.torch.stats
         if hv.pending_state is not None:  # loaded before the optimizer was built
             state, hv.pending_state = hv.pending_state, None
             self._load_state(state)
@@ -333,18 +335,21 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                          groups: Any = None, process_set: Any = None,
                          scale_local_gradients: bool = True,
                          group_mb: Optional[float] = None,
+                         between: Optional[str] = None,
                          **keywords: Unpack[TechniqueKeywords],
                          ) -> keras.optimizers.Optimizer:
     """:func:`hvdsync.keras.DistributedOptimizer` on the torch backend: the same arguments,
     run by hvdsync.torch's engine and step pipeline; and hvdsync.torch's ``group_mb`` (the
-    size of a ready group, :func:`hvdsync.torch.DistributedOptimizer`)."""
+    size of a ready group) and ``between`` (``"nodes"``: the techniques between nodes only,
+    docs/nodes.md), as :func:`hvdsync.torch.DistributedOptimizer` takes them."""
     horovod = dict(name=name, device_dense=device_dense, device_sparse=device_sparse,
                    compression=compression, sparse_as_dense=sparse_as_dense,
                    gradient_predivide_factor=gradient_predivide_factor, op=op,
                    backward_passes_per_step=backward_passes_per_step,
                    average_aggregated_gradients=average_aggregated_gradients,
                    num_groups=num_groups, groups=groups, process_set=process_set,
-                   scale_local_gradients=scale_local_gradients, group_mb=group_mb)
+                   scale_local_gradients=scale_local_gradients, group_mb=group_mb,
+                   between=between)
     if isinstance(optimizer, LossScaleOptimizer):  # wrap what it wraps; it decides for all
         if backward_passes_per_step != 1:
             raise NotImplementedError(_NO_SCALED_PASSES)
@@ -354,7 +359,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                                   dynamic_growth_steps=optimizer.dynamic_growth_steps,
                                   name=optimizer.name)
     _check_wrappable(optimizer, device_dense or device_sparse, scale_local_gradients)
-    layers, techniques = rules.given(flat_only(keywords), _HOROVOD_ARGS, "DistributedOptimizer")
+    between = check_between(between)
+    layers, techniques = rules.given(keywords, _HOROVOD_ARGS, "DistributedOptimizer")
     compression, op, process_set, configs, groups = checked_arguments(
         compression, op, process_set, backward_passes_per_step, gradient_predivide_factor,
         sparse_as_dense, num_groups, groups, layers, techniques)
@@ -368,7 +374,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                      backward_passes_per_step=backward_passes_per_step,
                      group_mb=None if group_mb is None else non_negative_float("group_mb",
                                                                                group_mb),
-                     process_set=process_set, **configs)))
+                     process_set=process_set, between=between, **configs)))
     if optimizer.built:
         wrapped._hvdsync_build(list(optimizer._trainable_variables))
     return wrapped

@@ -9,7 +9,7 @@ performance model's table (:mod:`hvdsync.tools.perfmodel`) and a recommendation 
 
 Offline, in seconds. Time per step and bytes are modelled; the steps a technique needs to reach
 the baseline's quality are *measured* on the bench bed for a family of models
-(:data:`MEASURED_STEPS`, with the source); time to target is their product."""
+(:data:`hvdsync.tools.steps.MEASURED_STEPS`, with the source); time to target is their product."""
 
 from __future__ import annotations
 
@@ -23,50 +23,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hvdsync.tools import perfmodel
+from hvdsync.tools import perfmodel, twolevel
+from hvdsync.tools.steps import MEASURED_STEPS, steps_factor
 from hvdsync.tools.perfmodel import Cluster, Constants, LayerSize, ModelSizes, Prediction
-
-#: steps to reach Horovod's quality, relative to Horovod (measured: the bench bed's 3-seed
-#: cells, benchmarks/results/suite*.md; "-": never measured or did not reach the target there)
-MEASURED_STEPS: dict[str, dict[str, tuple[Optional[float], str]]] = {
-    "transformer": {
-        "horovod": (1.0, "baseline"), "horovod fp16": (1.00, "suite_lm_outer_np2"),
-        "hvdsync": (1.00, "suite_lm_np2"), "hvdsync clip": (None, "not measured"),
-        "hvdsync threshold": (1.85, "suite_lm_np2 (with fp16)"),
-        "hvdsync select": (1.42, "suite_lm_np2 (with fp16)"),
-        "hvdsync lowrank": (1.70, "suite_lm_lowrank_np2"),
-        "hvdsync delay": (1.38, "suite_lm_np2 (with fp16)"),
-        "hvdsync streaming": (1.17, "suite_lm_outer_np2, _rerun"),
-        "ddp+powersgd": (1.66, "suite_lm_np2"), "ddp post-local sgd": (1.45, "suite_lm_np2"),
-    },
-    "cnn": {
-        "horovod": (1.0, "baseline"), "horovod fp16": (1.04, "suite_cnn_outer_np2"),
-        "hvdsync": (1.01, "suite_quick, 1 seed"), "hvdsync clip": (1.00, "suite_quick, 1 seed"),
-        "hvdsync threshold": (None, "did not reach the target (suite_cnn_np4)"),
-        "hvdsync select": (None, "did not reach the target (suite_cnn_np4)"),
-        "hvdsync lowrank": (None, "not measured"),
-        "hvdsync delay": (1.17, "suite_quick, 1 seed"),
-        "hvdsync streaming": (1.23, "suite_cnn_outer_np2"),
-        "ddp+powersgd": (1.60, "suite_cnn_np4"),
-        "ddp post-local sgd": (1.48, "suite_cnn_outer_np2"),
-    },
-    "mlp": {
-        "horovod": (1.0, "baseline"), "horovod fp16": (1.01, "suite (digits, 4 ranks)"),
-        "hvdsync": (1.06, "suite"), "hvdsync clip": (0.67, "suite"),
-        "hvdsync threshold": (1.25, "suite"), "hvdsync select": (0.88, "suite"),
-        "hvdsync lowrank": (None, "not measured"), "hvdsync delay": (1.35, "suite"),
-        "hvdsync streaming": (None, "not measured"),
-        "ddp+powersgd": (1.08, "suite"), "ddp post-local sgd": (None, "not measured"),
-    },
-    "embedding": {
-        "horovod": (1.0, "baseline"), "horovod fp16": (1.15, "suite_zipf_np2"),
-        "hvdsync": (0.94, "suite_zipf_np2"), "hvdsync sparse": (1.23, "suite_zipf_np2"),
-        "hvdsync clip": (None, "1 seed only"), "hvdsync threshold": (None, "1 seed only"),
-        "hvdsync select": (None, "1 seed only"), "hvdsync lowrank": (None, "not measured"),
-        "hvdsync delay": (None, "1 seed only"), "hvdsync streaming": (None, "not measured"),
-        "ddp+powersgd": (1.44, "suite_zipf_np2"), "ddp post-local sgd": (2.15, "suite_zipf_np2"),
-    },
-}
 
 #: what a data-centre GPU cluster is assumed to do (NCCL, one GPU per rank): not fitted --
 #: no GPU cluster here (docs/at-scale.md says what each assumption rests on)
@@ -91,10 +50,18 @@ KEYWORDS = {
 
 
 def line_to_paste(technique: str) -> str:
-    """The wrapper line that turns ``technique`` on (torch; Keras takes the same keyword)."""
-    keyword = KEYWORDS[technique]
-    return ("opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters()"
+    """The wrapper line that turns ``technique`` on (torch; Keras takes the same keyword; a
+    two-level row's on torch only, after ``hvd.init`` with the node sets: docs/nodes.md)."""
+    flat = technique.removesuffix(twolevel.SUFFIX)
+    keyword = ", ".join(k for k in (KEYWORDS[flat], 'between="nodes"' * (flat != technique)) if k)
+    return ("hvd.init(process_sets=hvd.node_process_sets())\n    " * (flat != technique)
+            + "opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters()"
             + (f", {keyword})" if keyword else ")"))
+
+
+def _name(row: dict) -> str:
+    """A row's technique as :data:`CANDIDATES` names it (a two-level row's flat name)."""
+    return row["prediction"].technique.removesuffix(twolevel.SUFFIX)
 
 
 #: a technique is recommended over Horovod (or its fp16) only if it predicts at least this
@@ -255,14 +222,17 @@ def advise(model: ModelSizes, cluster: Cluster, family: str = "transformer",
     preds = perfmodel.predict_all(model, cluster, constants)
     base = next(p for p in preds if p.technique == "horovod")
     for p in preds:
-        factor, source = measured.get(p.technique, (None, "not measured"))
+        factor, source = steps_factor(measured, family, p.technique, cluster.ranks)
         # never credited with fewer steps than Horovod: below 1 on one bench workload is that
         # workload's luck (or noise), not something the technique brings elsewhere
         to_target = None if factor is None else p.step_s * max(factor, 1.0) / base.step_s
         rows.append(dict(prediction=p, steps_factor=factor, source=source,
                          time_to_target=to_target))
+    rows += twolevel.rows(model, cluster, constants, family, measured, [
+        p.technique for p in preds if p.technique.startswith("hvdsync") and p.technique
+        in CANDIDATES or p.technique == "ddp post-local sgd"], base.step_s)
     by = {r["prediction"].technique: r for r in rows}
-    known = [by[t] for t in CANDIDATES if t in by and by[t]["time_to_target"] is not None]
+    known = [r for r in rows if _name(r) in CANDIDATES and r["time_to_target"] is not None]
     plain = min((by[t] for t in ("horovod", "horovod fp16")), key=lambda r: r["time_to_target"])
     best = min(known, key=lambda r: r["time_to_target"])
     share = 1 - base.compute_s / base.step_s
@@ -297,7 +267,7 @@ def _passed_over(rows: list[dict], best: dict, family: str) -> list[str]:
             continue
         if p.technique.startswith("ddp"):
             why = "a DDP peer, not a drop-in for Horovod's optimizer"
-        elif p.technique not in CANDIDATES:
+        elif _name(r) not in CANDIDATES:
             why = "not a communication technique (nothing on, or clip= for stability)"
         elif r["time_to_target"] is None:
             why = f"its steps to target for the {family} family: {r['source']}"

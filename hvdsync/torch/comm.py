@@ -242,14 +242,14 @@ class TorchCommunicator:
         handle = self.ops.grouped_allgather_async(tensors, name=name,
                                                   process_set=self.process_set)
         return Pending(partial(self.ops.synchronize, handle), partial(self.ops.poll, handle),
-                       what=f"the allgather {name!r}")
+                       collectives=1, what=f"the allgather {name!r}")
 
     def sum_rows(self, name: str, tensors: list[torch.Tensor]) -> Pending:
         """One grouped allreduce (a sum) of ``tensors`` (``sparse=``'s dense route)."""
         handle = self.ops.grouped_allreduce_async_(tensors, name=name, op=self.ops.Sum,
                                                    process_set=self.process_set)
         return Pending(partial(self.ops.synchronize, handle), partial(self.ops.poll, handle),
-                       what=f"the allreduce {name!r}")
+                       collectives=1, what=f"the allreduce {name!r}")
 
     def gather_bytes(self, data: bytes, name: str) -> list[bytes]:
         """Every rank's ``data``, in rank order (two allgathers)."""

@@ -12,6 +12,7 @@ adds them when an optimizer asks.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -181,8 +182,8 @@ class OwnedCross:
     which the others bring zeros (the same bits). So a node's link carries one worker's bytes,
     not one per rank; and a rank's cross-node peers (the same local rank on every node) own the
     same collectives, so none waits for a peer that sends nothing. What is small or differs
-    between a node's ranks (control rounds, entry tags, row-sparse gathers of unknown size,
-    the setup's gathers) every rank runs itself."""
+    between a node's ranks (control rounds, entry tags, the setup's gathers) every rank runs
+    itself."""
 
     def __init__(self, cross: Any, share: Any, local_rank: int, local_size: int,
                  stats: SyncStats):
@@ -241,6 +242,39 @@ class OwnedCross:
             return self._cross.allgather_async(name, tensors).then(
                 lambda got: [o.copy_(g) for o, g in zip(out, got)])
         return self._owned(name, out, start, f"the allgather {name!r}")
+
+    def sum_rows(self, name: str, tensors: list) -> Pending:
+        """``sparse=``'s dense route: summed across nodes by the owner, shared inside."""
+        if self.size == 1:
+            return self._cross.sum_rows(name, tensors)
+        return self._owned(name, list(tensors), lambda: self._cross.sum_rows(name, tensors),
+                           f"the allreduce {name!r}")
+
+    def gather_rows(self, name: str, tensors: list) -> Pending:
+        """``sparse=``'s rows (a node's ranks hold the same node gradient, so the same rows):
+        gathered by the owner; inside the node, the gathered row counts, then the rows."""
+        if self.size == 1:
+            return self._cross.gather_rows(name, tensors)
+        # the owner by a row's bytes, the same on every node (their row counts differ, and
+        # the same local rank must own this gather on every node, or its peers wait apart)
+        mine = self._owner(sum(math.prod(t.shape[1:]) * t.element_size()
+                               for t in tensors)) == self._me
+        inner = self._cross.gather_rows(name, tensors) if mine else None
+
+        def wait() -> list:
+            got = inner.wait() if inner is not None else None
+            rows = torch.tensor([g.shape[0] for g in got] if got is not None
+                                else [0] * len(tensors), dtype=torch.int64)
+            nbytes = _shared(self._share, f"{name}.rows", [rows])
+            out = got if got is not None else [t.new_zeros((n, *t.shape[1:])) for t, n in
+                                               zip(tensors, rows.tolist())]
+            self._stats.count("bytes_intra_node",
+                              nbytes + _shared(self._share, f"{name}.shared", out))
+            return out
+        return Pending(wait, inner.ready if inner is not None else lambda: True,
+                       inner.nbytes if inner is not None else 0,
+                       inner.collectives if inner is not None else 0,
+                       what=f"the allgather {name!r} (shared inside the node)")
 
     def average(self, groups: list[tuple[str, list]]) -> None:
         """The parameters averaged across nodes by one rank of the node, shared inside it."""

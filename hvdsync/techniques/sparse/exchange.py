@@ -116,7 +116,7 @@ class Sparse(SparseTransport):
 
     def _absorb(self, gathered: Pending, codes: list[int], own_collective: bool = True) -> None:
         """Every rank's codes, from the first output of ``gathered``."""
-        if self.comm.size > 1:
+        if self.comm.size > 1 and gathered.collectives:  # (else run for it in its node)
             self.stats.control(INDEX_BYTES * len(codes), collectives=int(own_collective))
         self.protocol.absorb(self.rows.codes_of(gathered.wait()[0], self.comm.size))
         missing = [self.protocol.names[i] for i, (layout, _, _) in self.protocol.layout.items()
@@ -261,6 +261,7 @@ class Sparse(SparseTransport):
         gathered = self.comm.gather_rows(name, first + [packed for _, packed, _ in group])
         if header is not None:
             self._absorb(gathered, header, own_collective=False)
+        ran = gathered.collectives
         divide_by = self.divisor()
 
         def finisher(j: int, i: int, ctx: Any):
@@ -270,7 +271,7 @@ class Sparse(SparseTransport):
                     self.rows, [out], divide_by, ctx)[0])
             return finish
         self._record([(i, packed, finisher(j, i, ctx))
-                      for j, (i, packed, ctx) in enumerate(group)], sends)
+                      for j, (i, packed, ctx) in enumerate(group)], sends, ran)
 
     def _start_dense(self, positions: list[int], sends: dict[int, _Sends]) -> None:
         """The dense route: each gradient scattered into its dense shape with a "present"
@@ -287,13 +288,15 @@ class Sparse(SparseTransport):
             return finish
         self._record([(i, buffer, finisher(j, i, ctx))
                       for j, (i, ((buffer,), ctx)) in enumerate(zip(positions, scattered))],
-                     sends)
+                     sends, summed.collectives)
 
-    def _record(self, items: list[tuple[int, Any, Any]], sends: dict[int, _Sends]) -> None:
+    def _record(self, items: list[tuple[int, Any, Any]], sends: dict[int, _Sends],
+                ran: int) -> None:
         """Each gradient's finisher and bytes go to its layer's sends; the grouped collective
-        counts once, at the first gradient's layer."""
+        counts once, at the first gradient's layer -- where this rank ran it (``ran``: the
+        collective's count; 0 where a rank of its node ran it for this one)."""
         for i, sent, finish in items:
             s = sends.setdefault(self._at[i][0], _Sends())
             s.finishers.append(finish)
-            s.nbytes += self.rows.nbytes(sent)
-        sends[self._at[items[0][0]][0]].collectives += 1
+            s.nbytes += self.rows.nbytes(sent) if ran else 0
+        sends[self._at[items[0][0]][0]].collectives += ran

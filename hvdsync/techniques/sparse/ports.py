@@ -57,9 +57,12 @@ class RowCollectives(Protocol):
     averages: bool
     def gather_rows(self, name: str, tensors: list) -> Pending:
         """One grouped allgather of 2-d ``tensors`` of one dtype whose row counts differ
-        between ranks (``sparse=``); ``wait()`` gives each one's rows in rank order."""
+        between ranks (``sparse=``); ``wait()`` gives each one's rows in rank order. Its
+        ``collectives``: 1 where this rank runs it, 0 where another rank of its node runs it
+        for this one (``between="nodes"``): its bytes are then not this rank's."""
     def sum_rows(self, name: str, tensors: list) -> Pending:
-        """One grouped allreduce (a sum) of ``tensors`` (``sparse=``'s dense route)."""
+        """One grouped allreduce (a sum) of ``tensors`` (``sparse=``'s dense route);
+        ``collectives`` as :meth:`gather_rows`'."""
 
 
 #: receiver -> what this technique adds to the shared ports there (tests/test_contracts.py)
