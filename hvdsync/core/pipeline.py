@@ -21,7 +21,7 @@ from typing import Any, Optional
 from hvdsync.core.groups import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, ReadyGroups
 from hvdsync.core.wire import Pending, finish_dropped, wait_all
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
-from hvdsync.core.rules import CARRIED, decided, updates_locally
+from hvdsync.core.rules import CARRIED, UPDATES_LOCALLY, decided, updates_locally
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import (BEFORE_UPDATE, DECIDER, SYNC, TRANSFORM, TRANSPORT, Decider,
                                     Technique, Transform, Transport)
@@ -249,7 +249,7 @@ class StepPipeline:
 
     def _send(self, li: int, t: Transport, ks: list[int], layer: list) -> None:
         state = self.state
-        if not updates_locally(t):  # (else it checks its own: rules.UPDATES_LOCALLY)
+        if t.name not in UPDATES_LOCALLY:  # (else it checks its own NaN/Inf)
             state.sent.setdefault(li, []).extend(ks)
         if not state.started[li]:
             if not state.any_started:
