@@ -303,11 +303,11 @@ class KerasCommunicator:
 
     def gather_rows(self, name: str, tensors: list) -> Pending:
         """:meth:`allgather`, done on return (``sparse=``'s rows)."""
-        return _ran(Pending.resolved(self.allgather(tensors, name)))
+        return ran_here(Pending.resolved(self.allgather(tensors, name)))
 
     def sum_rows(self, name: str, tensors: list) -> Pending:
         """:meth:`sum`, done on return (``sparse=``'s dense route)."""
-        return _ran(Pending.resolved(self.sum(tensors, name)))
+        return ran_here(Pending.resolved(self.sum(tensors, name)))
 
     def allgather(self, tensors: list, name: str) -> list:
         """Eager grouped allgather (the sparse exchange's rows and counts)."""
@@ -327,7 +327,7 @@ class KerasCommunicator:
                                               process_set=self.process_set)
 
 
-def _ran(pending: Pending) -> Pending:
+def ran_here(pending: Pending) -> Pending:
     """``pending``, run by this rank: one collective (sparse='s ports: its bytes count here)."""
     pending.collectives = 1
     return pending

@@ -13,7 +13,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hvdsync.keras.backend import KerasGradients
-from hvdsync.keras.comm import KerasCommunicator, coalesce, payload_bytes
+from hvdsync.keras.comm import KerasCommunicator, coalesce, payload_bytes, ran_here
 from hvdsync.keras.rows import KerasRows, from_values
 from hvdsync.core.wire import Pending
 from hvdsync.techniques.sparse.protocol import ABSENT, DENSE
@@ -170,8 +170,8 @@ class TracedSparse(Sparse, TracedRounds):
         first = self._counts_first
         own = codes[self.comm.process_set.rank()].reshape(-1, 2)
         self.protocol.begin([(int(c), int(d)) for c, d in own])
-        self._absorb(Pending.resolved([tf.constant(codes)]), self.protocol.codes,
-                     own_collective=first)
+        self._absorb(ran_here(Pending.resolved([tf.constant(codes)])), self.protocol.codes,
+                     own_collective=first)  # (gathered by this rank, in the graph)
         for i in self._traced:
             route = (self._route(i) if first
                      else "dense" if self.protocol.predicted.get(i) == "dense" else "gather")
