@@ -21,7 +21,7 @@ from typing import Any, Optional
 from hvdsync.core.groups import DEFAULT_GROUP_BYTES, FIRST_GROUP_BYTES, ReadyGroups
 from hvdsync.core.wire import Pending, finish_dropped, wait_all
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
-from hvdsync.core.rules import CARRIED, UPDATES_LOCALLY, decided, updates_locally
+from hvdsync.core.rules import CARRIED, UPDATES_LOCALLY, decided
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import (BEFORE_UPDATE, DECIDER, SYNC, TRANSFORM, TRANSPORT, Decider,
                                     Technique, Transform, Transport)
@@ -105,13 +105,13 @@ class StepPipeline:
         self.state = StepState(len(layer_names))
 
     def _set_local_step(self) -> None:
-        local = [t for t in self.transports if updates_locally(t)]
+        local = [t for t in self.transports if t.name in UPDATES_LOCALLY]
         beside = [t for t in self.transports if local and t is not local[0]
                   and CARRIED.get(t.name, ("",))[0] != local[0].name]
         if len(local) > 1 or beside:
             raise ValueError("a transport that updates locally must be the step's only one "
                              "(but for those it carries)")
-        #: the transport of a step that updates locally (:func:`rules.updates_locally`),
+        #: the transport of a step that updates locally (:data:`rules.UPDATES_LOCALLY`),
         #: or None. A tracing adapter builds such a step as: its traced form's ``trace_local``
         #: (``local_step.traced``: :class:`hvdsync.techniques.delay.traced.TracedDelay`) on
         #: every layer (graph ops: the gradients to apply), then on the host

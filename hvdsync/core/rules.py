@@ -153,12 +153,6 @@ UPDATES_LOCALLY = {
 }
 
 
-def updates_locally(transport: Technique) -> bool:
-    """Whether ``transport``'s step updates with this rank's own gradient
-    (:data:`UPDATES_LOCALLY`)."""
-    return transport.name in UPDATES_LOCALLY
-
-
 def decided(transport: Technique) -> bool:
     """Whether deciders choose when ``transport``'s parameters go (:data:`UNDECIDED`)."""
     return transport.name not in UNDECIDED
