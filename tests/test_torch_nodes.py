@@ -70,7 +70,10 @@ CASES = {
     "threshold": dict(threshold=dict(threshold=0.5, max_skip=4)),
     "select": dict(select=dict(k=1)),
     "lowrank": dict(lowrank=dict(rank=2, warmup_steps=2, min_compression=0)),
-    "delay": dict(delay=dict(staleness=1, average_every=5)),
+    # staleness 2: at each averaging step several global gradients are due at once, some
+    # arrived on one rank of a node and not on the other; their waits (and the owned results'
+    # sharing inside the node) go in one order on every rank (11 steps: the last is local)
+    "delay": dict(delay=dict(staleness=2, average_every=3), _steps=STEPS - 1),
     "streaming": dict(delay="streaming"),
     "fp16": dict(compression="fp16"),
     # a GradScaler (the node reduces unscaled gradients), and two backward passes a step
@@ -98,8 +101,8 @@ class Embedded(nn.Module):
 
 
 def trained(keywords: dict, between: str | None, nan_rank: int = -1) -> dict:
-    """On a rank: STEPS steps of the MLP on this rank's batches, then flush(); its parameters,
-    the first and last losses, and its bytes a step (between nodes, inside the node).
+    """On a rank: STEPS steps (or ``_steps``) of the MLP on this rank's batches, then flush();
+    its parameters, the first and last losses, and its bytes a step (between nodes, inside the node).
     ``nan_rank``: its loss is NaN at the sixth step."""
     import hvdsync.torch as hvd
     torch.manual_seed(0)
@@ -108,6 +111,7 @@ def trained(keywords: dict, between: str | None, nan_rank: int = -1) -> dict:
     if kw.pop("compression", None) == "fp16":
         kw["compression"] = hvd.Compression.fp16
     scale = kw.pop("_scaler", None)
+    steps = kw.pop("_steps", STEPS)
     scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale,
                                                              growth_interval=10 ** 6)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -115,7 +119,7 @@ def trained(keywords: dict, between: str | None, nan_rank: int = -1) -> dict:
                                    scaler=scaler, **kw)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     passes, losses = kw.get("backward_passes_per_step", 1), []
-    for step, (x, y) in enumerate(teacher_batches(hvd.rank(), STEPS)):
+    for step, (x, y) in enumerate(teacher_batches(hvd.rank(), steps)):
         opt.zero_grad()
         for xs, ys in zip(x.chunk(passes), y.chunk(passes)):
             loss = nn.functional.cross_entropy(model(xs), ys)
@@ -136,8 +140,8 @@ def trained(keywords: dict, between: str | None, nan_rank: int = -1) -> dict:
     return dict(params=torch.cat([p.detach().flatten() for p in model.parameters()]),
                 before_flush=before,
                 first=losses[0], last=losses[-1], summary=opt.stats.summary(),
-                sent=total["bytes_sent"] / STEPS, dense=total["bytes_dense"] / STEPS,
-                inside=total.get("bytes_intra_node", 0) / STEPS)
+                sent=total["bytes_sent"] / steps, dense=total["bytes_dense"] / steps,
+                inside=total.get("bytes_intra_node", 0) / steps)
 
 
 def nodes_body(cases: dict[str, dict], flat_too: bool) -> dict:
@@ -170,6 +174,7 @@ def identical(runs: list[dict], case: str) -> bool:
 def test_two_nodes_of_two_ranks(launcher):
     cases = CASES if launcher == "horovodrun" else {k: CASES[k] for k in ("nothing on",
                                                                            "threshold",
+                                                                           "delay",
                                                                            "streaming")}
     runs = run_job(nodes_body, 4, (cases, True), timeout=600, env={OVERRIDE: "2"},
                    launcher=launcher)

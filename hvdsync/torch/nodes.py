@@ -203,33 +203,38 @@ class OwnedCross:
         self._load[owner] += max(nbytes, 1)
         return owner
 
-    def _owned(self, name: str, tensors: list, start: Any, what: str) -> Pending:
-        """``start()`` (a pending whose result is ``tensors``, reduced in place) on the owner,
-        the result shared inside the node at the first wait -- on every rank at the same point
-        of its calls."""
-        mine = self._owner(sum(payload_bytes(t) for t in tensors)) == self._me
-        inner = start() if mine else None
+    def _owned(self, nbytes: int, start: Any, share: Any, what: str) -> Pending:
+        """``start()`` (a pending) on the owner of ``nbytes``; at the first wait -- on every
+        rank at the same point of its calls -- ``share(its result, or None on the others)``
+        gives the result inside the node and the bytes that took."""
+        inner = start() if self._owner(nbytes) == self._me else None
 
-        def wait() -> list:
-            if inner is not None:
-                inner.wait()
-            else:
-                for t in tensors:
-                    t.zero_()
-            self._stats.count("bytes_intra_node", _shared(self._share, f"{name}.shared",
-                                                          tensors))
-            return tensors
+        def wait() -> Any:
+            result, nbytes = share(inner.wait() if inner is not None else None)
+            self._stats.count("bytes_intra_node", nbytes)
+            return result
         return Pending(wait, inner.ready if inner is not None else lambda: True,
                        inner.nbytes if inner is not None else 0,
                        inner.collectives if inner is not None else 0,
                        what=f"{what} (shared inside the node)")
 
+    def _owned_in_place(self, name: str, tensors: list, start: Any, what: str) -> Pending:
+        """:meth:`_owned` for a ``start()`` whose result is ``tensors``, reduced in place: the
+        others bring zeros to the sharing sum."""
+        def share(got: Any) -> tuple[list, int]:
+            if got is None:
+                for t in tensors:
+                    t.zero_()
+            return tensors, _shared(self._share, f"{name}.shared", tensors)
+        return self._owned(sum(payload_bytes(t) for t in tensors), start, share, what)
+
     def allreduce(self, name: str, tensors: list) -> Pending:
         tensors = list(tensors)
         if self.size == 1 or any(t.is_sparse for t in tensors):  # (Horovod's sparse path)
             return self._cross.allreduce(name, tensors)
-        return self._owned(name, tensors, lambda: self._cross.allreduce(name, tensors),
-                           f"the allreduce {name!r}")
+        return self._owned_in_place(name, tensors,
+                                    lambda: self._cross.allreduce(name, tensors),
+                                    f"the allreduce {name!r}")
 
     def allgather_async(self, name: str, tensors: list) -> Pending:
         """Every node's 1-d ``tensors`` alike in size (an encoding's parts): gathered by the
@@ -241,49 +246,43 @@ class OwnedCross:
         def start() -> Pending:
             return self._cross.allgather_async(name, tensors).then(
                 lambda got: [o.copy_(g) for o, g in zip(out, got)])
-        return self._owned(name, out, start, f"the allgather {name!r}")
+        return self._owned_in_place(name, out, start, f"the allgather {name!r}")
 
     def sum_rows(self, name: str, tensors: list) -> Pending:
         """``sparse=``'s dense route: summed across nodes by the owner, shared inside."""
         if self.size == 1:
             return self._cross.sum_rows(name, tensors)
-        return self._owned(name, list(tensors), lambda: self._cross.sum_rows(name, tensors),
-                           f"the allreduce {name!r}")
+        return self._owned_in_place(name, list(tensors),
+                                    lambda: self._cross.sum_rows(name, tensors),
+                                    f"the allreduce {name!r}")
 
     def gather_rows(self, name: str, tensors: list) -> Pending:
         """``sparse=``'s rows (a node's ranks hold the same node gradient, so the same rows):
         gathered by the owner; inside the node, the gathered row counts, then the rows."""
         if self.size == 1:
             return self._cross.gather_rows(name, tensors)
-        # the owner by a row's bytes, the same on every node (their row counts differ, and
-        # the same local rank must own this gather on every node, or its peers wait apart)
-        mine = self._owner(sum(math.prod(t.shape[1:]) * t.element_size()
-                               for t in tensors)) == self._me
-        inner = self._cross.gather_rows(name, tensors) if mine else None
 
-        def wait() -> list:
-            got = inner.wait() if inner is not None else None
+        def share(got: Any) -> tuple[list, int]:
             rows = torch.tensor([g.shape[0] for g in got] if got is not None
                                 else [0] * len(tensors), dtype=torch.int64)
             nbytes = _shared(self._share, f"{name}.rows", [rows])
             out = got if got is not None else [t.new_zeros((n, *t.shape[1:])) for t, n in
                                                zip(tensors, rows.tolist())]
-            self._stats.count("bytes_intra_node",
-                              nbytes + _shared(self._share, f"{name}.shared", out))
-            return out
-        return Pending(wait, inner.ready if inner is not None else lambda: True,
-                       inner.nbytes if inner is not None else 0,
-                       inner.collectives if inner is not None else 0,
-                       what=f"the allgather {name!r} (shared inside the node)")
+            return out, nbytes + _shared(self._share, f"{name}.shared", out)
+        # the owner by a row's bytes, the same on every node (their row counts differ, and
+        # the same local rank must own this gather on every node, or its peers wait apart)
+        return self._owned(sum(math.prod(t.shape[1:]) * t.element_size() for t in tensors),
+                           lambda: self._cross.gather_rows(name, tensors), share,
+                           f"the allgather {name!r}")
 
     def average(self, groups: list[tuple[str, list]]) -> None:
         """The parameters averaged across nodes by one rank of the node, shared inside it."""
         if self.size == 1:
             return
         tensors = [t for _, ts in groups for t in ts]
-        self._owned(f"hvdsync.outer.average.{groups[0][0]}", tensors,
-                    lambda: _done(self._cross.average(groups), tensors),
-                    "the parameter averaging").wait()
+        self._owned_in_place(f"hvdsync.outer.average.{groups[0][0]}", tensors,
+                             lambda: _done(self._cross.average(groups), tensors),
+                             "the parameter averaging").wait()
 
 
 def _shared(comm: Any, name: str, tensors: list) -> int:

@@ -284,15 +284,14 @@ class Delay(Transport):
         ready = {j for j in ids if all(part.pending.ready()
                                        for part in self._in_flight[j].values())}
         wait_for, fold = self.policy.plan(ids, ready)
-        waited: Optional[float] = None
-        if wait_for:
-            start = time.perf_counter()
-            for j in wait_for:
-                for part in self._in_flight[j].values():
-                    part.pending.wait_idle()  # without spinning: the peers are computing
-            waited = time.perf_counter() - start
+        start = time.perf_counter()
         parts = [self._in_flight.pop(j) for j in fold]
-        reduced = [{li: layer.pending.wait() for li, layer in part.items()} for part in parts]
+        # waited for in the order they are folded, on every rank, whatever arrived here: a
+        # wait may start a collective (the two-level mode shares an owned result inside the
+        # node), and torch.distributed pairs a node's collectives by order
+        reduced = [{li: layer.pending.wait_idle()  # (without spinning: peers compute)
+                    for li, layer in part.items()} for part in parts]
+        waited = time.perf_counter() - start if wait_for else None
         for part in parts:  # lowrank=: the residuals of what is folded in join its memory
             for layer in part.values():
                 layer.pending.used()
