@@ -21,6 +21,7 @@ import math
 import os
 import re
 import statistics
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -164,6 +165,37 @@ def _sizes(workload: str) -> ModelSizes:
 #: a loopback cell's "link": no rate of its own; what caps it is the reduction's own speed
 #: (Constants.max_gbit, fitted on the emulated links) and a few microseconds a hop
 LOOPBACK = dict(bandwidth_gbit=1000.0, latency_us=5.0)
+#: the bed's bridge inside a node (its ranks on one namespace's loopback) as the two-level
+#: mode's node reduction sees it: measured here by :func:`node_bridge_gbit`
+NODE_BRIDGE: dict = {}
+
+
+def _bridge_rank(rank: int, nbytes: int, port: int, out: object) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    t = torch.ones(nbytes // 4)
+    times = []
+    for i in range(35):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        out.put(statistics.median(times[5:]))
+    dist.destroy_process_group()
+
+
+def node_bridge_gbit(nbytes: int = 1 << 22, port: int = 29641) -> float:
+    """The rate of torch.distributed's Gloo allreduce between two ranks on this machine's
+    loopback (a ring of two: each sends ``nbytes``), the median of 30; Gbit/s. The two-level
+    mode's node reduction runs there on the bed; Constants.max_gbit is Horovod's own speed,
+    which it does not cross."""
+    import torch.multiprocessing as mp
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_bridge_rank, args=(nbytes, port, out), nprocs=2)
+    return nbytes * 8 / out.get() / 1e9
 
 
 def _cell_cluster(cell: str, two_level: bool = False) -> Cluster:
@@ -182,8 +214,12 @@ def _cell_cluster(cell: str, two_level: bool = False) -> Cluster:
     # this kernel); the bridge and veth pairs: ~50 us a hop
     if nodes and two_level:
         g = int(nodes.group(2))
+        if not NODE_BRIDGE:
+            NODE_BRIDGE["bandwidth_gbit"] = node_bridge_gbit()
+            print(f"the bridge inside a node (Gloo on loopback, 2 ranks): "
+                  f"{NODE_BRIDGE['bandwidth_gbit']:.1f} Gbit/s")
         return Cluster(ranks=ranks, bandwidth_gbit=mbit / 1000 / g, latency_us=50.0,
-                       ranks_per_node=g, intra_bandwidth_gbit=LOOPBACK["bandwidth_gbit"],
+                       ranks_per_node=g, intra_bandwidth_gbit=NODE_BRIDGE["bandwidth_gbit"],
                        intra_latency_us=50.0, algorithm="ring")
     return Cluster(ranks=ranks, bandwidth_gbit=mbit / 1000, latency_us=50.0,
                    algorithm="ring")

@@ -126,6 +126,11 @@ METHODS: dict[str, dict[str, Any]] = {
                                           kwargs=dict(lowrank=LOWRANK, between="nodes")),
     "ddp post-local sgd, nodes": dict(kind="ddp", hook="post_local", dense_model=True,
                                       extra=True, subgroup="node"),
+    # torch's HierarchicalModelAverager: local steps on each rank, the parameters averaged
+    # inside the node every step and across every rank every 32 (after the same 10
+    # synchronous steps)
+    "ddp hierarchical averaging, nodes": dict(kind="ddp", hook="post_local", dense_model=True,
+                                              extra=True, averager="hierarchical"),
 }
 # select='s selectors at equal bytes (issue 20): a quarter of the dense bytes per step, a
 # layer at least every 9 steps; "seed hypernet" is the seed design's objective and inputs.
@@ -245,7 +250,16 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
                                                            subgroup=local_group,
                                                            start_localSGD_iter=10),
                                    plsgd.post_localSGD_hook)
-            averager = PeriodicModelAverager(period=32, warmup_steps=10)
+            if spec.get("averager") == "hierarchical":
+                from collections import OrderedDict
+
+                from torch.distributed.algorithms.model_averaging.hierarchical_model_averager \
+                    import HierarchicalModelAverager
+                averager = HierarchicalModelAverager(OrderedDict(
+                    [(1, int(os.environ.get("HOROVOD_LOCAL_SIZE", "1"))),
+                     (32, dist.get_world_size())]), warmup_steps=10)
+            else:
+                averager = PeriodicModelAverager(period=32, warmup_steps=10)
             base_step = base.step
 
             def step_and_average(*args, **kw):

@@ -34,7 +34,10 @@ def inside_s(model: ModelSizes, cluster: Cluster, c: Constants) -> float:
     g = cluster.ranks_per_node
     node = Cluster(ranks=g, bandwidth_gbit=cluster.intra_bandwidth_gbit,
                    latency_us=cluster.intra_latency_us)
-    return perfmodel.allreduce_s(model.params * model.value_bytes, node, c)
+    # (the intra-node rate is the node reduction's own, as given: ``max_gbit`` caps what
+    # the engine's collectives reach on a link, which the node reduction does not cross)
+    return perfmodel.allreduce_s(model.params * model.value_bytes, node,
+                                 replace(c, max_gbit=None))
 
 
 def predict(technique: str, model: ModelSizes, cluster: Cluster,
