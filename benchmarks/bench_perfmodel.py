@@ -92,7 +92,7 @@ SUPERSEDED = {"suite_zipf": "suite_zipf_np2"}
 #: the bench bed's cores (ranks beyond share them)
 CORES = 2
 #: steps a run starts plain, counted in its per-step averages: lowrank='s warm-up
-#: (bench_suite.LOWRANK; LowRankConfig's default in the Keras bench), PowerSGD's
+#: (suite_methods.LOWRANK; LowRankConfig's default in the Keras bench), PowerSGD's
 #: ``start_powerSGD_iter`` and post-local SGD's synchronous start (bench_suite)
 PLAIN_START = 10
 #: the Keras bench's first, untimed ``fit`` (bench_keras.run's ``warmup``): not in its figures

@@ -6,13 +6,11 @@ emulated slow network.
     bash scripts/bench.sh --quick     # < 10 minutes: digits + CNN, 2 ranks, 100 Mbit/s, 1 seed
 
 Peers, all trained in the same job one after the other from the same initial weights and data
-streams: plain ``horovod.torch.DistributedOptimizer``; Horovod with ``Compression.fp16``;
-PyTorch DDP (Gloo) with the PowerSGD communication hook (rank 2, after 10 plain steps, one
-bucket: see ``run_method``), with
-the fp16 compression hook, and post-local SGD (10 synchronous steps, then local steps with the
-model averaged every 32 by ``PeriodicModelAverager``) -- the ranks join a
-``torch.distributed`` process group the way torchrun's env:// rendezvous does;
-hvdsync with nothing enabled, with each technique, and a recommended combination.
+streams (benchmarks/suite_methods.py): plain ``horovod.torch.DistributedOptimizer``; Horovod
+with ``Compression.fp16``; PyTorch DDP (Gloo) with torch's own hooks and model averagers
+(benchmarks/ddp_peers.py: PowerSGD, fp16, post-local SGD) -- the ranks join a
+``torch.distributed`` process group the way torchrun's env:// rendezvous does; torchft's
+DiLoCo; hvdsync with nothing enabled, with each technique, and a recommended combination.
 
 Every method trains the workload's number of steps; one that took less time than plain
 Horovod goes on until it has used Horovod's training time (at most 3x the steps), so that time
@@ -32,145 +30,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time
 from typing import Any
 
-from benchmarks.common import RESULTS, markdown_table, report, shows_progress
+from benchmarks import ddp_peers
+from benchmarks.common import markdown_table, report, shows_progress
 from benchmarks.network import EmulatedNetwork, namespaces_unavailable, run_ranks_on
-from benchmarks.workloads import METRIC_LABEL, WORKLOADS, as_shown
-from hvdsync.techniques.delay.config import STREAMING
+from benchmarks.suite_methods import METHODS, RECOMMENDED, SELECTORS  # noqa: F401 (bench_select)
+from benchmarks.suite_plots import plot
+from benchmarks.workloads import WORKLOADS
 from hvdsync.core.stats import human_bytes
 from hvdsync.testing import RanksFailed
 from hvdsync.testing import progress
 
-THRESHOLD = dict(threshold=0.05, relative=True, max_skip=8)
-STREAMING_CFG = dict(exchange_gradients=False, outer_lr=0.7, outer_momentum=0.9, **STREAMING)
-LOWRANK = dict(rank=2, warmup_steps=10)
-METHODS: dict[str, dict[str, Any]] = {
-    "horovod": dict(kind="horovod"),
-    # Horovod's fp16 compression crashes on sparse gradients (its sparse path hands
-    # decompress() no context), so on embeddings it runs with a dense embedding gradient
-    "horovod fp16": dict(kind="horovod", fp16=True, dense_model=True),
-    "ddp+powersgd": dict(kind="ddp", hook="powersgd", dense_model=True),
-    "ddp fp16": dict(kind="ddp", hook="fp16", dense_model=True),
-    # post-local SGD: synchronous for the first 10 steps, then local steps with the model
-    # averaged every 32 (PeriodicModelAverager): the closest peer of delay='s averaging
-    "ddp post-local sgd": dict(kind="ddp", hook="post_local", dense_model=True),
-    "hvdsync": dict(kind="hvdsync", kwargs={}),
-    "hvdsync clip": dict(kind="hvdsync", kwargs=dict(clip=dict(max_norm=5.0))),
-    "hvdsync threshold": dict(kind="hvdsync", kwargs=dict(threshold=THRESHOLD),
-                              dense_model=True),
-    "hvdsync select": dict(kind="hvdsync", kwargs=dict(select=dict(k=0.5)), dense_model=True),
-    "hvdsync threshold + fp16": dict(kind="hvdsync", fp16=True, kwargs=dict(threshold=THRESHOLD),
-                                     dense_model=True),
-    "hvdsync select + fp16": dict(kind="hvdsync", fp16=True, kwargs=dict(select=dict(k=0.5)),
-                                  dense_model=True),
-    "hvdsync delay": dict(kind="hvdsync", kwargs=dict(delay=dict(staleness=4, average_every=32)),
-                          dense_model=True),
-    "hvdsync sparse": dict(kind="hvdsync", kwargs=dict(sparse=True), sparse_only=True),
-    # rank and warm-up of the DDP+PowerSGD peer
-    "hvdsync lowrank": dict(kind="hvdsync", kwargs=dict(lowrank=LOWRANK), dense_model=True),
-    "hvdsync lowrank + fp16": dict(kind="hvdsync", fp16=True, kwargs=dict(lowrank=LOWRANK),
-                                   dense_model=True),
-    "hvdsync lowrank + threshold + fp16": dict(kind="hvdsync", fp16=True,
-                                               kwargs=dict(lowrank=LOWRANK, threshold=THRESHOLD),
-                                               dense_model=True),
-    # the compressed exchange inside delay=: it overlaps the next steps (issue 19)
-    "hvdsync lowrank + delay": dict(kind="hvdsync", dense_model=True, extra=True,
-                                    kwargs=dict(lowrank=LOWRANK,
-                                                delay=dict(staleness=1, average_every=32))),
-    "hvdsync lowrank + delay + fp16": dict(kind="hvdsync", fp16=True, dense_model=True,
-                                           extra=True,
-                                           kwargs=dict(lowrank=LOWRANK,
-                                                       delay=dict(staleness=1,
-                                                                  average_every=32))),
-    # local steps, nothing exchanged: each rank trains alone (the compute floor per step)
-    "no exchange": dict(kind="local", dense_model=True),
-    # torchft's (Streaming) DiLoCo, the real package (benchmarks/torchft_peer.py), with the
-    # schedule of hvdsync's streaming preset; "torchft diloco k32" is plain DiLoCo
-    "torchft streaming diloco": dict(kind="torchft", dense_model=True,
-                                     diloco=dict(average_every=8, fragments=4, overlap=1,
-                                                 mix=0.5, outer_lr=0.7, outer_momentum=0.9)),
-    "torchft diloco k32": dict(kind="torchft", dense_model=True, extra=True,
-                               diloco=dict(average_every=32, fragments=1, overlap=0, mix=0.0,
-                                           outer_lr=0.7, outer_momentum=0.9)),
-    "hvdsync diloco k32": dict(kind="hvdsync", dense_model=True, extra=True,
-                               kwargs=dict(delay="diloco")),
-    "hvdsync streaming k16": dict(kind="hvdsync", dense_model=True, extra=True,
-                                  kwargs=dict(delay=dict(STREAMING_CFG, average_every=16))),
-    "hvdsync streaming k4": dict(kind="hvdsync", dense_model=True, extra=True,
-                                 kwargs=dict(delay=dict(STREAMING_CFG, average_every=4))),
-    "hvdsync streaming k4 averaging": dict(
-        kind="hvdsync", dense_model=True, extra=True,
-        kwargs=dict(delay=dict(STREAMING_CFG, average_every=4, fragments=2, outer_lr=1.0,
-                               outer_momentum=0.0))),
-    "hvdsync streaming tau2": dict(kind="hvdsync", dense_model=True, extra=True,
-                                   kwargs=dict(delay=dict(STREAMING_CFG, overlap=2))),
-    "hvdsync streaming fp32": dict(kind="hvdsync", dense_model=True, extra=True,
-                                   kwargs=dict(delay=dict(STREAMING_CFG, compress="none"))),
-    # the seed's stale-gradient scheme, the recommended preset before issue 29
-    "hvdsync delay + fp16": dict(kind="hvdsync", fp16=True, dense_model=True, extra=True,
-                                 kwargs=dict(delay=dict(staleness=4, average_every=32))),
-    "hvdsync recommended": dict(kind="hvdsync", fp16=True, kwargs=dict(delay="streaming"),
-                                sparse_kwargs=dict(sparse=True)),
-    # nodes of several ranks (--ranks-per-node): the techniques between nodes only, and
-    # post-local SGD's local steps synchronous inside the node (its subgroup: the node)
-    "hvdsync recommended, nodes": dict(kind="hvdsync", fp16=True, extra=True,
-                                       kwargs=dict(delay="streaming", between="nodes"),
-                                       sparse_kwargs=dict(sparse=True, between="nodes")),
-    "hvdsync lowrank + fp16, nodes": dict(kind="hvdsync", fp16=True, dense_model=True,
-                                          extra=True,
-                                          kwargs=dict(lowrank=LOWRANK, between="nodes")),
-    "ddp post-local sgd, nodes": dict(kind="ddp", hook="post_local", dense_model=True,
-                                      extra=True, subgroup="node"),
-    # torch's HierarchicalModelAverager: local steps on each rank, the parameters averaged
-    # inside the node every step and across every rank every 32 (after the same 10
-    # synchronous steps)
-    "ddp hierarchical averaging, nodes": dict(kind="ddp", hook="post_local", dense_model=True,
-                                              extra=True, averager="hierarchical"),
-}
-# select='s selectors at equal bytes (issue 20): a quarter of the dense bytes per step, a
-# layer at least every 9 steps; "seed hypernet" is the seed design's objective and inputs.
-# Not in the default set: ``--methods horovod "select hypernet @25%" ...``
-SELECT_BUDGET = dict(budget=0.25, max_wait=8)
-SELECTORS = {"select hypernet": dict(selector="hypernet"),
-             "select seed hypernet": dict(selector="hypernet", objective="first_order",
-                                          inputs="embedding"),
-             "select norm": dict(selector="norm"), "select random": dict(selector="random"),
-             "select round-robin": dict(selector="round_robin")}
-for _label, _sel in SELECTORS.items():
-    METHODS[f"hvdsync {_label} @25%"] = dict(kind="hvdsync", dense_model=True, extra=True,
-                                              kwargs=dict(select={**SELECT_BUDGET, **_sel}))
-# outer-optimizer variants of the streaming preset (per-step accuracy probes, issue 29):
-# ``--methods horovod "hvdsync streaming lr1" ...``; compare ``finals`` (per seed) at equal steps
-OUTER_VARIANTS = {"lr1": dict(outer_lr=1.0), "lr1 m0.8": dict(outer_lr=1.0, outer_momentum=0.8),
-                  "lr0.85": dict(outer_lr=0.85), "lr0.6": dict(outer_lr=0.6),
-                  "lr0.5": dict(outer_lr=0.5), "m0.8": dict(outer_momentum=0.8),
-                  "mix0.25": dict(mix=0.25), "mix0.75": dict(mix=0.75),
-                  "f8": dict(fragments=8), "k6 f3": dict(average_every=6, fragments=3)}
-for _label, _cfg in OUTER_VARIANTS.items():
-    METHODS[f"hvdsync streaming {_label}"] = dict(kind="hvdsync", dense_model=True, extra=True,
-                                                   kwargs=dict(delay={**STREAMING_CFG, **_cfg}))
 RUNS = [0]  # torchft runs so far on this rank (each gets its own ports)
 EXTEND = 3  # a method faster per step trains up to this many times the workload's steps
-RECOMMENDED = ('delay="streaming" (local steps, outer Nesterov 0.7/0.9, K 8 in 4 fragments, '
-               "overlap 1, mix 0.5, int8); with sparse gradients: sparse= + fp16")
-
-
-def _powersgd_bytes(model, rank: int = 2, min_rate: float = 2.0) -> int:
-    """Bytes per step PowerSGD's hook hands to allreduce (P and Q for compressible matrices,
-    the whole tensor otherwise), by the hook's own rule."""
-    total = 0
-    for p in model.parameters():
-        if p.ndim <= 1:
-            total += p.numel() * 4
-            continue
-        n, m = p.shape[0], p.numel() // p.shape[0]
-        total += ((n + m) * rank if (n + m) * rank * min_rate < n * m else n * m) * 4
-    return total
 
 
 def run_method(name: str, workload_name: str, seed: int, steps: int | None = None,
@@ -185,9 +61,7 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
     then measured on an equal wall-time footing. ``steps`` beyond the workload's count make a
     longer cell: the score at the workload's own step count is kept too (``early``), the
     second target of local-step methods, which gain with training length."""
-    import horovod.torch as horovod
     import torch
-    from torch import nn
 
     import hvdsync.torch as hvd
     from hvdsync.torch.comm import payload_bytes
@@ -197,8 +71,6 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
     torch.set_num_threads(1)
     dense = spec.get("dense_model", False) or not w.has_sparse
     model = w.make_model(not dense)
-    base = w.make_optimizer(model, hvd.size())
-    compression = hvd.Compression.fp16 if spec.get("fp16") else hvd.Compression.none
     # Horovod's payload per step: the dense gradients' size, except that sparse ones can only
     # be measured (a hook, on Horovod's runs with sparse gradients only: it costs time).
     handed = [sum(p.numel() * p.element_size() for p in model.parameters())]
@@ -207,78 +79,60 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(
                 lambda p: handed.__setitem__(0, handed[0] + payload_bytes(p.grad)))
-    stop_peer = None
-    if spec["kind"] in ("local", "torchft"):
-        opt, net = base, model  # every rank starts from the same weights (same seed)
-        if spec["kind"] == "torchft":
-            from benchmarks.torchft_peer import start_diloco
-            RUNS[0] += 1
-            stop_peer = start_diloco(model, base, hvd.rank(), hvd.size(), peer, RUNS[0],
-                                     spec["diloco"])
-    elif spec["kind"] == "horovod":
+    opt, net, stop_peer = _wrapped(spec, w, model, w.make_optimizer(model, hvd.size()), peer)
+    run = _train(name, seed, spec, w, opt, net, model, steps or w.steps, budget_s)
+    if stop_peer is not None:
+        stop_peer()
+    nbytes, collectives = _traffic(spec, opt, model, handed[0], dense, run["steps"])
+    return dict(run, bytes_per_step=nbytes, collectives_per_step=collectives,
+                step_s=run["train_s"] / run["steps"])
+
+
+def _wrapped(spec: dict, w: Any, model: Any, base: Any, peer: str) -> tuple[Any, Any, Any]:
+    """The method's optimizer, the module to run, and what tears a peer down (or None)."""
+    import horovod.torch as horovod
+    from torch import nn
+
+    import hvdsync.torch as hvd
+    compression = hvd.Compression.fp16 if spec.get("fp16") else hvd.Compression.none
+    if spec["kind"] in ("local", "torchft"):  # every rank starts from the same weights (seed)
+        if spec["kind"] == "local":
+            return base, model, None
+        from benchmarks.torchft_peer import start_diloco
+        RUNS[0] += 1
+        node, net = None, model
+        if spec.get("per_node"):  # synchronous inside the node: DDP over the node's ranks
+            import torch.distributed as dist
+            node = (horovod.cross_rank(), horovod.local_rank(), horovod.local_size())
+            node_group, _ = dist.new_subgroups(group_size=horovod.local_size())
+            net = nn.parallel.DistributedDataParallel(model, process_group=node_group)
+        return base, net, start_diloco(model, base, hvd.rank(), hvd.size(), peer, RUNS[0],
+                                       spec["diloco"], node)
+    if spec["kind"] == "ddp":
+        return (*ddp_peers.wrap(model, base, spec), None)
+    if spec["kind"] == "horovod":
         opt = horovod.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                            compression=compression)
         horovod.broadcast_parameters(model.state_dict(), root_rank=0)
-        net = model
-    elif spec["kind"] == "ddp":
-        import torch.distributed as dist
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-        # PowerSGD's hook chains collectives from future callbacks (P after the vectors, Q
-        # after P): with two or more buckets on Gloo the callbacks of different buckets run in
-        # completion order, which differs between ranks, and the collectives mismatch (seen on
-        # the LM: "Received data size doesn't match expected size"). One bucket keeps them in
-        # order; it sends at the end of backward, as PowerSGD's compression needs anyway.
-        one_bucket = dict(bucket_cap_mb=1024) if spec["hook"] == "powersgd" else {}
-        net = nn.parallel.DistributedDataParallel(model, **one_bucket)
-        opt = base
-        if spec["hook"] == "powersgd":
-            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                           start_powerSGD_iter=10)
-            net.register_comm_hook(state, powersgd.powerSGD_hook)
-        elif spec["hook"] == "fp16":
-            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        else:
-            from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plsgd
-            from torch.distributed.algorithms.model_averaging.averagers import \
-                PeriodicModelAverager
-            # the "intra-node" subgroup of local SGD: the rank (one rank per machine), or
-            # with nodes of several ranks the node (a node's ranks in one namespace)
-            local_group, _ = dist.new_subgroups(group_size=int(os.environ.get(
-                "HOROVOD_LOCAL_SIZE", "1")) if spec.get("subgroup") == "node" else 1)
-            net.register_comm_hook(plsgd.PostLocalSGDState(process_group=None,
-                                                           subgroup=local_group,
-                                                           start_localSGD_iter=10),
-                                   plsgd.post_localSGD_hook)
-            if spec.get("averager") == "hierarchical":
-                from collections import OrderedDict
+        return opt, model, None
+    kwargs = dict(spec["sparse_kwargs"] if w.has_sparse and "sparse_kwargs" in spec
+                  else spec["kwargs"])
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                   compression=compression, **kwargs)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return opt, model, None
 
-                from torch.distributed.algorithms.model_averaging.hierarchical_model_averager \
-                    import HierarchicalModelAverager
-                averager = HierarchicalModelAverager(OrderedDict(
-                    [(1, int(os.environ.get("HOROVOD_LOCAL_SIZE", "1"))),
-                     (32, dist.get_world_size())]), warmup_steps=10)
-            else:
-                averager = PeriodicModelAverager(period=32, warmup_steps=10)
-            base_step = base.step
 
-            def step_and_average(*args, **kw):
-                out = base_step(*args, **kw)
-                averager.average_parameters(model.parameters())
-                return out
-            opt.step = step_and_average
-        assert dist.is_initialized()
-    else:
-        kwargs = dict(spec["kwargs"])
-        if w.has_sparse and "sparse_kwargs" in spec:
-            kwargs = dict(spec["sparse_kwargs"])
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=compression, **kwargs)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        net = model
+def _train(name: str, seed: int, spec: dict, w: Any, opt: Any, net: Any, model: Any,
+           steps: int, budget_s: float | None) -> dict:
+    """The training loop of :func:`run_method`: its curve, scores, steps and seconds."""
+    import horovod.torch as horovod
+    import torch
+    from torch import nn
+
+    import hvdsync.torch as hvd
     next_batch = w.batches(hvd.rank(), hvd.size(), seed)
     x_test, y_test = w.test_set(seed)
-    steps = steps or w.steps
     limit = steps * EXTEND if budget_s is not None else steps
     batches = [next_batch() for _ in range(steps)]  # made before the clock runs
 
@@ -317,38 +171,27 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
         if step == w.steps < steps:
             early = curve[-1][1]
         if done:
-            break
-    steps = step
-    if stop_peer is not None:
-        stop_peer()
+            return dict(curve=curve, final=final, early=early, steps=step, train_s=train_s)
+
+
+def _traffic(spec: dict, opt: Any, model: Any, handed: float, dense: bool,
+             steps: int) -> tuple[float, float]:
+    """Payload bytes a rank hands to the collectives per step, and collectives per step."""
     if spec["kind"] == "hvdsync":
         total = opt.stats.total
-        nbytes, collectives = total.bytes_sent / steps, total.collectives / steps
-    elif spec["kind"] == "horovod":
-        per_step = handed[0] / steps if not dense else handed[0]
-        nbytes = per_step * (0.5 if spec.get("fp16") else 1.0)
+        return total.bytes_sent / steps, total.collectives / steps
+    if spec["kind"] == "horovod":
+        per_step = handed / steps if not dense else handed
         # tensors handed to Horovod (it fuses them); a sparse one is two allgathers
-        collectives = sum(2 if p.grad is not None and p.grad.is_sparse else 1
-                          for p in model.parameters())
-    elif spec["kind"] == "local":
-        nbytes, collectives = 0, 0
-    elif spec["kind"] == "torchft":  # each fragment's float32 pseudo-gradient, once per K steps
+        return per_step * (0.5 if spec.get("fp16") else 1.0), sum(
+            2 if p.grad is not None and p.grad.is_sparse else 1 for p in model.parameters())
+    if spec["kind"] == "local":
+        return 0, 0
+    if spec["kind"] == "torchft":  # each fragment's float32 pseudo-gradient, once per K steps
         c = spec["diloco"]
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        nbytes, collectives = dense_bytes / c["average_every"], c["fragments"] / c["average_every"]
-    elif spec["hook"] == "powersgd":
-        nbytes = _powersgd_bytes(model)
-        collectives = 3  # per DDP bucket (one bucket here): rank-1 tensors, P, Q
-    else:
-        dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if spec["hook"] == "fp16":
-            nbytes, collectives = dense_bytes / 2, 1
-        else:  # 10 synchronous steps, then a parameter averaging every 32 steps
-            rounds = min(steps, 10) + max(steps - 10, 0) // 32
-            nbytes, collectives = dense_bytes * rounds / steps, rounds / steps
-    return dict(curve=curve, final=final, early=early, steps=steps, train_s=train_s,
-                bytes_per_step=nbytes, collectives_per_step=collectives,
-                step_s=train_s / steps)
+        return dense_bytes / c["average_every"], c["fragments"] / c["average_every"]
+    return ddp_peers.traffic(model, spec, steps)
 
 
 def suite_body(workload: str, methods: list[str], seeds: list[int], ddp_addr: str,
@@ -363,7 +206,8 @@ def suite_body(workload: str, methods: list[str], seeds: list[int], ddp_addr: st
     import hvdsync.torch as hvd
     horovod.init(process_sets=hvd.node_process_sets() if engine == "horovod" else None)
     rank, size = horovod.rank(), horovod.size()
-    if engine == "torch" or any(METHODS[m]["kind"] == "ddp" for m in methods):
+    if engine == "torch" or any(METHODS[m]["kind"] == "ddp" or METHODS[m].get("per_node")
+                                for m in methods):
         os.environ["GLOO_SOCKET_IFNAME"] = ddp_iface
         # torchrun's names for the layout horovodrun gave (hvdsync's torch engine reads them)
         os.environ.update(LOCAL_WORLD_SIZE=str(horovod.local_size()),
@@ -481,57 +325,6 @@ def _time_to_target(v: dict) -> list[str]:
         return list(end)
     early = cells(v["early"])
     return [f"{early[0]} / {end[0]}", f"{early[1]} / {end[1]}"]
-
-
-def plot(results: dict, name: str) -> list[str]:
-    """the held-out metric vs training time per cell, and bytes per step per method."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    cells = list(results)
-    cols = min(3, len(cells))
-    rows = math.ceil(len(cells) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
-    for ax, cell in zip(axes.flat, cells):
-        s = results[cell]
-        metric = s.get("metric", "accuracy")
-        for m, v in s["methods"].items():
-            t, a = zip(*v["curve"])
-            ax.plot(t, [as_shown(metric, x) for x in a], marker=".", label=m,
-                    linewidth=2.2 if m.startswith("hvdsync rec") else 1.2)
-        target = as_shown(metric, s["target"])
-        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-        if s.get("early_targets"):  # a longer cell: Horovod's score at the usual steps
-            ax.axhline(as_shown(metric, statistics.mean(s["early_targets"])), color="grey",
-                       linestyle="--", linewidth=1)
-        ax.set_title(cell, fontsize=9)
-        ax.set_xlabel("training time, slowest rank (s)")
-        ax.set_ylabel(METRIC_LABEL[metric])
-        if metric == "loss":
-            ax.set_ylim(top=target + 1.5)
-        else:
-            ax.set_ylim(bottom=max(0, target - 40))
-    for ax in list(axes.flat)[len(cells):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    acc_path = RESULTS / f"{name}_accuracy.png"
-    fig.savefig(acc_path, dpi=90)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 3.8), squeeze=False)
-    for ax, cell in zip(axes.flat, cells):
-        ms = results[cell]["methods"]
-        base = ms["horovod"]["bytes_per_step"]
-        ax.barh(list(ms), [v["bytes_per_step"] / base for v in ms.values()])
-        ax.set_title(cell, fontsize=9)
-        ax.set_xlabel("bytes per rank per step / plain Horovod")
-        ax.invert_yaxis()
-    fig.tight_layout()
-    bytes_path = RESULTS / f"{name}_bytes.png"
-    fig.savefig(bytes_path, dpi=90)
-    plt.close(fig)
-    return [str(acc_path), str(bytes_path)]
 
 
 @shows_progress

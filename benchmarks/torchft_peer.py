@@ -1,7 +1,8 @@
 """The torchft peer: (Streaming) DiLoCo from the ``torchft`` package itself
-(``torchft.local_sgd.DiLoCo``), one replica group per rank, Gloo on CPU, a lighthouse on rank
-0 -- set up the way torchft's own integration tests do, with every address on the emulated
-network so that its collectives cross the slow links like everyone else's.
+(``torchft.local_sgd.DiLoCo``), one replica group per rank -- or per node, its ranks the
+group's ranks, DDP inside it -- Gloo on CPU, a lighthouse on rank 0, set up the way torchft's
+own integration tests do, with every address on the emulated network so that its collectives
+cross the slow links like everyone else's.
 
 What differs from torchft on GPUs: its quantized allreduce (``should_quantize``) needs CUDA
 (Triton kernels), so on this CPU bed the pseudo-gradients travel in float32; everything else
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -45,28 +46,39 @@ def fragments_of(model: nn.Module, n: int) -> list[nn.Module]:
 
 
 def start_diloco(model: nn.Module, inner: torch.optim.Optimizer, rank: int, size: int,
-                 peer: str, run: int, cfg: dict[str, Any]) -> Callable[[], None]:
+                 peer: str, run: int, cfg: dict[str, Any],
+                 node: Optional[tuple[int, int, int]] = None) -> Callable[[], None]:
     """Wrap ``inner`` (stepping ``model``) in torchft's DiLoCo for this rank; returns the
-    function that tears it down. ``peer``: rank 0's address (the lighthouse runs there)."""
+    function that tears it down. ``peer``: rank 0's address (the lighthouse runs there).
+    ``node``: (node, local rank, local size): one replica group per node, its ranks the
+    group's ranks (torchft's own multi-rank replica groups; the caller keeps them
+    synchronous inside the node), else one replica group per rank."""
     from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
     from torchft.local_sgd import DiLoCo
     import horovod.torch as horovod
 
     me = own_address(peer)
-    base = 29700 + 10 * (run % 50)
+    base = 29700 + 20 * (run % 50)
+    group, group_rank, group_size = node if node is not None else (rank, 0, 1)
     lighthouse = None
     if rank == 0:
-        lighthouse = LighthouseServer(bind=f"[::]:{base}", min_replicas=size)
-    horovod.allreduce(torch.zeros(1), name=f"torchft.lighthouse.{run}")  # it is up
-    store = torch.distributed.TCPStore(me, base + 1 + rank, is_master=True, wait_for_workers=False)
+        lighthouse = LighthouseServer(bind=f"[::]:{base}", min_replicas=size // group_size)
+    # the replica group's store is served by its first rank, at that rank's address
+    store_addr = horovod.allgather_object(me, name=f"torchft.addresses.{run}")[
+        rank - group_rank]
+    store_port = base + 1 + group
+    store = torch.distributed.TCPStore(store_addr, store_port, world_size=group_size,
+                                       is_master=group_rank == 0, wait_for_workers=False)
+    horovod.allreduce(torch.zeros(1), name=f"torchft.lighthouse.{run}")  # they are up
     state = {"model": model, "inner": inner}
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=120)), min_replica_size=size,
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=120)), min_replica_size=size // group_size,
         use_async_quorum=False, load_state_dict=lambda sd: None,
         state_dict=lambda: {"model": state["model"].state_dict()},
-        replica_id=f"r{rank}", store_addr=me, store_port=base + 1 + rank, rank=0, world_size=1,
-        lighthouse_addr=f"http://{peer}:{base}", hostname=me, port=base + 5 + rank,
+        replica_id=f"r{group}", store_addr=store_addr, store_port=store_port, rank=group_rank,
+        world_size=group_size,
+        lighthouse_addr=f"http://{peer}:{base}", hostname=me, port=base + 10 + rank,
         timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120),
         connect_timeout=timedelta(seconds=60),
         init_sync=False)  # every rank starts from the same weights, as with the other peers

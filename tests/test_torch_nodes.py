@@ -102,8 +102,8 @@ class Embedded(nn.Module):
 
 def trained(keywords: dict, between: str | None, nan_rank: int = -1) -> dict:
     """On a rank: STEPS steps (or ``_steps``) of the MLP on this rank's batches, then flush();
-    its parameters, the first and last losses, and its bytes a step (between nodes, inside the node).
-    ``nan_rank``: its loss is NaN at the sixth step."""
+    its parameters, the first and last losses, and its bytes a step (between nodes, inside
+    the node). ``nan_rank``: its loss is NaN at the sixth step."""
     import hvdsync.torch as hvd
     torch.manual_seed(0)
     kw = dict(keywords)

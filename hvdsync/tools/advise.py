@@ -38,7 +38,7 @@ GPU_CLUSTER = Constants(link_efficiency=0.8, collective_s=3.0e-5, fusion_bytes=6
 #: (``clip=`` is for training stability, not speed; the peers are shown for comparison)
 CANDIDATES = ("horovod", "horovod fp16", "hvdsync threshold", "hvdsync select",
               "hvdsync sparse", "hvdsync lowrank", "hvdsync delay", "hvdsync streaming")
-#: how to turn each choice on: the keyword the bench bed ran it with (benchmarks/bench_suite.py)
+#: how to turn each choice on: the keyword the bench bed ran it with (benchmarks/suite_methods.py)
 KEYWORDS = {
     "horovod": "", "horovod fp16": "compression=hvd.Compression.fp16",
     "hvdsync threshold": "threshold=dict(threshold=0.05, relative=True, max_skip=8)",

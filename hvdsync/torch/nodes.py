@@ -210,8 +210,8 @@ class OwnedCross:
         inner = start() if self._owner(nbytes) == self._me else None
 
         def wait() -> Any:
-            result, nbytes = share(inner.wait() if inner is not None else None)
-            self._stats.count("bytes_intra_node", nbytes)
+            result, sent = share(inner.wait() if inner is not None else None)
+            self._stats.count("bytes_intra_node", sent)
             return result
         return Pending(wait, inner.ready if inner is not None else lambda: True,
                        inner.nbytes if inner is not None else 0,
