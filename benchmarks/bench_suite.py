@@ -91,7 +91,6 @@ def run_method(name: str, workload_name: str, seed: int, steps: int | None = Non
 def _wrapped(spec: dict, w: Any, model: Any, base: Any, peer: str) -> tuple[Any, Any, Any]:
     """The method's optimizer, the module to run, and what tears a peer down (or None)."""
     import horovod.torch as horovod
-    from torch import nn
 
     import hvdsync.torch as hvd
     compression = hvd.Compression.fp16 if spec.get("fp16") else hvd.Compression.none
@@ -102,10 +101,8 @@ def _wrapped(spec: dict, w: Any, model: Any, base: Any, peer: str) -> tuple[Any,
         RUNS[0] += 1
         node, net = None, model
         if spec.get("per_node"):  # synchronous inside the node: DDP over the node's ranks
-            import torch.distributed as dist
             node = (horovod.cross_rank(), horovod.local_rank(), horovod.local_size())
-            node_group, _ = dist.new_subgroups(group_size=horovod.local_size())
-            net = nn.parallel.DistributedDataParallel(model, process_group=node_group)
+            net = ddp_peers.inside_node(model)
         return base, net, start_diloco(model, base, hvd.rank(), hvd.size(), peer, RUNS[0],
                                        spec["diloco"], node)
     if spec["kind"] == "ddp":

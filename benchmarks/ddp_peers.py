@@ -20,6 +20,15 @@ def _local_size() -> int:
     return int(os.environ.get("HOROVOD_LOCAL_SIZE", "1"))
 
 
+def inside_node(model: nn.Module) -> nn.Module:
+    """``model`` in DDP over its node's ranks only: synchronous inside the node (a peer that
+    runs something else between the nodes: torchft's replica group per node)."""
+    import torch.distributed as dist
+    # a node's ranks are consecutive, so groups of the local size are the nodes
+    node_group, _ = dist.new_subgroups(group_size=_local_size())
+    return nn.parallel.DistributedDataParallel(model, process_group=node_group)
+
+
 def wrap(model: nn.Module, base: Any, spec: dict) -> tuple[Any, nn.Module]:
     """``model`` in DDP with ``spec``'s hook (``"powersgd"``, ``"fp16"``, ``"post_local"``);
     returns the optimizer to step (``base``, which averages the models after its step where
