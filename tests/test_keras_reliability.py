@@ -150,9 +150,9 @@ def _weights(model) -> list:
     return [v.numpy().copy() for v in model.trainable_variables]
 
 
-def keras_first_job(directory: str) -> dict:
+def keras_first_job(directory: str, cases: Optional[dict] = None) -> dict:
     """fit 8 batches, save (hvd.save_model: every rank's memory; and rank 0's model.save),
-    fit 8 more: the uninterrupted result."""
+    fit 8 more: the uninterrupted result (each of ``cases``, default :data:`RESUME`)."""
     import os
 
     import hvdsync.keras as hvd
@@ -160,7 +160,7 @@ def keras_first_job(directory: str) -> dict:
     hvd.init()
     x, y = teacher_data(hvd.rank(), 16 * 16)
     out = {}
-    for case, options in RESUME.items():
+    for case, options in (cases or RESUME).items():
         model = _compiled(options, case)
         model.fit(x[:128], y[:128], batch_size=16, shuffle=False, verbose=0,
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
@@ -172,7 +172,7 @@ def keras_first_job(directory: str) -> dict:
     return out
 
 
-def keras_second_job(directory: str, which: str) -> dict:
+def keras_second_job(directory: str, which: str, cases: Optional[dict] = None) -> dict:
     """Fresh processes: hvd.load_model on every rank, fit the same 8 batches."""
     import os
     import warnings
@@ -182,7 +182,7 @@ def keras_second_job(directory: str, which: str) -> dict:
     hvd.init()
     x, y = teacher_data(hvd.rank(), 16 * 16)
     out = {}
-    for case, options in RESUME.items():
+    for case, options in (cases or RESUME).items():
         name = f"{case}.keras" if which == "every_rank" else f"{case}.rank0.keras"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

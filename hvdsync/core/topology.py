@@ -13,7 +13,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
+from hvdsync.safety import elastic
+
+#: the values of ``between=``: the flat exchange (Horovod's), or two levels
+BETWEEN = (None, "ranks", "nodes")
 #: the environment variable that makes one host act as nodes of this many ranks
 OVERRIDE = "HVDSYNC_RANKS_PER_NODE"
 
@@ -87,3 +92,90 @@ def from_environment(size: int, rank: int, env: Mapping[str, str] = os.environ) 
                     f"{topology.local_rank_of(rank)} of {topology.node_of(rank)}")
             return topology
     return Topology(size, size)
+
+
+def check_between(between: Any) -> Optional[str]:
+    """``between=`` as given, checked: ``None`` or ``"ranks"`` (flat), ``"nodes"``."""
+    if between not in BETWEEN:
+        raise ValueError(f"between must be 'nodes' (the techniques between nodes, synchronous "
+                         f"inside each) or 'ranks'/None (every rank alike, Horovod's way); got "
+                         f"{between!r}")
+    return "nodes" if between == "nodes" else None
+
+
+def process_set_ranks(env: Mapping[str, str] = os.environ) -> list[list[int]]:
+    """The ranks of every node, then of each local rank across the nodes, as the launcher
+    lays the job out (read before ``init``): what an adapter's ``node_process_sets()``
+    registers. Empty where the job is not several nodes of several ranks."""
+    size = int(env.get("HOROVOD_SIZE", env.get("WORLD_SIZE", "1")))
+    rank = int(env.get("HOROVOD_RANK", env.get("RANK", "0")))
+    t = from_environment(size, rank, env)
+    if not t.two_level:
+        return []
+    return ([t.node_ranks(n) for n in range(t.nodes)]
+            + [t.cross_ranks(r) for r in range(t.ranks_per_node)])
+
+
+@dataclass
+class Communicators:
+    """What an optimizer built with ``between=`` exchanges through: ``comm`` (every
+    technique's collectives: between nodes in the two-level mode), ``node`` (the reduction
+    inside the node, or ``None``), ``agree`` (the setup check: every rank), and how the job
+    is laid out (``topology``; a string: why it cannot be, every rank then raises alike after
+    the setup check), ``synchronous``: one node, so nothing runs between nodes."""
+
+    comm: Any
+    node: Any = None
+    agree: Any = None
+    topology: Any = None
+    synchronous: bool = False
+
+    def describe(self) -> str:
+        """The levels, for the statistics' summary."""
+        t = self.topology
+        if not isinstance(t, Topology):
+            return ""
+        what = ("synchronous inside it, as Horovod: no technique runs" if self.synchronous
+                else "one rank per node: the flat exchange" if t.ranks_per_node == 1
+                else "full precision inside each, the techniques between them")
+        return (f"between='nodes': {t.nodes} node{'s' * (t.nodes != 1)} x "
+                f"{t.ranks_per_node} rank{'s' * (t.ranks_per_node != 1)}, {what}")
+
+
+def levels(between: Optional[str], process_set: Any, size: int, rank: int, make: Callable,
+           two_level: Callable[[Topology], Communicators]) -> Communicators:
+    """An adapter's :class:`Communicators` for ``between`` (``make(process_set, wire)``: a
+    communicator, ``wire``: with the optimizer's compression): flat where ``between`` is
+    ``None`` or the job reduces to it (one rank per node; one node: Horovod's synchronous
+    exchange, every technique off), else ``two_level(topology)``'s."""
+    if between is None:
+        return Communicators(make(process_set, True))
+    if process_set.ranks and len(process_set.ranks) != size:
+        raise ValueError("between='nodes' runs over every rank: pass no process_set")
+    if elastic.launched():  # (its process sets would have to be registered at every reset)
+        raise NotImplementedError("between='nodes' does not run under Horovod Elastic yet; "
+                                  "torchrun's restarts (--max-restarts) start it afresh")
+    try:
+        topology = from_environment(size, rank)
+    except ValueError as e:  # (compared at the setup check, then raised on every rank)
+        return Communicators(make(process_set, True), topology=str(e))
+    if not topology.two_level:
+        return Communicators(make(process_set, True), topology=topology,
+                             synchronous=topology.nodes == 1)
+    return two_level(topology)
+
+
+def flat_advice(size: int, techniques: list[str]) -> Optional[str]:
+    """What rank 0 says once where a job of several nodes of several ranks runs
+    ``techniques`` flat, or ``None``."""
+    try:
+        t = from_environment(size, 0)
+    except ValueError:
+        return None
+    if not techniques or not t.two_level:
+        return None
+    return (f"hvdsync: this job is {t.nodes} nodes x {t.ranks_per_node} ranks, and "
+            f"{', '.join(n + '=' for n in techniques)} treat every rank alike: their traffic "
+            "inside a node is compressed, skipped or delayed as if it crossed the network. "
+            "DistributedOptimizer(..., between='nodes') averages inside each node in full "
+            "precision and runs them between nodes only, once per node (docs/nodes.md)")

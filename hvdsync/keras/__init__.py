@@ -58,6 +58,7 @@ elif _BACKEND == "tensorflow":
     globals().update({k: v for k, v in vars(_horovod_tf).items()
                       if not k.startswith("_") and k != "elastic"})
     from hvdsync.keras import elastic  # noqa: E402,F401
+    from hvdsync.keras.nodes import node_process_sets  # noqa: E402,F401 - between="nodes"
     from hvdsync.keras.optimizer import DistributedOptimizer  # noqa: E402,F401,F811
 else:  # (JAX, NumPy, OpenVINO: no per-layer hooks, no collectives hvdsync can start)
     raise ImportError(

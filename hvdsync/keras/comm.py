@@ -95,6 +95,10 @@ class KerasCommunicator:
     ``gradient_predivide_factor``), ``IndexedSlices`` through Horovod's allgather path, or
     densified with ``sparse_as_dense``."""
 
+    #: whether this rank's data collectives cross the link (two levels: the node's leader's,
+    #: :mod:`hvdsync.keras.nodes`)
+    carries = True
+
     def __init__(self, compression, op, gradient_predivide_factor: float,
                  sparse_as_dense: bool, process_set: ProcessSet, stats: SyncStats):
         self.compression = compression
@@ -131,6 +135,8 @@ class KerasCommunicator:
         """Payload after compression (fp16 halves float32 dense tensors)."""
         if isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense:
             return payload_bytes(g)
+        if not self.carries:
+            return 0
         n = payload_bytes(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g)
         fp16 = isinstance(self.compression, type) and issubclass(self.compression, FP16Compressor)
         if fp16 and g.dtype.is_floating and g.dtype.size > 2:
@@ -141,7 +147,14 @@ class KerasCommunicator:
         """How many collectives :meth:`reduce` runs for ``grads``."""
         sparse = (sum(isinstance(g, tf.IndexedSlices) for g in grads)
                   if not self.sparse_as_dense else 0)
-        return sparse * 2 + (1 if sparse < len(grads) else 0)
+        return sparse * 2 + (1 if sparse < len(grads) and self.carries else 0)
+
+    def _moved(self, name: Optional[str], start: Callable[[], list], like: list,
+               gathered: bool = False) -> list:
+        """The result of the data collective ``start()`` (``like``: its inputs; ``gathered``:
+        it concatenates every rank's along the first axis). Flat, every rank runs it; two
+        levels, the node's leader (:mod:`hvdsync.keras.nodes`)."""
+        return start()
 
     def reduce(self, grads: Sequence, name: Optional[str] = None) -> list:
         """Reduce ``grads`` now (graph ops in a traced function; eager ops, which need a
@@ -164,9 +177,10 @@ class KerasCommunicator:
                 dense_pos.append(i)
         if dense_pos:
             pairs = [self.compression.compress(grads[i]) for i in dense_pos]
-            reduced = mpi_ops._grouped_allreduce([c for c, _ in pairs], name=name, op=op,
-                                                 prescale_factor=pre, postscale_factor=post,
-                                                 process_set=self.process_set)
+            compressed = [c for c, _ in pairs]
+            reduced = self._moved(name, lambda: mpi_ops._grouped_allreduce(
+                compressed, name=name, op=op, prescale_factor=pre, postscale_factor=post,
+                process_set=self.process_set), compressed)
             for i, r, (_, ctx) in zip(dense_pos, reduced, pairs):
                 out[i] = self.compression.decompress(r, ctx)
         return out
@@ -266,10 +280,10 @@ class KerasCommunicator:
             return
         self.entries.now("the parameter averaging (delay=, flush())")
         for name, xs in groups:
+            values = [tf.convert_to_tensor(x.value) for x in xs]
             with guard("the parameter averaging (delay=, flush())"):
-                avg = mpi_ops._grouped_allreduce([tf.convert_to_tensor(x.value) for x in xs],
-                                                 name=name, op=Average,
-                                                 process_set=self.process_set)
+                avg = self._moved(name, lambda: mpi_ops._grouped_allreduce(
+                    values, name=name, op=Average, process_set=self.process_set), values)
             for x, a in zip(xs, avg):
                 x.assign(a)
 
@@ -289,13 +303,15 @@ class KerasCommunicator:
 
         def run() -> list:  # one allgather per tensor: a grouped one takes a single dtype
             with guard(f"the allgather {name!r}"):
-                return [mpi_ops.allgather(t, name=f"{name}.{i}", process_set=self.process_set)
-                        for i, t in enumerate(tensors)]
+                return self._moved(name, lambda: [
+                    mpi_ops.allgather(t, name=f"{name}.{i}", process_set=self.process_set)
+                    for i, t in enumerate(tensors)], tensors, gathered=True)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdsync")
         future = self._pool.submit(run)
-        return Pending(future.result, future.done, sum(payload_bytes(t) for t in tensors),
-                       len(tensors), what=f"the allgather {name!r}")
+        return Pending(future.result, future.done,
+                       sum(payload_bytes(t) for t in tensors) * self.carries,
+                       len(tensors) * self.carries, what=f"the allgather {name!r}")
 
     @property
     def averages(self) -> bool:
@@ -303,11 +319,11 @@ class KerasCommunicator:
 
     def gather_rows(self, name: str, tensors: list) -> Pending:
         """:meth:`allgather`, done on return (``sparse=``'s rows)."""
-        return ran_here(Pending.resolved(self.allgather(tensors, name)))
+        return ran_here(Pending.resolved(self.allgather(tensors, name)), self.carries)
 
     def sum_rows(self, name: str, tensors: list) -> Pending:
         """:meth:`sum`, done on return (``sparse=``'s dense route)."""
-        return ran_here(Pending.resolved(self.sum(tensors, name)))
+        return ran_here(Pending.resolved(self.sum(tensors, name)), self.carries)
 
     def allgather(self, tensors: list, name: str) -> list:
         """Eager grouped allgather (the sparse exchange's rows and counts)."""
@@ -315,7 +331,8 @@ class KerasCommunicator:
             return list(tensors)
         self.entries.now(f"the allgather {name!r}")
         with guard(f"the allgather {name!r}"):
-            return mpi_ops.grouped_allgather(tensors, name=name, process_set=self.process_set)
+            return self._moved(name, lambda: mpi_ops.grouped_allgather(
+                tensors, name=name, process_set=self.process_set), tensors, gathered=True)
 
     def sum(self, tensors: list, name: str) -> list:
         """Eager grouped allreduce with op Sum."""
@@ -323,11 +340,12 @@ class KerasCommunicator:
             return list(tensors)
         self.entries.now(f"the allreduce {name!r}")
         with guard(f"the allreduce {name!r}"):
-            return mpi_ops._grouped_allreduce(tensors, name=name, op=Sum,
-                                              process_set=self.process_set)
+            return self._moved(name, lambda: mpi_ops._grouped_allreduce(
+                tensors, name=name, op=Sum, process_set=self.process_set), tensors)
 
 
-def ran_here(pending: Pending) -> Pending:
-    """``pending``, run by this rank: one collective (sparse='s ports: its bytes count here)."""
-    pending.collectives = 1
+def ran_here(pending: Pending, carries: bool = True) -> Pending:
+    """``pending``, run by this rank: one collective (sparse='s ports: its bytes count here),
+    none where another rank of the node carries it (``carries``: two levels)."""
+    pending.collectives = int(carries)
     return pending

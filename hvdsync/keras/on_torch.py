@@ -29,7 +29,7 @@ from hvdsync.keras.params import (groups_to_names, keras_layer_of, mixed_in,
 from hvdsync.keras.state import SavedState
 from hvdsync.core.layers import Layer, build_layers
 from hvdsync.core.stats import SyncStats
-from hvdsync.torch.nodes import check_between
+from hvdsync.core.topology import check_between
 from hvdsync.torch.optimizer import checked_arguments
 from hvdsync.torch.saving import tensors_only
 

@@ -31,13 +31,15 @@ from hvdsync.safety import agreement, checkpoint, elastic
 from hvdsync.core import rules
 from hvdsync.core.api import SyncAPI
 from hvdsync.core.config import check_bool
+from hvdsync.core.topology import check_between
 from hvdsync.keras.graph import eager_step, graph_runs, graph_step, in_xla_context
 from hvdsync.keras.mixed_precision import LossScaleOptimizer, share_loss_scale_decision
 from hvdsync.keras.backend import KerasGradients, Slots
 from hvdsync.keras.ops import KerasOps
 from hvdsync.keras.comm import KerasCommunicator
 from hvdsync.keras.memory import VariableMemory
-from hvdsync.keras.params import (flat_only, groups_to_names, keras_layer_of, mixed_in,
+from hvdsync.keras import nodes
+from hvdsync.keras.params import (groups_to_names, keras_layer_of, mixed_in,
                                   relative_names)
 from hvdsync.keras.sparse import TracedSparse
 from hvdsync.techniques.sparse.config import SparseConfig
@@ -87,16 +89,26 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         names = relative_names([layer.name for layer in hv.layers])
         hv.layers = [Layer(n, layer.index, layer.param_names) for n, layer in zip(names, hv.layers)]
         hv.stats = SyncStats(names)
-        hv.comm = KerasCommunicator(hv.compression, hv.op, hv.predivide, hv.sparse_as_dense,
-                                    hv.process_set, hv.stats)
+
+        def make(process_set: ProcessSet, wire: bool, cls: type = KerasCommunicator) -> Any:
+            return cls(hv.compression if wire else Compression.none, hv.op,
+                       hv.predivide if wire else 1.0, hv.sparse_as_dense, process_set, hv.stats)
+        levels = nodes.communicators(hv.between, make, hv.process_set, list(hv.configs))
+        #: the techniques' (between nodes with between="nodes"); every rank's: the setup check
+        hv.comm, hv.everyone, hv.node, hv.levels = (levels.comm, levels.agree or levels.comm,
+                                                   levels.node, levels)
+        hv.stats.levels = levels.describe()
+        configs = ({} if levels.synchronous  # one node: Horovod's synchronous exchange
+                   else rules.for_nodes(hv.configs) if levels.node is not None else hv.configs)
         hv.grads = KerasGradients(layer_vars, Slots(self.variables, variables),
                                   update=self._update_uncounted)
-        hv.techniques = build_techniques(rules.for_tracing(hv.configs), Parts(
+        hv.techniques = build_techniques(rules.for_tracing(configs), Parts(
             hv.grads, KerasOps(), hv.comm, hv.stats, names,
             builds={SparseConfig: lambda c: TracedSparse(c, hv.grads, hv.comm, hv.stats)}))
         hv.pipeline = StepPipeline(names, hv.techniques, hv.grads, KerasOps(), hv.stats, hv.comm)
-        # HVDSYNC_KERAS_PIPELINE=1: every step through the eager step pipeline (to compare)
-        hv.graph_path = (graph_runs(hv.techniques)
+        # HVDSYNC_KERAS_PIPELINE=1: every step through the eager step pipeline (to compare);
+        # two levels: always (hvdsync.keras.nodes)
+        hv.graph_path = (graph_runs(hv.techniques) and hv.node is None
                          and os.environ.get("HVDSYNC_KERAS_PIPELINE") != "1")
         hv.signatures = [checkpoint.signature(v.shape, v.dtype) for vs in layer_vars for v in vs]
         with tf.init_scope():  # build may run while the train function is traced: go eager
@@ -188,6 +200,8 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
                      for g in grads]
 
         def run(step_grads: list, values: list) -> tuple[list, bool]:
+            if hv.node is not None:  # two levels: the node's gradient, in full precision
+                step_grads = hv.node(step_grads)
             hv.grads.begin_step(variables, step_grads, values)
             hv.pipeline.finish_backward()  # every layer is ready at once in Keras
             return hv.grads.grads, hv.pipeline.step_ok
@@ -199,7 +213,10 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         """Check that every rank built this optimizer alike (layers, options): raises
         ``RanksDisagree`` on every rank otherwise."""
         hv = self._hv
-        agreement.require(hv.comm, hv.layer_signatures, hv.configs, hv.horovod_options)
+        agreement.require(hv.everyone, hv.layer_signatures, hv.configs,
+                          dict(hv.horovod_options, nodes=str(hv.levels.topology)))
+        if isinstance(hv.levels.topology, str):  # (every rank alike, past the check)
+            raise ValueError(hv.levels.topology)
 
     def _leave_world(self) -> None:
         """Horovod is about to start again with other ranks: everything in flight is finished,
@@ -250,6 +267,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
                          groups: Any = None,
                          process_set: ProcessSet = global_process_set,
                          scale_local_gradients: bool = True,
+                         *,
+                         between: Optional[str] = None,
                          **keywords: Unpack[TechniqueKeywords],
                          ) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so its updates use gradients reduced across Horovod ranks.
@@ -257,38 +276,38 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
     Horovod's arguments with the same meaning (``device_dense``/``device_sparse`` stay ``""``,
     ``scale_local_gradients`` ``True``); with no technique on, the updates equal Horovod's.
     Returns an instance of a subclass of the optimizer's class (saved files load anywhere)
-    sharing its state, with ``stats``, ``flush()``, ``techniques``, ``selection``,
-    ``delay_status`` and ``sparse_routes``.
+    sharing its state, with ``stats``, ``flush()``, ``techniques`` and each one's status.
 
     Args:
         optimizer: the Keras optimizer to wrap (built or not).
         name: a new name for it.
-        device_dense: Horovod's; only ``""``.
-        device_sparse: Horovod's; only ``""``.
+        device_dense: Horovod's; only ``""`` (and ``device_sparse``).
         compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
         op: ``hvd.Average`` or ``hvd.Sum``.
         sparse_as_dense: reduce ``IndexedSlices`` gradients (embeddings) as dense tensors.
         gradient_predivide_factor: with Average, scale by 1/f before and f/size after the sum.
         backward_passes_per_step: batches accumulated locally before one exchange and update
             (summed, as Horovod; averaged with ``average_aggregated_gradients=True``).
-        num_groups: Horovod's deprecated form of ``groups=int``.
-        groups: Horovod's grouping (an int: contiguous chunks; lists of variables reduced
-            together); not with ``layers``.
+        groups: Horovod's grouping (an int, or ``num_groups``, its deprecated form: contiguous
+            chunks; lists of variables reduced together); not with ``layers``.
         process_set: reduce over this Horovod process set only.
         average_aggregated_gradients: average the accumulated batches instead of summing.
         scale_local_gradients: Horovod's; only ``True``.
+        between: ``"nodes"``: the techniques between nodes only, once per node, a full-precision
+            average inside each (docs/nodes.md). Default: every rank alike.
         **keywords: hvdsync's ``layers=`` (by Keras layer, or a callable / mapping) and its
             techniques ``clip=``, ``threshold=``, ``select=``, ``sparse=``, ``lowrank=``,
             ``delay=``, each a config, a dict of its fields or a shorthand
             (:class:`hvdsync.techniques.TechniqueKeywords`).
     """
-    layers, techniques = rules.given(flat_only(keywords), _HOROVOD_ARGS, "DistributedOptimizer")
+    between = check_between(between)
+    layers, techniques = rules.given(keywords, _HOROVOD_ARGS, "DistributedOptimizer")
     if isinstance(optimizer, LossScaleOptimizer):  # wrap what it wraps; it decides for all
         inner = DistributedOptimizer(
             optimizer.inner_optimizer, name, device_dense, device_sparse, compression,
             sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
             average_aggregated_gradients, num_groups, groups, process_set,
-            scale_local_gradients, layers=layers, **techniques)
+            scale_local_gradients, layers=layers, between=between, **techniques)
         return LossScaleOptimizer(inner, initial_scale=optimizer.initial_scale,
                                   dynamic_growth_steps=optimizer.dynamic_growth_steps,
                                   name=optimizer.name)
@@ -300,19 +319,16 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
         sparse_as_dense=sparse_as_dense, process_set=process_set, num_groups=num_groups,
         groups=groups, layers=layers, **techniques)
     grouping = layers if layers is not None else groups_to_names(groups)
-    # what every rank must agree on (agreement.require), as Horovod names it
-    horovod_options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                           backward_passes_per_step=backward_passes_per_step,
-                           average_aggregated_gradients=average_aggregated_gradients,
-                           gradient_predivide_factor=gradient_predivide_factor,
-                           process_set=process_set.ranks)
+    options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                   backward_passes_per_step=backward_passes_per_step,
+                   average_aggregated_gradients=average_aggregated_gradients,
+                   gradient_predivide_factor=gradient_predivide_factor, between=between)
     wrapped = _wrap(optimizer, name, backward_passes_per_step)
     object.__setattr__(wrapped, "_hv", _Hvdsync(
-        compression=compression, op=op, predivide=gradient_predivide_factor,
-        sparse_as_dense=sparse_as_dense, process_set=process_set,
-        average_aggregated_gradients=average_aggregated_gradients,
+        **options, predivide=gradient_predivide_factor, process_set=process_set,
         grouping=grouping if grouping is not None else keras_layer_of, configs=configs,
-        pending_state=None, horovod_options=horovod_options))
+        # what every rank must agree on (agreement.require), as Horovod names it
+        pending_state=None, horovod_options=dict(options, process_set=process_set.ranks)))
     if optimizer.built:
         wrapped._hvdsync_build(list(optimizer._trainable_variables))
     return wrapped

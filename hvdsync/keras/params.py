@@ -63,15 +63,3 @@ def _path_of(v: Any) -> str:
     if not hasattr(v, "path"):
         raise ValueError(f"groups must consist of Keras variables, got {type(v).__name__}")
     return v.path
-
-
-def flat_only(keywords: dict[str, Any]) -> dict[str, Any]:
-    """A Keras factory's keywords less ``between=``, which Keras' TensorFlow backend takes
-    flat only so far."""
-    between = keywords.pop("between", None)
-    if between not in (None, "ranks"):
-        raise NotImplementedError("between='nodes' runs on hvdsync.torch's optimizer and on "
-                                  "Keras' torch backend (KERAS_BACKEND=torch); on the "
-                                  "TensorFlow backend hvdsync.keras has the flat exchange only "
-                                  "so far (docs/nodes.md)")
-    return keywords

@@ -50,8 +50,8 @@ KEYWORDS = {
 
 
 def line_to_paste(technique: str) -> str:
-    """The wrapper line that turns ``technique`` on (torch; Keras takes the same keyword; a
-    two-level row's on torch only, after ``hvd.init`` with the node sets: docs/nodes.md)."""
+    """The wrapper line that turns ``technique`` on (torch; Keras takes the same keywords; a
+    two-level row's after ``hvd.init`` with the node sets: docs/nodes.md)."""
     flat = technique.removesuffix(twolevel.SUFFIX)
     keyword = ", ".join(k for k in (KEYWORDS[flat], 'between="nodes"' * (flat != technique)) if k)
     return ("hvd.init(process_sets=hvd.node_process_sets())\n    " * (flat != technique)

@@ -13,41 +13,20 @@ adds them when an optimizer asks.
 from __future__ import annotations
 
 import math
-import os
 import warnings
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from hvdsync.core.stats import SyncStats
-from hvdsync.core.topology import Topology, from_environment
+from hvdsync.core.topology import (Communicators, Topology, flat_advice, levels,
+                                   process_set_ranks)
 from hvdsync.core.wire import Pending
-from hvdsync.safety import elastic
 from hvdsync.torch import engine
 from hvdsync.torch.comm import payload_bytes
 
-#: the values of ``between=``: the flat exchange (Horovod's), or two levels
-BETWEEN = (None, "ranks", "nodes")
 #: the process sets :func:`node_process_sets` gave, by their ranks (and the torch engine's)
 _REGISTERED: dict[tuple[int, ...], Any] = {}
-
-
-def check_between(between: Any) -> Optional[str]:
-    """``between=`` as given, checked: ``None`` or ``"ranks"`` (flat), ``"nodes"``."""
-    if between not in BETWEEN:
-        raise ValueError(f"between must be 'nodes' (the techniques between nodes, synchronous "
-                         f"inside each) or 'ranks'/None (every rank alike, Horovod's way); got "
-                         f"{between!r}")
-    return "nodes" if between == "nodes" else None
-
-
-def _job_topology() -> Topology:
-    """The launcher's layout, read before ``init`` (Horovod's or torchrun's variables)."""
-    env = os.environ
-    size = int(env.get("HOROVOD_SIZE", env.get("WORLD_SIZE", "1")))
-    rank = int(env.get("HOROVOD_RANK", env.get("RANK", "0")))
-    return from_environment(size, rank)
 
 
 def node_process_sets() -> list:
@@ -55,95 +34,44 @@ def node_process_sets() -> list:
     out (:mod:`hvdsync.core.topology`): ``hvd.init(process_sets=hvd.node_process_sets())``
     registers what ``between="nodes"`` runs on (Horovod: at init). Empty where the job is
     not several nodes of several ranks."""
-    topology = _job_topology()
-    if not topology.two_level:
-        return []
     ops = engine.ops()  # (the engine chosen, else the one init() will choose)
-    ranks = ([topology.node_ranks(n) for n in range(topology.nodes)]
-             + [topology.cross_ranks(r) for r in range(topology.ranks_per_node)])
-    return [_REGISTERED.setdefault(tuple(r), ops.ProcessSet(r)) for r in ranks]
-
-
-@dataclass
-class Communicators:
-    """What an optimizer built with ``between=`` exchanges through: ``comm`` (every
-    technique's collectives: between nodes in the two-level mode), ``node`` (the reduction
-    inside the node, or ``None``), ``agree`` (the setup check: every rank), and how the job
-    is laid out (``topology``; a string: why it cannot be, every rank then raises alike after
-    the setup check), ``synchronous``: one node, so nothing runs between nodes."""
-
-    comm: Any
-    node: Optional["NodeReduce"] = None
-    agree: Any = None
-    topology: Any = None
-    synchronous: bool = False
-
-    def describe(self) -> str:
-        """The levels, for the statistics' summary."""
-        t = self.topology
-        if not isinstance(t, Topology):
-            return ""
-        what = ("synchronous inside it, as Horovod: no technique runs" if self.synchronous
-                else "one rank per node: the flat exchange" if t.ranks_per_node == 1
-                else "full precision inside each, the techniques between them")
-        return (f"between='nodes': {t.nodes} node{'s' * (t.nodes != 1)} x "
-                f"{t.ranks_per_node} rank{'s' * (t.ranks_per_node != 1)}, {what}")
+    return [_REGISTERED.setdefault(tuple(r), ops.ProcessSet(r)) for r in process_set_ranks()]
 
 
 def communicators(between: Optional[str], process_set: Any, make: Any, stats: SyncStats,
                   techniques: list[str]) -> Communicators:
     """The communicators of an optimizer with ``between=`` (``make(process_set, wire, op)``
     builds one, ``wire``: with the optimizer's compression, else full precision; ``op``: a
-    reduction other than the optimizer's): flat where
-    ``between`` is ``None`` or the job reduces to it (one rank per node; one node: Horovod's
-    synchronous exchange, every technique off). Flat on nodes of several ranks with
-    ``techniques`` on: rank 0 says once what the two-level mode would change."""
+    reduction other than the optimizer's; :func:`hvdsync.core.topology.levels`). Flat on
+    nodes of several ranks with ``techniques`` on: rank 0 says once what the two-level mode
+    would change."""
+    ops = engine.ops()
     if between is None:
         _say_once(techniques)
-        return Communicators(make(process_set, True))
-    ops = engine.ops()
-    if process_set.ranks and len(process_set.ranks) != ops.size():
-        raise ValueError("between='nodes' runs over every rank: pass no process_set")
-    if elastic.launched():  # (its process sets would have to be registered at every reset)
-        raise NotImplementedError("between='nodes' does not run under Horovod Elastic yet; "
-                                  "torchrun's restarts (--max-restarts) start it afresh")
-    try:
-        topology = from_environment(ops.size(), ops.rank())
-    except ValueError as e:  # (compared at the setup check, then raised on every rank)
-        return Communicators(make(process_set, True), topology=str(e))
-    if not topology.two_level:
-        return Communicators(make(process_set, True), topology=topology,
-                             synchronous=topology.nodes == 1)
-    rank = ops.rank()
-    node = _registered(topology.node_ranks(topology.node_of(rank)))
-    cross = _registered(topology.cross_ranks(topology.local_rank_of(rank)))
-    # (collectives start in one order on every rank, as on torch.distributed: a node's
-    # reduction blocks, and two ranks waiting in different orders would wait on each other)
-    comm = OwnedCross(make(cross, True), make(node, False, ops.Sum),
-                      topology.local_rank_of(rank), topology.ranks_per_node, stats)
-    return Communicators(comm, NodeReduce(make(node, False), stats), make(process_set, True),
-                         topology)
+
+    def two_level(topology: Topology) -> Communicators:
+        rank = ops.rank()
+        node = _registered(topology.node_ranks(topology.node_of(rank)))
+        cross = _registered(topology.cross_ranks(topology.local_rank_of(rank)))
+        # (collectives start in one order on every rank, as on torch.distributed: a node's
+        # reduction blocks, and two ranks waiting in different orders would wait on each other)
+        comm = OwnedCross(make(cross, True), make(node, False, ops.Sum),
+                          topology.local_rank_of(rank), topology.ranks_per_node, stats)
+        return Communicators(comm, NodeReduce(make(node, False), stats),
+                             make(process_set, True), topology)
+    return levels(between, process_set, ops.size(), ops.rank(), make, two_level)
 
 
 _said: list[bool] = []
 
 
 def _say_once(techniques: list[str]) -> None:
-    if _said or not techniques or engine.ops().rank() != 0:
+    if _said or engine.ops().rank() != 0:
         return
-    try:
-        topology = from_environment(engine.ops().size(), 0)
-    except ValueError:
-        return
-    if topology.two_level:
+    advice = flat_advice(engine.ops().size(), techniques)
+    if advice is not None:
         _said.append(True)
-        warnings.warn(
-            f"hvdsync: this job is {topology.nodes} nodes x {topology.ranks_per_node} ranks, "
-            f"and {', '.join(t + '=' for t in techniques)} treat every rank alike: their "
-            "traffic inside a node is compressed, skipped or delayed as if it crossed the "
-            "network. DistributedOptimizer(..., between='nodes') averages inside each node in "
-            "full precision and runs them between nodes only, once per node (docs/nodes.md)",
-            RuntimeWarning, stacklevel=5)
+        warnings.warn(advice, RuntimeWarning, stacklevel=5)
 
 
 def _registered(ranks: list[int]) -> Any:

@@ -28,6 +28,7 @@ from hvdsync.safety import agreement, checkpoint, elastic
 from hvdsync.core import rules
 from hvdsync.core.api import SyncAPI
 from hvdsync.core.config import non_negative_float, positive_int
+from hvdsync.core.topology import check_between
 from hvdsync.core.layers import Grouping, Layer, build_layers
 from hvdsync.core.groups import default_group_bytes
 from hvdsync.core.pipeline import StepPipeline
@@ -391,7 +392,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     layers, techniques = rules.given(keywords, _HOROVOD_ARGS + ("scaler", "group_mb",
                                                                 "between"),
                                      "DistributedOptimizer")
-    between = nodes.check_between(between)
+    between = check_between(between)
     # (None: the default, core.groups.default_group_bytes, once the techniques are known)
     group_bytes = (None if group_mb is None else
                    (int(non_negative_float("group_mb", group_mb) * 2**20),) * 2)
