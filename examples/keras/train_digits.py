@@ -55,10 +55,12 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
           clip: Optional[dict] = None, threshold: Optional[dict] = None,
           select: Optional[dict] = None, delay: Optional[dict | str] = None,
           save: Optional[str] = None, verbose: bool = True,
-          lowrank: Optional[dict] = None) -> dict[str, Any]:
+          lowrank: Optional[dict] = None, between: Optional[str] = None) -> dict[str, Any]:
     """Train on this rank's shard with ``model.fit``; return test accuracy, the stats and the
-    time its training steps took."""
-    hvd.init()
+    time its training steps took. ``between="nodes"``: the techniques between nodes only
+    (docs/nodes.md)."""
+    # (Horovod registers the node's process sets at init; an empty list on one node)
+    hvd.init(process_sets=hvd.node_process_sets() if between == "nodes" else None)
     keras.utils.set_random_seed(seed)
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
@@ -77,7 +79,7 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
     ])
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr * hvd.size(), momentum=0.9),
                                    clip=clip, threshold=threshold, select=select, delay=delay,
-                                   lowrank=lowrank)
+                                   lowrank=lowrank, between=between)
     model.compile(optimizer=opt,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -117,6 +119,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="staleness of the global gradient, or a local-steps preset (delay=)")
     p.add_argument("--average-every", type=int, default=8, help="with --delay: K")
     p.add_argument("--save", help="save the trained model (.keras) here")
+    p.add_argument("--between", choices=["nodes"], default=None,
+                   help="nodes: the techniques between nodes only, synchronous inside each")
     a = p.parse_args(argv)
     train(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
           clip=dict(max_norm=a.clip) if a.clip else None,
@@ -125,7 +129,8 @@ def main(argv: Optional[list[str]] = None) -> None:
           select=dict(k=a.select) if a.select else None,
           delay=(None if a.delay is None else a.delay if a.delay in ("diloco", "streaming")
                  else dict(staleness=int(a.delay), average_every=a.average_every)),
-          save=a.save, lowrank=dict(rank=a.lowrank) if a.lowrank else None)
+          save=a.save, lowrank=dict(rank=a.lowrank) if a.lowrank else None,
+          between=a.between)
 
 
 if __name__ == "__main__":

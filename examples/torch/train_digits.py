@@ -35,11 +35,13 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
           threshold: Optional[dict] = None, clip: Optional[dict] = None,
           select: Optional[dict] = None, delay: Optional[dict | str] = None,
           compression: str = "none", lowrank: Optional[dict] = None, baseline: bool = False,
-          verbose: bool = True) -> dict[str, Any]:
+          verbose: bool = True, between: Optional[str] = None) -> dict[str, Any]:
     """Train on this rank's shard; return final test accuracy, loss, the stats and the time
     per step. ``baseline=True`` trains without hvdsync instead: Horovod's own optimizer, or
-    DDP on the torch backend."""
-    hvd.init()
+    DDP on the torch backend. ``between="nodes"``: the techniques between nodes only
+    (docs/nodes.md)."""
+    # (Horovod registers the node's process sets at init; an empty list on one node)
+    hvd.init(process_sets=hvd.node_process_sets() if between == "nodes" else None)
     torch.manual_seed(seed)
     torch.set_num_threads(1)
     say = print if verbose and hvd.rank() == 0 else (lambda *a, **k: None)
@@ -71,7 +73,8 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, seed: int = 0
     else:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=wire, threshold=threshold, clip=clip,
-                                       select=select, delay=delay, lowrank=lowrank)
+                                       select=select, delay=delay, lowrank=lowrank,
+                                       between=between)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
@@ -136,6 +139,8 @@ def main() -> None:
     ap.add_argument("--lowrank", type=int, default=None, metavar="RANK",
                     help="send weight matrices as rank-RANK factors (PowerSGD-style)")
     ap.add_argument("--fp16", action="store_true", help="fp16 compression on the wire")
+    ap.add_argument("--between", choices=["nodes"], default=None,
+                    help="nodes: the techniques between nodes only, synchronous inside each")
     args = ap.parse_args()
     threshold = (dict(threshold=args.threshold, max_skip=args.max_skip)
                  if args.threshold is not None else None)
@@ -146,7 +151,8 @@ def main() -> None:
              else dict(staleness=int(args.delay), average_every=args.average_every))
     train(args.epochs, args.batch_size, args.lr, args.seed, threshold, clip, select, delay,
           compression="fp16" if args.fp16 else "none",
-          lowrank=dict(rank=args.lowrank) if args.lowrank is not None else None)
+          lowrank=dict(rank=args.lowrank) if args.lowrank is not None else None,
+          between=args.between)
 
 
 if __name__ == "__main__":
