@@ -308,7 +308,8 @@ def test_a_stalled_rank_of_a_node_is_reported_by_every_other_rank(launcher):
                   env={OVERRIDE: "2", "HVDSYNC_STALL_WARNING_SECONDS": "1"})
     assert out[3] == "", out  # the stopped rank waited for nobody
     for rank in (0, 1, 2):
-        assert "hvdsync: stall:" in out[rank], (rank, out)
-        report = out[rank][out[rank].index("hvdsync: stall:"):]
-        assert report.startswith(f"hvdsync: stall: rank {rank} has waited "), report
-        assert "in a training step (step 3)" in report and "docs/failures.md" in report, report
+        # (four ranks on two cores: a rank may also have waited a second at an earlier step,
+        # a true report too; the stall at step 3 must be reported)
+        reports = out[rank].split("hvdsync: stall: ")[1:]
+        assert any(r.startswith(f"rank {rank} has waited ") and "docs/failures.md" in r
+                   and "in a training step (step 3)" in r for r in reports), (rank, out)
