@@ -141,3 +141,33 @@ def test_a_two_level_run_resumes_exactly_in_fresh_processes(ranks, directory):
             assert b[case]["iterations"] == 16
             for x, y in zip(a[case], b[case]["weights"]):
                 np.testing.assert_array_equal(y, x, err_msg=f"{case} rank {rank}")
+
+
+# -- where two levels reduce to one ---------------------------------------------------------------
+def edge_body() -> dict:
+    """This job's layout (the override the launcher gave): nothing on and threshold=, each
+    two-level and flat; the final weights."""
+    import hvdsync.keras as hvd
+    hvd.init(process_sets=hvd.node_process_sets())
+    out = {}
+    for name in ("nothing on", "threshold"):
+        for between in ("nodes", None):
+            r = fit_body(dict(CASES[name][0], between=between), "momentum", 0.05, 8, 16,
+                         record_weights=False)
+            out[f"{name}, {between or 'flat'}"] = np.concatenate([v.ravel() for _, v in
+                                                   sorted(r["final"].items())])
+    return out
+
+
+@pytest.mark.parametrize("per_node, what", [("1", "flat"), ("2", "one node")])
+def test_one_rank_per_node_is_flat_and_one_node_is_horovods_step(per_node, what):
+    """Two ranks: as two nodes of one rank, two-level is the flat exchange bit for bit; as
+    one node of two, Horovod's synchronous step (a technique does nothing)."""
+    from hvdsync.testing import run_ranks
+    runs = run_ranks(edge_body, 2, timeout=300, env={OVERRIDE: per_node})
+    for r in runs:
+        flat = "threshold, flat" if what == "flat" else "nothing on, flat"
+        np.testing.assert_array_equal(r["threshold, nodes"], r[flat])
+        np.testing.assert_array_equal(r["nothing on, nodes"], r["nothing on, flat"])
+    if what == "one node":  # (threshold= keeps layers back when it runs: it did not here)
+        assert not np.array_equal(runs[0]["threshold, flat"], runs[0]["nothing on, flat"])
