@@ -11,6 +11,7 @@ nodes (tests, single-host experiments). Nodes of unequal size are refused, with 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -143,12 +144,18 @@ class Communicators:
 
 
 def levels(between: Optional[str], process_set: Any, size: int, rank: int, make: Callable,
-           two_level: Callable[[Topology], Communicators]) -> Communicators:
+           two_level: Callable[[Topology], Communicators],
+           techniques: list[str]) -> Communicators:
     """An adapter's :class:`Communicators` for ``between`` (``make(process_set, wire)``: a
     communicator, ``wire``: with the optimizer's compression): flat where ``between`` is
     ``None`` or the job reduces to it (one rank per node; one node: Horovod's synchronous
-    exchange, every technique off), else ``two_level(topology)``'s."""
+    exchange, every technique off), else ``two_level(topology)``'s. Flat on nodes of several
+    ranks with ``techniques`` on: rank 0 says once what the two-level mode would change."""
     if between is None:
+        advice = flat_advice(size, techniques) if rank == 0 and not _said else None
+        if advice is not None:
+            _said.append(True)
+            warnings.warn(advice, RuntimeWarning, stacklevel=5)
         return Communicators(make(process_set, True))
     if process_set.ranks and len(process_set.ranks) != size:
         raise ValueError("between='nodes' runs over every rank: pass no process_set")
@@ -163,6 +170,9 @@ def levels(between: Optional[str], process_set: Any, size: int, rank: int, make:
         return Communicators(make(process_set, True), topology=topology,
                              synchronous=topology.nodes == 1)
     return two_level(topology)
+
+
+_said: list[bool] = []  # (the flat job's advice, said once a process)
 
 
 def flat_advice(size: int, techniques: list[str]) -> Optional[str]:

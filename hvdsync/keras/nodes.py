@@ -9,7 +9,6 @@ worker's bytes. Horovod registers process sets at ``init``:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -18,8 +17,7 @@ from horovod.tensorflow import ProcessSet, mpi_ops
 from horovod.tensorflow.mpi_ops import Sum
 
 from hvdsync.core.stats import SyncStats
-from hvdsync.core.topology import (Communicators, Topology, flat_advice, levels,
-                                   process_set_ranks)
+from hvdsync.core.topology import Communicators, Topology, levels, process_set_ranks
 from hvdsync.keras.comm import KerasCommunicator, payload_bytes
 from hvdsync.safety.watchdog import guard
 
@@ -47,14 +45,8 @@ def communicators(between: Optional[str], make: Callable[..., Any], process_set:
                   techniques: list[str]) -> Communicators:
     """The communicators of a Keras optimizer with ``between=``
     (:func:`hvdsync.core.topology.levels`; ``make(process_set, wire, cls)``: a ``cls``
-    (:class:`KerasCommunicator`), ``wire``: with the optimizer's compression). Flat on nodes of several ranks with ``techniques`` on: rank
-    0 says once what the two-level mode would change."""
+    (:class:`KerasCommunicator`), ``wire``: with the optimizer's compression)."""
     size, rank = mpi_ops.size(), mpi_ops.rank()
-    if between is None and rank == 0 and not _said:
-        advice = flat_advice(size, techniques)
-        if advice is not None:
-            _said.append(True)
-            warnings.warn(advice, RuntimeWarning, stacklevel=5)
 
     def two_level(topology: Topology) -> Communicators:
         node = _registered(topology.node_ranks(topology.node_of(rank)))
@@ -63,10 +55,7 @@ def communicators(between: Optional[str], make: Callable[..., Any], process_set:
         cross.node, cross.carries = node, topology.local_rank_of(rank) == 0
         return Communicators(cross, NodeReduce(make(node, False)), make(process_set, True),
                              topology)
-    return levels(between, process_set, size, rank, make, two_level)
-
-
-_said: list[bool] = []
+    return levels(between, process_set, size, rank, make, two_level, techniques)
 
 
 class NodeReduce:

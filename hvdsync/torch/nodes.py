@@ -13,14 +13,12 @@ adds them when an optimizer asks.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Optional
 
 import torch
 
 from hvdsync.core.stats import SyncStats
-from hvdsync.core.topology import (Communicators, Topology, flat_advice, levels,
-                                   process_set_ranks)
+from hvdsync.core.topology import Communicators, Topology, levels, process_set_ranks
 from hvdsync.core.wire import Pending
 from hvdsync.torch import engine
 from hvdsync.torch.comm import payload_bytes
@@ -42,12 +40,8 @@ def communicators(between: Optional[str], process_set: Any, make: Any, stats: Sy
                   techniques: list[str]) -> Communicators:
     """The communicators of an optimizer with ``between=`` (``make(process_set, wire, op)``
     builds one, ``wire``: with the optimizer's compression, else full precision; ``op``: a
-    reduction other than the optimizer's; :func:`hvdsync.core.topology.levels`). Flat on
-    nodes of several ranks with ``techniques`` on: rank 0 says once what the two-level mode
-    would change."""
+    reduction other than the optimizer's; :func:`hvdsync.core.topology.levels`)."""
     ops = engine.ops()
-    if between is None:
-        _say_once(techniques)
 
     def two_level(topology: Topology) -> Communicators:
         rank = ops.rank()
@@ -59,19 +53,7 @@ def communicators(between: Optional[str], process_set: Any, make: Any, stats: Sy
                           topology.local_rank_of(rank), topology.ranks_per_node, stats)
         return Communicators(comm, NodeReduce(make(node, False), stats),
                              make(process_set, True), topology)
-    return levels(between, process_set, ops.size(), ops.rank(), make, two_level)
-
-
-_said: list[bool] = []
-
-
-def _say_once(techniques: list[str]) -> None:
-    if _said or engine.ops().rank() != 0:
-        return
-    advice = flat_advice(engine.ops().size(), techniques)
-    if advice is not None:
-        _said.append(True)
-        warnings.warn(advice, RuntimeWarning, stacklevel=5)
+    return levels(between, process_set, ops.size(), ops.rank(), make, two_level, techniques)
 
 
 def _registered(ranks: list[int]) -> Any:
