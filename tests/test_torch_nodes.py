@@ -8,6 +8,7 @@ bit, one node Horovod's synchronous one."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -308,8 +309,10 @@ def test_a_stalled_rank_of_a_node_is_reported_by_every_other_rank(launcher):
                   env={OVERRIDE: "2", "HVDSYNC_STALL_WARNING_SECONDS": "1"})
     assert out[3] == "", out  # the stopped rank waited for nobody
     for rank in (0, 1, 2):
-        # (four ranks on two cores: a rank may also have waited a second at an earlier step,
-        # a true report too; the stall at step 3 must be reported)
+        # (four ranks on two cores: rank 3 may stop before Horovod's background thread has
+        # sent its step-2 collectives, and then the others truly wait in step 2; a rank may
+        # also have waited a second at an earlier step, a true report too)
         reports = out[rank].split("hvdsync: stall: ")[1:]
         assert any(r.startswith(f"rank {rank} has waited ") and "docs/failures.md" in r
-                   and "in a training step (step 3)" in r for r in reports), (rank, out)
+                   and re.search(r"in a training step \(step [23]\)", r)
+                   for r in reports), (rank, out)
