@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from hvdsync.testing import HIDE_ENV, run_ranks
-from tests.torch_api_cases import (DTYPES, REDUCE_OPS, WIDE, async_forms, autograd_walk,
+from tests.torch_api_cases import (DTYPES, REDUCE_OPS, WIDE, async_forms,
+                                   async_without_waiting, autograd_walk, join_uneven,
                                    checks_in_training, dtype_matrix, mistakes, rank_leaves,
                                    reducescatter_wire, refusals,
                                    run_script, step_while_a_rank_joined, sync_batch_norm)
@@ -29,7 +30,8 @@ def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     if np_ not in (2, 3):
         return {}
     return {"autograd": (autograd_walk,), "sync_batch_norm": (sync_batch_norm,),
-            "async_forms": (async_forms,), "refusals": (refusals,)}
+            "async_forms": (async_forms,), "refusals": (refusals,),
+            "async_without_waiting": (async_without_waiting,), "join": (join_uneven,)}
 
 
 def torchrun_job_cases(np_: int, directory: str) -> dict[str, tuple]:
@@ -163,6 +165,30 @@ def test_refusals_raise_horovods_exception_classes(request, torch_job, torchrun_
 
 
 @NP
+def test_async_calls_return_without_waiting_for_their_peers(request, torch_job, torchrun_job,
+                                                            np_):
+    """An ``*_async`` call returns at once while the peers are elsewhere (their check and
+    sizes travel on the rank's lane), with Horovod's results after ``synchronize``. Calls
+    started in another order on some ranks: Horovod pairs them by name; the torch engine
+    (c10d pairs by order) raises the same error on every rank, naming the names, and the job
+    goes on (docs/backends.md)."""
+    horovod = torch_job(request.module, np_)["async_without_waiting"]
+    ours = torchrun_job(request.module, np_)["async_without_waiting"]
+    total = float(sum(range(np_)))
+    for r in range(np_):
+        assert ours[r]["results"] == horovod[r]["results"], r
+        assert "raises" not in str(ours[r]["results"])
+        assert horovod[r]["o.x"] == horovod[r]["o.y"] == [total, total]
+        assert ours[r]["job_goes_on"] == horovod[r]["job_goes_on"] == total
+        # the same errors on every rank (each rank's first call paired with the others' first)
+        assert {ours[r]["o.x"], ours[r]["o.y"]} == {ours[0]["o.x"], ours[0]["o.y"]}, r
+        for name in ("o.x", "o.y"):
+            assert "name differ" in ours[r][name] and "same order" in ours[r][name], ours[r]
+    assert horovod[0]["start_seconds"] < 0.5, horovod[0]  # the peers sleep 1.5 s
+    assert ours[0]["start_seconds"] < 0.5, ours[0]
+
+
+@NP
 def test_reducescatter_moves_a_reduce_scatters_bytes(request, torchrun_job, np_):
     """One c10d reduce-scatter per dtype, its input the tensors' bytes (padded to equal parts
     where the rows do not divide), no allreduce; each rank gets Horovod's rows."""
@@ -191,11 +217,39 @@ def test_a_rank_that_leaves_ends_the_others_wait_with_an_error():
     assert "a collective failed" in text and seconds < 30, res[0]
 
 
-def test_a_step_while_a_rank_is_in_horovods_join_is_refused_with_the_reason():
-    # Horovod: a joined rank sends zeros, which the step's entry tag reads as "in hvd.join()"
-    said, joined = run_ranks(step_while_a_rank_joined, np=2, timeout=120)
-    assert joined is None
+@NP
+def test_join_answers_the_others_allreduces_as_horovods(request, torch_job, torchrun_job, np_):
+    """Uneven batches: a joined rank's zeros give Horovod's averages and sums on the ranks
+    that go on; join returns the rank that joined last; an allgather or a broadcast while a
+    rank has joined raises a RuntimeError (Horovod's class) on the calling ranks, and the job
+    goes on."""
+    horovod = torch_job(request.module, np_)["join"]
+    ours = torchrun_job(request.module, np_)["join"]
+    for r in range(np_):
+        for key in ("sum", "last", "job_goes_on"):
+            assert ours[r][key] == horovod[r][key], (r, key, ours[r][key], horovod[r][key])
+        assert np.allclose(ours[r]["average"], horovod[r]["average"], rtol=1e-6, atol=0), r
+        if r > 0:
+            assert ours[r]["allgather"] is horovod[r]["allgather"] is True
+            assert ours[r]["broadcast"] is horovod[r]["broadcast"] is True
+    assert horovod[0]["last"] == np_ - 1  # rank r had r + 1 batches
+    if np_ == 2:  # (with more ranks joining in one round, Horovod names any of them)
+        assert ours[0]["last_again"] == horovod[0]["last_again"] == 1
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "torchrun"])
+def test_a_step_while_a_rank_is_in_horovods_join_is_refused_with_the_reason(launcher):
+    """Horovod: a joined rank sends zeros, which the step's entry tag reads as "in hvd.join()";
+    rank 0 raises naming it and joins. torch.distributed: the tag pairs with the joined
+    rank's check, so the joined rank raises too, naming the step, and neither waits forever."""
+    ranks = run_ranks(step_while_a_rank_joined, np=2, timeout=120, launcher=launcher)
+    said, _ = ranks[0]
     assert "rank 1: hvd.join()" in said and "as many batches" in said, said
+    assert ranks[1][0] is None
+    if launcher == "horovodrun":
+        assert ranks[0][1] is None and ranks[1][1] is None
+    else:
+        assert "rank 0: a training step (step 2)" in ranks[1][1], ranks[1]
 
 
 HOROVOD_SCRIPT = '''
@@ -286,7 +340,7 @@ def test_every_horovod_name_is_there_exercised_or_refused_in_the_docs():
     sources += HOROVOD_SCRIPT + _WITHOUT_HOROVOD
     called = set(re.findall(r"hvd\.(\w+)", sources)) | set(REDUCE_OPS)  # getattr(hvd, op)
     modules = {"compression", "elastic", "functions", "optimizer", "sync_batch_norm"}
-    refused = {"join", "mpi_ops", "mpi_lib_v2"}
+    refused = {"mpi_ops", "mpi_lib_v2"}
     unexercised = [n for n in names if n not in called | modules | refused]
     assert not unexercised, f"no torchrun test calls {unexercised}"
     for n in refused:
@@ -327,11 +381,7 @@ _WITHOUT_HOROVOD = textwrap.dedent('''
         hvd.stop_timeline()
         hvd.start_timeline("/tmp/timeline.json")
     assert len(caught) == 1 and "records nothing" in str(caught[0].message)
-    try:
-        hvd.join()
-        raise SystemExit("join should be refused")
-    except NotImplementedError as e:
-        assert "coordinator" in str(e)
+    assert hvd.join() == 0  # alone: this rank joined last
     try:
         hvd.add_process_set([0])
         raise SystemExit("a set of every rank duplicates the global one")

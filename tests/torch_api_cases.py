@@ -383,6 +383,73 @@ def async_forms() -> dict:
     return out
 
 
+def async_without_waiting() -> dict:
+    """Rank 0 starts one async call of each kind while its peers sleep (1.5 s): how long the
+    starts took there, and every result after ``synchronize`` (a blocking barrier between:
+    rank 0 waits there, not at the calls). Then two async calls each rank starts in another
+    order than rank 0: their results, or the error each raised."""
+    import time
+
+    import torch
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x = torch.arange(2 * n * 2, dtype=torch.float32).reshape(2 * n, 2) + r
+    if r > 0:
+        time.sleep(1.5)
+    start = time.monotonic()
+    handles = {"allreduce": hvd.allreduce_async(x, name="w.a", op=hvd.Sum),
+               "allgather": hvd.allgather_async(x[:r + 1], name="w.b"),
+               "broadcast": hvd.broadcast_async(x, root_rank=n - 1, name="w.c"),
+               "reducescatter": hvd.reducescatter_async(x, name="w.d", op=hvd.Sum),
+               "alltoall": hvd.alltoall_async(x, name="w.e")}
+    out: dict = {"start_seconds": time.monotonic() - start}
+    hvd.barrier()
+    out["results"] = {k: _answer(lambda: hvd.synchronize(h)) for k, h in handles.items()}
+    names = ["o.x", "o.y"] if r == 0 else ["o.y", "o.x"]
+    started = {name: hvd.allreduce_async(torch.full((2,), float(r)), name=name, op=hvd.Sum)
+               for name in names}
+    for name in ("o.x", "o.y"):
+        try:
+            out[name] = hvd.synchronize(started[name]).tolist()
+        except hvd.HorovodInternalError as e:
+            out[name] = str(e)
+    out["job_goes_on"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, name="w.end").item()
+    return out
+
+
+def join_uneven() -> dict:
+    """Horovod's uneven data: rank r has r + 1 batches, each an allreduce (average) and a
+    grouped allreduce (sum, two dtypes); a rank out of batches calls ``hvd.join()`` and answers
+    the others' with zeros. Then rank 0 joins at once while the others try an allgather and
+    a broadcast (Horovod refuses both while a rank has joined) and join. Per rank: the results,
+    join's answers, what the refused calls raised, and a last allreduce."""
+    import torch
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out: dict = {"average": [], "sum": []}
+    for step in range(r + 1):
+        t = torch.arange(3, dtype=torch.float32) + 10 * (r + 1) + step
+        out["average"].append(hvd.allreduce(t, name=f"j.avg.{step}").tolist())
+        grouped = hvd.grouped_allreduce([t, t.double() * 2], name=f"j.sum.{step}", op=hvd.Sum)
+        out["sum"].append([g.tolist() for g in grouped])
+    out["last"] = hvd.join()
+    if r > 0:
+        for label, call in (("allgather", lambda: hvd.allgather(torch.ones(2), name="j.ag")),
+                            ("broadcast", lambda: hvd.broadcast(torch.ones(2), 1, name="j.b"))):
+            try:
+                call()
+                out[label] = None
+            except RuntimeError as e:  # Horovod's torch.FatalError is one too
+                out[label] = isinstance(e, RuntimeError)
+    out["last_again"] = hvd.join()
+    out["job_goes_on"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, name="j.end").item()
+    return out
+
+
 def checks_in_training() -> dict:
     """How many descriptor checks (one small blocking round each) hvdsync's own training steps
     and flush cost on the torch engine (none: the pipeline's order is the same on every rank
@@ -422,8 +489,10 @@ def checks_in_training() -> dict:
 
 
 def step_while_a_rank_joined() -> Any:
-    """Horovod: rank 1 runs out of data and calls ``hvd.join()`` while rank 0 steps hvdsync's
-    optimizer; rank 0 must get a clear error (then joins too, so both end)."""
+    """Rank 1 runs out of data and calls ``hvd.join()`` while rank 0 steps hvdsync's
+    optimizer; rank 0 must get a clear error, then joins too. Per rank: what the step raised,
+    and what ``join`` raised (on torchrun the joined rank raises too: the step's collectives
+    were started, and the job cannot go on)."""
     import torch
 
     import hvdsync.torch as hvd
@@ -441,5 +510,8 @@ def step_while_a_rank_joined() -> Any:
             opt.step()
     except RanksDisagree as e:
         said = str(e)
-    hvd.join()
-    return said
+    try:
+        hvd.join()
+        return said, None
+    except hvd.HorovodInternalError as e:  # torchrun: the joined rank's, and then the job's
+        return said, str(e)

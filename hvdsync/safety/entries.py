@@ -25,8 +25,9 @@ from hvdsync.safety.agreement import RanksDisagree
 KINDS = {0: "hvd.join() (Horovod's joined rank sends zeros), or gone (a rank whose process "
             "ended reads as zeros too)", 1: "a training step",
          2: "flush()", 3: "save_checkpoint / save_model",
-         4: "the optimizer's construction or a restore check"}
-CODE = {"step": 1, "flush": 2, "save": 3, "start": 4}
+         4: "the optimizer's construction or a restore check",
+         5: "a collective of the script's own (hvd.allreduce, hvd.barrier...)"}
+CODE = {"step": 1, "flush": 2, "save": 3, "start": 4, "script": 5}
 #: the fix the error names, the first that applies in this order
 FIX = {0: "if that rank's process ended, its own output says why; if it waits in hvd.join(), "
        "hvdsync's optimizer cannot step meanwhile: its steps keep "
@@ -115,10 +116,12 @@ class Entries:
         shared = [round(v * self.process_set.size()) for v in pending.wait_idle()]
         kinds, steps = shared[0::2], shared[1::2]
         if len(set(kinds)) > 1:
-            raise RanksDisagree(_message(kinds, steps))
+            raise RanksDisagree(describe(kinds, steps))
 
 
-def _message(kinds: list[int], steps: list[int]) -> str:
+def describe(kinds: list[int], steps: list[int]) -> str:
+    """The error for ranks that entered differently (per rank: a :data:`KINDS` code and its
+    step)."""
     sides = {k: [r for r, x in enumerate(kinds) if x == k] for k in kinds}
     said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
                      f"{KINDS.get(k, k)} (step {steps[rs[0]]})" for k, rs in sides.items())

@@ -183,6 +183,8 @@ class TorchCommunicator:
         the engine's own detach of it, a view that launches no kernel on a GPU. float32, as gradients mostly are, so that Horovod can
         fuse it with the step's first data (a step count is exact to 2^24)."""
         self.stats.count("entry_tags", 1)
+        if not self.matches_by_name:  # torch.distributed: in the shape of a script's check
+            return self._tag_gather(values, name, what)
         buf = self._tag_buffers.get(name)
         if buf is None or buf.numel() != len(values):  # all at once: none in later steps
             self._tag_buffers = {n: torch.zeros(len(values), dtype=torch.float32)
@@ -195,6 +197,20 @@ class TorchCommunicator:
                                       process_set=self.process_set)
         return Pending(lambda: (ops.synchronize(handle), view.tolist())[1],
                        lambda: ops.poll(handle), what=what)
+
+    def _tag_gather(self, values: list[float], name: str, what: str) -> Pending:
+        """The entry tag on torch.distributed: gathered in the shape of a script call's
+        check, so that a rank in ``hvd.join()`` or a call of the script's own pairs with it
+        and every side raises (hvdsync.torch.c10d.joining); read back as the average
+        :class:`~hvdsync.safety.entries.Entries` expects."""
+        ops, me = self.ops, self.process_set.rank()
+        handle = ops.entry_tag_async(int(values[2 * me]), int(values[2 * me + 1]), name,
+                                     self.process_set)
+
+        def shared() -> list[float]:
+            kinds, steps = ops.joining.entry_kinds(ops.synchronize(handle))
+            return [v / len(kinds) for pair in zip(kinds, steps) for v in pair]
+        return Pending(shared, lambda: ops.poll(handle), what=what)
 
     def _control_round(self, t: torch.Tensor, name: str) -> Pending:
         self.stats.control(t.numel() * t.element_size())

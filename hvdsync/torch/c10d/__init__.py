@@ -6,7 +6,7 @@ module holds what touches c10d; :mod:`hvdsync.torch.c10d.derived` builds the res
 the process sets. How Horovod's semantics map: before each collective a script starts the
 ranks compare a descriptor of it (:mod:`hvdsync.torch.c10d.checks`), so a mismatch raises
 ``HorovodInternalError`` on every rank instead of pairing wrong tensors; ``*_async`` calls
-return a :class:`Handle`; a grouped allreduce packs one flat buffer per dtype and averages
+return a :class:`Handle` at once (:mod:`hvdsync.torch.c10d.calls`); a grouped allreduce packs one flat buffer per dtype and averages
 are scaled sums (integers as Horovod scales them); int16 travels as int32 and bool reduces
 with Min and Max only; uneven first dimensions send their sizes first; a rank that dies makes
 the others' waits raise ``HorovodInternalError``. docs/backends.md names every function.
@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from hvdsync.safety import watchdog
-from hvdsync.torch.c10d import checks, launch
+from hvdsync.torch.c10d import checks, joining, launch
 from hvdsync.torch.c10d.sets import (ProcessSet, add_process_set, forget_process_sets,  # noqa: F401
                                      global_process_set, group_of as _group,
                                      remove_process_set)
+from hvdsync.torch.c10d.calls import Handle, HorovodInternalError, poll, synchronize  # noqa: F401
 from hvdsync.torch.c10d.runtime import current, lend
 from hvdsync.torch.compression import Compression  # noqa: F401  (part of the API)
 
@@ -37,11 +38,6 @@ _C10D_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.Reduc
              Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
 #: dtypes Gloo lacks, and the dtype they travel as (exact, and wrapping alike in sums)
 _WIRE = {torch.int16: torch.int32}
-
-
-class HorovodInternalError(RuntimeError):
-    """Horovod's error for a collective that failed: ranks that called it differently, a rank
-    that left the job."""
 
 
 class UnsupportedCall(HorovodInternalError, ValueError):
@@ -84,6 +80,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 def shutdown() -> None:
     if not current().joins:
         return
+    for lane in current().lanes.values():
+        lane.close("hvd.shutdown() came before this collective started")
+    current().lanes.clear()
     forget_process_sets()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -129,86 +128,100 @@ def cross_size() -> int:
 def barrier(process_set: Any = global_process_set) -> None:
     """Wait until every rank of ``process_set`` is here."""
     group = _group(process_set)
-    _agree("barrier", [], None, process_set)
-    with watchdog.guard("hvd.barrier()"):
-        current().api.barrier(group=group)
+    handle = _start("barrier", None, process_set, [], lambda: Handle(
+        [current().api.barrier(group=group, async_op=True)], lambda: None))
+    handle.what = "hvd.barrier()"
+    synchronize(handle)
+
+
+def entry_tag_async(kind: int, step: int, name: str,
+                    process_set: Any = global_process_set) -> Handle:
+    """hvdsync's entry tag (:mod:`hvdsync.safety.entries`) on this engine: this rank's entry
+    ``kind`` and ``step`` gathered from every rank in the shape of a script call's check, so
+    that a rank in ``hvd.join()`` or in a call of the script's own pairs with it and every side
+    raises (:mod:`hvdsync.torch.c10d.joining`). The handle gives every rank's row."""
+    group = _group(process_set)
+    row = torch.tensor(checks.entry_row(kind, step), dtype=torch.int64)
+
+    def start() -> Handle:
+        api = current().api
+        rows = [torch.empty_like(row) for _ in range(api.get_world_size(group))]
+        work = api.all_gather([lend(r) for r in rows], lend(row), group=group, async_op=True)
+        return Handle([work], lambda: torch.stack(rows).tolist())
+    return _start("entry", name, process_set, [], start)
+
+
+def join(device: int = -1) -> int:
+    """Horovod's ``hvd.join()``: this rank is out of data; it answers the others' allreduces
+    with zeros until every rank has joined (:mod:`hvdsync.torch.c10d.joining`), and returns
+    the rank that joined last (the highest of those that joined in one round). Unbounded, as
+    Horovod's: it waits for the slowest rank's data (within the process group's timeout,
+    about 1.5 x ``HVDSYNC_TIMEOUT_SECONDS``)."""
+    group, runtime = _group(global_process_set), current()
+    if runtime.api.get_world_size(group) == 1:
+        return rank()
+
+    def gather(row: list[int]) -> list[list[int]]:  # (unguarded: see the docstring)
+        mine = torch.tensor(row, dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(runtime.api.get_world_size(group))]
+        runtime.api.all_gather([lend(r) for r in rows], lend(mine), group=group,
+                               async_op=True).wait()
+        return torch.stack(rows).tolist()
+
+    def reduce_zeros(call: dict) -> None:
+        zeros = [torch.zeros(shape, dtype=getattr(torch, dtype))
+                 for dtype, shape in zip(call["dtypes"], call["shapes"])]
+        synchronize(_allreduce(zeros, call["op"], *call["scale_factors"], group))
+
+    def job() -> Handle:
+        last = joining.answer_until_all_joined(
+            runtime.api.get_rank(group), gather,
+            lambda d: checks.gather_json(d, global_process_set), reduce_zeros)
+        return Handle([], lambda: last)
+    started = job() if not runtime.joins else runtime.lane(group).start(job, True)
+    handle = started if isinstance(started, Handle) else Handle([], None, started)
+    handle.what = None  # a joined rank waits for the others' data: no report, no bound
+    return synchronize(handle)
 
 
 def _set_ranks(process_set: Any) -> list[int]:
     return list(getattr(process_set, "ranks", None) or range(size()))
 
 
-# -- handles ----------------------------------------------------------------------------------
-class Handle:
-    """An operation in flight: c10d works, and what turns their buffers into the result."""
-
-    __slots__ = ("works", "finish", "result", "done")
-
-    def __init__(self, works: list, finish: Callable[[], Any]):
-        self.works, self.finish, self.done = works, finish, False
-        self.result: Any = None
-
-    def then_first(self) -> "Handle":
-        """This handle, giving the first of its results (one tensor of a grouped call)."""
-        finish = self.finish
-        self.finish = lambda: finish()[0]
-        return self
-
-
-def poll(handle: Handle) -> bool:
-    """Whether ``handle``'s collectives have completed (a later :func:`synchronize` will not
-    block)."""
-    if not isinstance(handle, Handle):
-        raise ValueError(f"Handle {handle!r} was not created or has been cleared.")  # Horovod's
-    return handle.done or all(w.is_completed() for w in handle.works)
-
-
-def synchronize(handle: Handle) -> Any:
-    """Wait for ``handle`` and return its result (a tensor, or a list for grouped calls). A
-    collective that failed (a rank left, a connection closed) raises
-    ``HorovodInternalError``. Not a handle: ``None``, as Horovod returns for a handle it does
-    not know."""
-    if not isinstance(handle, Handle):
-        return None
-    if not handle.done:
-        try:
-            if not poll(handle):  # a wait: bounded, and reported if it stalls
-                with watchdog.guard("a collective the script started (hvd.synchronize)"):
-                    for w in handle.works:
-                        w.wait()
-        except RuntimeError as e:
-            handle.works = []
-            raise HorovodInternalError(f"a collective failed: {e} (a rank of the job failed or "
-                                       "left it; its own output says why)") from e
-        handle.result, handle.done = handle.finish(), True
-        handle.works = []
-    return handle.result
-
-
 # -- the descriptor check (c10d_checks) -------------------------------------------------------
 
-def _agree(kind: str, tensors: list, name: Optional[str], process_set: Any, op: Any = None,
-           root: Optional[int] = None, scales: tuple = (1.0, 1.0), uneven: bool = False) -> None:
-    """Before a script's collective: every rank of the set compares what it was asked to do;
-    where they differ, every rank raises the same ``HorovodInternalError``."""
-    previous = current().in_flight.get(name) if name is not None else None
+def _start(kind: str, name: Optional[str], process_set: Any, tensors: list,
+           start: Callable[[], Handle], op: Any = None, root: Optional[int] = None,
+           scales: tuple = (1.0, 1.0), uneven: bool = False) -> Handle:
+    """Start a collective of a script or of hvdsync: ``start()`` starts its data collectives
+    and returns their handle. A script's call first compares, on every rank of the set, what
+    each was asked to do, and where they differ every rank raises the same
+    ``HorovodInternalError`` (at ``synchronize``). Calls that wait for the peers before their
+    data moves (that check, an uneven call's sizes) run on the group's lane, in this rank's
+    order of calls; the call returns at once."""
+    runtime = current()
+    previous = runtime.in_flight.get(name) if name is not None else None
     # in flight until synchronized: c10d's root of a broadcast may finish before its peers
     # start, so this rank's "done" is not the job's (Horovod's coordinator knows the job's)
     if previous is not None and not previous.done:
         raise ValueError(checks.in_flight(kind, name))  # Horovod's: at once, nothing sent
-    if not checks.wanted(name):
-        return
     group = _group(process_set)
-    n = current().api.get_world_size(group)
-    desc = checks.readable(kind, tensors, name, op, root, scales, uneven)
-    if n == 1:
-        return
-    everyone = _gather_ints(torch.tensor(checks.descriptor(desc), dtype=torch.int64), group,
-                            f"the ranks' check of hvd.{kind} {name!r}")
-    if all(e == everyone[0] for e in everyone):
-        return
-    raise HorovodInternalError(checks.message(checks.gather_json(desc, process_set),
-                                              _set_ranks(process_set)))
+    n = runtime.api.get_world_size(group)
+    desc = (checks.readable(kind, tensors, name, op, root, scales, uneven)
+            if n > 1 and checks.wanted(name) else None)
+
+    def job() -> Handle:
+        if desc is not None:
+            everyone = _gather_ints(torch.tensor(checks.descriptor(desc), dtype=torch.int64),
+                                    group, f"the ranks' check of hvd.{kind} {name!r}")
+            if any(e != everyone[0] for e in everyone):
+                joining.differ(desc, everyone, lambda d: checks.gather_json(d, process_set),
+                               _set_ranks(process_set))
+        return start()
+    if not runtime.joins:  # simulated ranks: on the rank's own thread
+        return _track(name, job())
+    handle = runtime.lane(group).start(job, desc is not None or (uneven and n > 1))
+    return _track(name, handle if isinstance(handle, Handle) else Handle([], None, handle))
 
 
 def _track(name: Optional[str], handle: Handle) -> Handle:
@@ -314,27 +327,34 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: Optional[bool
     op = _op_of(average, op)
     tensors = list(tensors)
     group = _group(process_set)
-    _agree("allreduce", tensors, name, process_set, op=op,
-           scales=(prescale_factor, postscale_factor))
     by_dtype = _by_dtype(tensors)
     for dtype in by_dtype:  # all refused before any starts
         _check_op(op, dtype, prescale_factor != 1.0 or postscale_factor != 1.0)
+
+    return _start("allreduce", name, process_set, tensors, lambda: _allreduce(
+        tensors, op, prescale_factor, postscale_factor, group), op=op,
+        scales=(prescale_factor, postscale_factor))
+
+
+def _allreduce(tensors: list[torch.Tensor], op: Any, prescale: float, postscale: float,
+               group: Any) -> Handle:
+    """:func:`grouped_allreduce_async_`'s data: one allreduce per dtype (a joined rank's
+    zeros take this path too: :mod:`hvdsync.torch.c10d.joining`)."""
     handles = []
-    for dtype, idx in by_dtype.items():
+    for dtype, idx in _by_dtype(tensors).items():
         group_tensors = [tensors[i] for i in idx]
         wire = _WIRE.get(dtype, dtype)
         if len(idx) == 1 and wire == dtype and group_tensors[0].is_contiguous():
             flat = group_tensors[0].detach().view(-1)  # in place: no copy in or out
         else:
             flat = torch.cat([t.detach().reshape(-1) for t in group_tensors]).to(wire)
-        handles.append(_reduce(flat, op, prescale_factor, postscale_factor, group_tensors,
-                               group))
+        handles.append(_reduce(flat, op, prescale, postscale, group_tensors, group))
 
     def finish() -> list[torch.Tensor]:
         for h in handles:
             synchronize(h)
         return tensors
-    return _track(name, Handle([w for h in handles for w in h.works], finish))
+    return Handle([w for h in handles for w in h.works], finish)
 
 
 # -- allgather --------------------------------------------------------------------------------
@@ -348,7 +368,12 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = N
     for t in tensors:
         if t.dim() == 0:
             raise ValueError("allgather needs tensors with at least one dimension")
-    _agree("allgather", tensors, name, process_set, uneven=True)
+    return _start("allgather", name, process_set, tensors,
+                  lambda: _allgather(tensors, name, group), uneven=True)
+
+
+def _allgather(tensors: list[torch.Tensor], name: Optional[str], group: Any) -> Handle:
+    """:func:`grouped_allgather_async`'s start: the sizes (blocking), then the data."""
     n = current().api.get_world_size(group)
     if n == 1:
         out = [t.clone() for t in tensors]
@@ -388,7 +413,7 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: Optional[str] = N
             for i in idx:
                 out[i] = torch.cat(pieces[i]).to(tensors[i].dtype)
         return out
-    return _track(name, Handle(works, finish))
+    return Handle(works, finish)
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
@@ -403,19 +428,21 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     group = _group(process_set)
     if root_rank not in _set_ranks(process_set):
         raise ValueError(f"root_rank {root_rank} is not in {process_set!r}")
-    _agree("broadcast", [tensor], name, process_set, root=root_rank)
-    if current().api.get_world_size(group) == 1:
-        return Handle([], lambda: tensor)
-    wire = _WIRE.get(tensor.dtype)
-    buf = tensor if wire is None and tensor.is_contiguous() else tensor.detach().to(
-        wire or tensor.dtype, memory_format=torch.contiguous_format)
-    work = current().api.broadcast(lend(buf), src=root_rank, group=group, async_op=True)
 
-    def finish() -> torch.Tensor:
-        if buf is not tensor:
-            tensor.copy_(buf)
-        return tensor
-    return _track(name, Handle([work], finish))
+    def start() -> Handle:
+        if current().api.get_world_size(group) == 1:
+            return Handle([], lambda: tensor)
+        wire = _WIRE.get(tensor.dtype)
+        buf = tensor if wire is None and tensor.is_contiguous() else tensor.detach().to(
+            wire or tensor.dtype, memory_format=torch.contiguous_format)
+        work = current().api.broadcast(lend(buf), src=root_rank, group=group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            if buf is not tensor:
+                tensor.copy_(buf)
+            return tensor
+        return Handle([work], finish)
+    return _start("broadcast", name, process_set, [tensor], start, root=root_rank)
 
 
 # -- alltoall ---------------------------------------------------------------------------------
@@ -428,7 +455,6 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     tensor = tensor.detach()
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
-    _agree("alltoall", [tensor], name, process_set, uneven=True)
     n = current().api.get_world_size(group)
     if splits is None:
         if tensor.shape[0] % n:
@@ -440,20 +466,24 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
         if len(sent) != n or any(s < 0 for s in sent) or sum(sent) != tensor.shape[0]:
             raise UnsupportedCall(f"alltoall splits must be {n} counts >= 0 summing to the "
                                   f"first dimension {tensor.shape[0]}; got {sent}")
-    wire = _WIRE.get(tensor.dtype, tensor.dtype)
-    me = current().api.get_rank(group)
-    received = [row[me] for row in _gather_ints(torch.tensor(sent, dtype=torch.int64), group,
-                                                 f"the splits of the alltoall {name!r}")]
-    out = torch.empty((sum(received), *tensor.shape[1:]), dtype=wire)
-    send = tensor.to(wire).contiguous()
-    work = current().api.all_to_all_single(lend(out), lend(send), received, sent, group=group,
-                                  async_op=True) if n > 1 else None
-    if work is None:
-        out.copy_(send)
 
-    def finish() -> tuple[torch.Tensor, torch.Tensor]:
-        return out.to(tensor.dtype), torch.tensor(received, dtype=torch.int32)
-    return _track(name, Handle([] if work is None else [work], finish))
+    def start() -> Handle:
+        wire = _WIRE.get(tensor.dtype, tensor.dtype)
+        me = current().api.get_rank(group)
+        received = [row[me] for row in _gather_ints(torch.tensor(sent, dtype=torch.int64),
+                                                     group, f"the splits of the alltoall "
+                                                     f"{name!r}")]
+        out = torch.empty((sum(received), *tensor.shape[1:]), dtype=wire)
+        send = tensor.to(wire).contiguous()
+        work = current().api.all_to_all_single(lend(out), lend(send), received, sent,
+                                               group=group, async_op=True) if n > 1 else None
+        if work is None:
+            out.copy_(send)
+
+        def finish() -> tuple[torch.Tensor, torch.Tensor]:
+            return out.to(tensor.dtype), torch.tensor(received, dtype=torch.int32)
+        return Handle([] if work is None else [work], finish)
+    return _start("alltoall", name, process_set, [tensor], start, uneven=True)
 
 
 from hvdsync.torch.functions import (allgather_object, broadcast_object,  # noqa: E402,F401

@@ -25,7 +25,8 @@ from typing import Any, Optional
 #: the descriptor's length (int64 values), the same for every kind of collective, so that two
 #: ranks that call different collectives still pair their descriptors and see the difference
 LENGTH = 9
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier",
+         "join", "entry")  # (the last two: a rank in hvd.join(), hvdsync's entry tags)
 ENV = "HVDSYNC_CHECK_COLLECTIVES"
 INTERNAL = "hvdsync."
 
@@ -66,7 +67,8 @@ def descriptor(desc: dict[str, Any]) -> list[int]:
 
 _HINTS = {
     "collective": "every rank must call the same collectives in the same order",
-    "name": "every rank must give the same name (or none)",
+    "name": "every rank must give the same name (or none); on torchrun, start collectives "
+            "in the same order on every rank too (c10d pairs them by order, Horovod by name)",
     "op": "every rank must reduce with the same op",
     "root_rank": "every rank must name the same root rank",
     "dtypes": "every rank must pass the same dtypes",
@@ -87,8 +89,20 @@ def message(descs: list[dict[str, Any]], ranks: list[int]) -> str:
             shown = "; ".join(f"rank {r}: {_show(field, v)}" for r, v in zip(ranks, values))
             lines.append(f"  {field} differ -- {shown} ({hint})")
     kinds = sorted({d["collective"] for d in descs})
+    joined = [r for r, d in zip(ranks, descs) if d["collective"] == "join"]
+    if joined:
+        lines.append(f"  rank(s) {', '.join(map(str, joined))} in hvd.join(): until every "
+                     "rank has joined, the others may call allreduce only, alike (Horovod "
+                     "answers nothing else)")
     return (f"ranks called {' / '.join('hvd.' + k for k in kinds)} differently; no data was "
             "sent:\n" + "\n".join(lines))
+
+
+def entry_row(kind: int, step: int) -> list[int]:
+    """hvdsync's entry tag (``kind``, ``step``: hvdsync.safety.entries) as a descriptor, so
+    that a rank in ``hvd.join()`` or in a script's own call pairs with it
+    (:mod:`hvdsync.torch.c10d.joining`)."""
+    return [KINDS.index("entry"), int(kind), int(step)] + [0] * (LENGTH - 3)
 
 
 def in_flight(kind: str, name: str) -> str:

@@ -23,7 +23,7 @@ __all__ = ["allreduce_async", "allreduce_", "grouped_allreduce_async", "grouped_
            "broadcast_async", "broadcast_", "sparse_allreduce_async",
            "grouped_reducescatter_async", "reducescatter_async", "grouped_allreduce", "allreduce",
            "grouped_allgather", "allgather", "broadcast", "alltoall", "grouped_reducescatter",
-           "reducescatter", "join", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+           "reducescatter", "mpi_built", "mpi_enabled", "mpi_threads_supported",
            "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
            "rocm_built", "check_extension", "start_timeline", "stop_timeline"]
 
@@ -169,11 +169,11 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: Optional[str]
     tensors = [t.detach() for t in tensors]
     if any(t.dim() == 0 for t in tensors):
         raise ValueError("reducescatter needs tensors with at least one dimension")
-    ops._agree("reducescatter", tensors, name, ps, op=op,
-               scales=(prescale_factor, postscale_factor))
     for dtype in {t.dtype for t in tensors}:  # all refused before any starts
         ops._check_op(op, dtype, prescale_factor != 1.0 or postscale_factor != 1.0)
-    return ops._track(name, reduce_scatter(tensors, op, prescale_factor, postscale_factor, ps))
+    return ops._start("reducescatter", name, ps, tensors,
+                      lambda: reduce_scatter(tensors, op, prescale_factor, postscale_factor, ps),
+                      op=op, scales=(prescale_factor, postscale_factor))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = None,
@@ -326,16 +326,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                                  prescale_factor, postscale_factor)[0]
 
 
-# -- join, the info functions, the timeline ---------------------------------------------------
-def join(device: int = -1) -> int:
-    """Refused on the torch engine (docs/backends.md): Horovod's join lets the other ranks'
-    allreduces go on with zeros from the joined rank, which needs Horovod's coordinator."""
-    raise NotImplementedError(
-        "hvd.join() (uneven inputs) needs Horovod's coordinator: run on Horovod "
-        "(HVDSYNC_BACKEND=horovod), or give every rank as many batches (drop_last=True, or "
-        "torch.utils.data.DistributedSampler)")
-
-
+# -- the info functions, the timeline (join: hvdsync.torch.c10d) ---------------------------------------------------
 def mpi_built() -> bool:
     return False
 

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hvdsync.torch.c10d.calls import Lane
+
 
 class Runtime:
     """What :mod:`hvdsync.torch.c10d`'s collectives run on: ``api``, the part of
@@ -32,9 +34,19 @@ class Runtime:
         self.joins = joins
         self.lent: list[torch.Tensor] = []
         self.in_flight: dict[str, Any] = {}  # name -> c10d.Handle
+        self.lanes: dict[Any, Any] = {}  # c10d group -> its lane.Lane (joins only)
+
+    def lane(self, group: Any) -> Any:
+        """The :class:`~hvdsync.torch.c10d.lane.Lane` of ``group`` (``None``: every rank)."""
+        lane = self.lanes.get(group)
+        if lane is None:
+            lane = self.lanes[group] = Lane("world" if group is None else str(len(self.lanes)),
+                                            lambda: running_on(self))
+        return lane
 
 
 _thread = threading.local()  # .runtime: this thread's own (running_on)
+_lending = threading.Lock()
 
 
 @contextmanager
@@ -63,9 +75,10 @@ def current() -> Runtime:
 def lend(tensor: torch.Tensor) -> torch.Tensor:
     """An alias of ``tensor`` for c10d (same storage), kept until c10d has dropped it."""
     lent = current().lent
-    lent[:] = [t for t in lent if t._use_count() > 1]
     alias = tensor.detach()
-    lent.append(alias)
+    with _lending:  # (a lane's thread lends too: hvdsync.torch.c10d.calls)
+        lent[:] = [t for t in lent if t._use_count() > 1]
+        lent.append(alias)
     return alias
 
 
