@@ -307,7 +307,8 @@ def test_a_stalled_rank_of_a_node_is_reported_by_every_other_rank(launcher):
     out = run_job(one_rank_stops, 4, (3.0, 3, dict(threshold=0.5, between="nodes")),
                   timeout=200, launcher=launcher,
                   env={OVERRIDE: "2", "HVDSYNC_STALL_WARNING_SECONDS": "1"})
-    assert out[3] == "", out  # the stopped rank waited for nobody
+    # (rank 3 itself is not held to silence, as in the 2-rank test: on two loaded cores it
+    # may wait a second for the others in a later step, a true report too)
     for rank in (0, 1, 2):
         # (four ranks on two cores: rank 3 may stop before Horovod's background thread has
         # sent its step-2 collectives, and then the others truly wait in step 2; a rank may

@@ -28,7 +28,8 @@ from hvdsync.torch.c10d import checks, joining, launch
 from hvdsync.torch.c10d.sets import (ProcessSet, add_process_set, forget_process_sets,  # noqa: F401
                                      global_process_set, group_of as _group,
                                      remove_process_set)
-from hvdsync.torch.c10d.calls import Handle, HorovodInternalError, poll, synchronize  # noqa: F401
+from hvdsync.torch.c10d.calls import (Handle, HorovodInternalError, poll,  # noqa: F401
+                                      synchronize, waiting)
 from hvdsync.torch.c10d.runtime import current, lend
 from hvdsync.torch.compression import Compression  # noqa: F401  (part of the API)
 
@@ -128,27 +129,11 @@ def cross_size() -> int:
 def barrier(process_set: Any = global_process_set) -> None:
     """Wait until every rank of ``process_set`` is here."""
     group = _group(process_set)
-    handle = _start("barrier", None, process_set, [], lambda: Handle(
-        [current().api.barrier(group=group, async_op=True)], lambda: None))
+    with waiting():
+        handle = _start("barrier", None, process_set, [], lambda: Handle(
+            [current().api.barrier(group=group, async_op=True)], lambda: None))
     handle.what = "hvd.barrier()"
     synchronize(handle)
-
-
-def entry_tag_async(kind: int, step: int, name: str,
-                    process_set: Any = global_process_set) -> Handle:
-    """hvdsync's entry tag (:mod:`hvdsync.safety.entries`) on this engine: this rank's entry
-    ``kind`` and ``step`` gathered from every rank in the shape of a script call's check, so
-    that a rank in ``hvd.join()`` or in a call of the script's own pairs with it and every side
-    raises (:mod:`hvdsync.torch.c10d.joining`). The handle gives every rank's row."""
-    group = _group(process_set)
-    row = torch.tensor(checks.entry_row(kind, step), dtype=torch.int64)
-
-    def start() -> Handle:
-        api = current().api
-        rows = [torch.empty_like(row) for _ in range(api.get_world_size(group))]
-        work = api.all_gather([lend(r) for r in rows], lend(row), group=group, async_op=True)
-        return Handle([work], lambda: torch.stack(rows).tolist())
-    return _start("entry", name, process_set, [], start)
 
 
 def join(device: int = -1) -> int:
@@ -181,6 +166,15 @@ def join(device: int = -1) -> int:
     started = job() if not runtime.joins else runtime.lane(group).start(job, True)
     handle = started if isinstance(started, Handle) else Handle([], None, started)
     handle.what = None  # a joined rank waits for the others' data: no report, no bound
+    return synchronize(handle)
+
+
+def now(start: Callable[[], Handle]) -> Any:
+    """A blocking form: ``start()`` starts a call (an ``*_async`` function's) and this thread
+    waits for it; where the lane is idle, what the call waits for before its data moves runs
+    here, with no hop to the lane's thread (:func:`hvdsync.torch.c10d.calls.waiting`)."""
+    with waiting():
+        handle = start()
     return synchronize(handle)
 
 

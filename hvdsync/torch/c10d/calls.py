@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, Optional
 
 from hvdsync.safety import watchdog
@@ -27,27 +27,46 @@ def _bounded(what: Optional[str]) -> Any:
     return watchdog.guard(what) if what else nullcontext()
 
 
+_here = threading.local()  # .waiting: this thread starts a call it waits for at once
+
+
+@contextmanager
+def waiting() -> Iterator[None]:
+    """Within the block, a call started is waited for at once (a blocking form): where its
+    lane is idle, this thread runs what it waits for before its data moves, no hop."""
+    _here.waiting = True
+    try:
+        yield
+    finally:
+        _here.waiting = False
+
+
 class Queued:
-    """A call waiting on its lane: the handle its start gives, or the error it raised."""
+    """A call waiting on its lane: once started, the handle its start gave, or the error it
+    raised."""
 
-    __slots__ = ("ready", "inner", "error")
+    __slots__ = ("job", "lane", "ready", "inner", "error")
 
-    def __init__(self) -> None:
+    def __init__(self, job: Callable[[], Any], lane: "Lane"):
+        self.job: Optional[Callable[[], Any]] = job
+        self.lane = lane
         self.ready = threading.Event()
         self.inner: Any = None
         self.error: Optional[BaseException] = None
 
 
 class Lane:
-    """The calls of one group on this rank, started in call order (see the module doc)."""
+    """The calls of one group on this rank, started in call order (see the module doc). A
+    call is started by the lane's thread, or by the caller's where it waits for that call
+    first and nothing runs before it (a blocking call: no thread hop)."""
 
     def __init__(self, name: str, context: Callable[[], Any]):
         self.name = name
         self._context = context  # the block a job runs in (its runtime: running_on)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._jobs: deque[tuple[Callable[[], Any], Queued]] = deque()
-        self._busy = False  # the worker runs a call, or calls wait
+        self._jobs: deque[Queued] = deque()
+        self._runner: Optional[int] = None  # the thread that runs a call now
         self._worker: Optional[threading.Thread] = None
 
     def start(self, job: Callable[[], Any], waits: bool) -> Any:
@@ -55,43 +74,71 @@ class Lane:
         call this rank made before; ``waits``: whether it waits for the peers before its
         data moves. Returns the handle, or a :class:`Queued` one where it is not started
         yet."""
-        if threading.current_thread() is self._worker:
-            return job()  # a call the lane's own job makes (the readable form of a mismatch)
+        if threading.get_ident() == self._runner:
+            return job()  # a call a running job makes (the readable form of a mismatch)
         with self._lock:
-            if not waits and not self._busy:
+            idle = self._runner is None and not self._jobs
+            if idle and not waits:
                 return job()  # nothing before it: started here, still in order
-            queued = Queued()
-            self._jobs.append((job, queued))
-            self._busy = True
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._run, daemon=True,
-                                                name=f"hvdsync-c10d-{self.name}")
-                self._worker.start()
-            self._wake.notify()
-        return queued
+            if not (idle and getattr(_here, "waiting", False)):
+                queued = Queued(job, self)
+                self._jobs.append(queued)
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._run, daemon=True,
+                                                    name=f"hvdsync-c10d-{self.name}")
+                    self._worker.start()
+                self._wake.notify()
+                return queued
+            self._runner = threading.get_ident()  # a blocking form: it waits here anyway
+        try:
+            return job()
+        finally:
+            self._release()
+
+    def run_here(self, queued: Queued) -> None:
+        """The caller waits for ``queued`` now: where it is next and nothing runs, this
+        thread starts it."""
+        with self._lock:
+            if self._runner is not None or not self._jobs or self._jobs[0] is not queued:
+                return
+            self._jobs.popleft()
+            self._runner = threading.get_ident()
+        self._run_one(queued)
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._jobs:
-                    self._busy = False
+                while not self._jobs or self._runner is not None:
                     self._wake.wait()
-                job, queued = self._jobs.popleft()
-            try:
-                with self._context():
-                    queued.inner = job()
-            except BaseException as e:  # noqa: BLE001 -- raised at synchronize, on the caller
-                queued.error = e
-            queued.ready.set()
-            # nothing of a started call stays referenced here: c10d's works hold the tensors
-            # lent to them until they are dropped (hvdsync.torch.c10d.runtime.lend)
-            job = queued = None
+                queued = self._jobs.popleft()
+                self._runner = threading.get_ident()
+            self._run_one(queued)
+            queued = None  # (nothing of a started call stays referenced here)
+
+    def _run_one(self, queued: Queued) -> None:
+        try:
+            with self._context():
+                queued.inner = queued.job()
+        except BaseException as e:  # noqa: BLE001 -- raised at synchronize, on the caller
+            queued.error = e
+        # c10d's works hold the tensors lent to them until they are dropped
+        # (hvdsync.torch.c10d.runtime.lend): the job's closure goes now
+        queued.job = None
+        self._release()
+        queued.ready.set()
+
+    def _release(self) -> None:
+        """The running call has started: the next may."""
+        with self._lock:
+            self._runner = None
+            if self._jobs:
+                self._wake.notify()
 
     def close(self, why: str) -> None:
         """Calls not started yet fail with ``why`` (the process group is going away)."""
         with self._lock:
             while self._jobs:
-                _, queued = self._jobs.popleft()
+                queued = self._jobs.popleft()
                 queued.error = RuntimeError(why)
                 queued.ready.set()
 
@@ -128,6 +175,8 @@ class Handle:
         queued, self.queued = self.queued, None
         if queued is None:
             return
+        if not queued.ready.is_set():
+            queued.lane.run_here(queued)
         if not queued.ready.is_set():
             with _bounded(self.what and f"the start of {self.what} (its check waits for the "
                           "peers)"):

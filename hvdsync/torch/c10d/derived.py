@@ -20,7 +20,7 @@ from hvdsync.torch import engine
 from hvdsync.torch.compression import Compression
 
 __all__ = ["allreduce_async", "allreduce_", "grouped_allreduce_async", "grouped_allreduce_",
-           "broadcast_async", "broadcast_", "sparse_allreduce_async",
+           "broadcast_async", "broadcast_", "sparse_allreduce_async", "entry_tag_async",
            "grouped_reducescatter_async", "reducescatter_async", "grouped_allreduce", "allreduce",
            "grouped_allgather", "allgather", "broadcast", "alltoall", "grouped_reducescatter",
            "reducescatter", "mpi_built", "mpi_enabled", "mpi_threads_supported",
@@ -46,7 +46,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = None) -> torch.Tensor:
     ops = engine.ops()
-    return ops.synchronize(ops.allreduce_async_(tensor, average, name, op, prescale_factor,
+    return ops.now(lambda: ops.allreduce_async_(tensor, average, name, op, prescale_factor,
                                                 postscale_factor, process_set or _gps()))
 
 
@@ -64,7 +64,7 @@ def grouped_allreduce_(tensors: list[torch.Tensor], average: Optional[bool] = No
                        postscale_factor: float = 1.0, process_set: Any = None
                        ) -> list[torch.Tensor]:
     ops = engine.ops()
-    return ops.synchronize(ops.grouped_allreduce_async_(
+    return ops.now(lambda: ops.grouped_allreduce_async_(
         tensors, average, name, op, prescale_factor, postscale_factor, process_set or _gps()))
 
 
@@ -77,7 +77,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: Any = None) -> torch.Tensor:
     ops = engine.ops()
-    return ops.synchronize(ops.broadcast_async_(tensor, root_rank, name, process_set or _gps()))
+    return ops.now(lambda: ops.broadcast_async_(tensor, root_rank, name, process_set or _gps()))
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any,
@@ -96,6 +96,24 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any,
             v = v / ps.size()
         return torch.sparse_coo_tensor(i.transpose(0, 1), v, tensor.size())
     return result
+
+
+def entry_tag_async(kind: int, step: int, name: str, process_set: Any = None) -> Any:
+    """hvdsync's entry tag (:mod:`hvdsync.safety.entries`) on this engine: this rank's entry
+    ``kind`` and ``step`` gathered from every rank in the shape of a script call's check, so
+    that a rank in ``hvd.join()`` or in a call of the script's own pairs with it and every side
+    raises (:mod:`hvdsync.torch.c10d.joining`). The handle gives every rank's row."""
+    ops, ps = engine.ops(), process_set or _gps()
+    group = ops._group(ps)
+    row = torch.tensor(ops.checks.entry_row(kind, step), dtype=torch.int64)
+
+    def start() -> Any:
+        api = ops.current().api
+        rows = [torch.empty_like(row) for _ in range(api.get_world_size(group))]
+        work = api.all_gather([ops.lend(r) for r in rows], ops.lend(row), group=group,
+                              async_op=True)
+        return ops.Handle([work], lambda: torch.stack(rows).tolist())
+    return ops._start("entry", name, ps, [], start)
 
 
 # -- reducescatter ----------------------------------------------------------------------------
@@ -188,7 +206,7 @@ class _Allreduce(Function):
     @staticmethod
     def forward(ctx, op, pre, post, ps, name, *tensors):
         ctx.args = (op, pre, post, ps)
-        return tuple(engine.ops().synchronize(grouped_allreduce_async(
+        return tuple(engine.ops().now(lambda: grouped_allreduce_async(
             list(tensors), None, name, op, pre, post, ps)))
 
     @staticmethod
@@ -224,7 +242,7 @@ class _Allgather(Function):
     def forward(ctx, ps, name, *tensors):
         ctx.ps, ctx.dims = ps, [t.shape[0] for t in tensors]
         ops = engine.ops()
-        return tuple(ops.synchronize(ops.grouped_allgather_async(list(tensors), name, ps)))
+        return tuple(ops.now(lambda: ops.grouped_allgather_async(list(tensors), name, ps)))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -271,7 +289,7 @@ class _Alltoall(Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, ps):
         ops = engine.ops()
-        out, received = ops.synchronize(ops.alltoall_async(tensor, splits, name, ps))
+        out, received = ops.now(lambda: ops.alltoall_async(tensor, splits, name, ps))
         ctx.ps, ctx.received = ps, received
         ctx.mark_non_differentiable(received)
         return out, received
@@ -295,7 +313,7 @@ class _Reducescatter(Function):
     def forward(ctx, op, pre, post, ps, name, *tensors):
         ctx.args = (op, pre, post, ps)
         ops = engine.ops()
-        return tuple(ops.synchronize(grouped_reducescatter_async(list(tensors), name, op, ps,
+        return tuple(ops.now(lambda: grouped_reducescatter_async(list(tensors), name, op, ps,
                                                                  pre, post)))
 
     @staticmethod
