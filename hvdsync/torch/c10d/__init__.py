@@ -146,12 +146,8 @@ def join(device: int = -1) -> int:
     if runtime.api.get_world_size(group) == 1:
         return rank()
 
-    def gather(row: list[int]) -> list[list[int]]:  # (unguarded: see the docstring)
-        mine = torch.tensor(row, dtype=torch.int64)
-        rows = [torch.empty_like(mine) for _ in range(runtime.api.get_world_size(group))]
-        runtime.api.all_gather([lend(r) for r in rows], lend(mine), group=group,
-                               async_op=True).wait()
-        return torch.stack(rows).tolist()
+    def gather(row: list[int]) -> list[list[int]]:  # (unbounded: see the docstring)
+        return _gather_ints(torch.tensor(row, dtype=torch.int64), group, None)
 
     def reduce_zeros(call: dict) -> None:
         zeros = [torch.zeros(shape, dtype=getattr(torch, dtype))
@@ -227,22 +223,24 @@ def _track(name: Optional[str], handle: Handle) -> Handle:
     return handle
 
 
-def _wait(work: Any) -> None:
-    synchronize(Handle([work], lambda: None))
-
-
 #: more rows than any rank can hold: a gathered size this large is not a size
 _MOST_ROWS = 2**40
 
 
-def _gather_ints(mine: torch.Tensor, group: Any, what: str) -> list[list[int]]:
-    """Every rank's ``mine`` (int64 vector, equal lengths), blocking (``what``: for the
-    watchdog): per rank, a list. The descriptors, and uneven collectives' sizes."""
-    everyone = [torch.empty_like(mine) for _ in range(current().api.get_world_size(group))]
-    with watchdog.guard(what):
-        _wait(current().api.all_gather([lend(g) for g in everyone], lend(mine), group=group,
-                              async_op=True))
-    return torch.stack(everyone).tolist()
+def _gather_rows(mine: torch.Tensor, group: Any) -> Handle:
+    """Every rank's ``mine`` (int64 vector, equal lengths), started: the handle gives them per
+    rank, as lists. The descriptors, uneven collectives' sizes, hvdsync's entry tags."""
+    api = current().api
+    rows = [torch.empty_like(mine) for _ in range(api.get_world_size(group))]
+    work = api.all_gather([lend(r) for r in rows], lend(mine), group=group, async_op=True)
+    return Handle([work], lambda: torch.stack(rows).tolist())
+
+
+def _gather_ints(mine: torch.Tensor, group: Any, what: Optional[str]) -> list[list[int]]:
+    """:func:`_gather_rows`, waited for (``what``: for the watchdog; ``None``: unbounded)."""
+    handle = _gather_rows(mine, group)
+    handle.what = what
+    return synchronize(handle)
 
 
 # -- allreduce --------------------------------------------------------------------------------

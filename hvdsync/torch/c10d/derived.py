@@ -106,14 +106,7 @@ def entry_tag_async(kind: int, step: int, name: str, process_set: Any = None) ->
     ops, ps = engine.ops(), process_set or _gps()
     group = ops._group(ps)
     row = torch.tensor(ops.checks.entry_row(kind, step), dtype=torch.int64)
-
-    def start() -> Any:
-        api = ops.current().api
-        rows = [torch.empty_like(row) for _ in range(api.get_world_size(group))]
-        work = api.all_gather([ops.lend(r) for r in rows], ops.lend(row), group=group,
-                              async_op=True)
-        return ops.Handle([work], lambda: torch.stack(rows).tolist())
-    return ops._start("entry", name, ps, [], start)
+    return ops._start("entry", name, ps, [], lambda: ops._gather_rows(row, group))
 
 
 # -- reducescatter ----------------------------------------------------------------------------
