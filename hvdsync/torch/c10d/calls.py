@@ -151,7 +151,7 @@ class HorovodInternalError(RuntimeError):
 # -- handles ----------------------------------------------------------------------------------
 class Handle:
     """An operation in flight: c10d works, and what turns their buffers into the result; or
-    ``queued``, a call its lane has not started yet (:mod:`hvdsync.torch.c10d.lane`)."""
+    ``queued``, a call its :class:`Lane` has not started yet."""
 
     __slots__ = ("works", "finish", "result", "done", "queued", "first", "what")
 

@@ -37,7 +37,7 @@ class Runtime:
         self.lanes: dict[Any, Any] = {}  # c10d group -> its lane.Lane (joins only)
 
     def lane(self, group: Any) -> Any:
-        """The :class:`~hvdsync.torch.c10d.lane.Lane` of ``group`` (``None``: every rank)."""
+        """The :class:`~hvdsync.torch.c10d.calls.Lane` of ``group`` (``None``: every rank)."""
         lane = self.lanes.get(group)
         if lane is None:
             lane = self.lanes[group] = Lane("world" if group is None else str(len(self.lanes)),
