@@ -6,10 +6,11 @@ module holds what touches c10d; :mod:`hvdsync.torch.c10d.derived` builds the res
 the process sets. How Horovod's semantics map: before each collective a script starts the
 ranks compare a descriptor of it (:mod:`hvdsync.torch.c10d.checks`), so a mismatch raises
 ``HorovodInternalError`` on every rank instead of pairing wrong tensors; ``*_async`` calls
-return a :class:`Handle` at once (:mod:`hvdsync.torch.c10d.calls`); a grouped allreduce packs one flat buffer per dtype and averages
-are scaled sums (integers as Horovod scales them); int16 travels as int32 and bool reduces
-with Min and Max only; uneven first dimensions send their sizes first; a rank that dies makes
-the others' waits raise ``HorovodInternalError``. docs/backends.md names every function.
+return a :class:`Handle` at once (:mod:`hvdsync.torch.c10d.calls`); a grouped allreduce
+packs one flat buffer per dtype and averages are scaled sums (integers as Horovod scales
+them); int16 travels as int32 and bool reduces with Min and Max only; uneven first
+dimensions send their sizes first; a rank that dies makes the others' waits raise
+``HorovodInternalError``. docs/backends.md names every function.
 """
 
 from __future__ import annotations
@@ -129,11 +130,8 @@ def cross_size() -> int:
 def barrier(process_set: Any = global_process_set) -> None:
     """Wait until every rank of ``process_set`` is here."""
     group = _group(process_set)
-    with waiting():
-        handle = _start("barrier", None, process_set, [], lambda: Handle(
-            [current().api.barrier(group=group, async_op=True)], lambda: None))
-    handle.what = "hvd.barrier()"
-    synchronize(handle)
+    now(lambda: _start("barrier", None, process_set, [], lambda: Handle(
+        [current().api.barrier(group=group, async_op=True)], lambda: None)), "hvd.barrier()")
 
 
 def join(device: int = -1) -> int:
@@ -159,18 +157,20 @@ def join(device: int = -1) -> int:
             runtime.api.get_rank(group), gather,
             lambda d: checks.gather_json(d, global_process_set), reduce_zeros)
         return Handle([], lambda: last)
-    started = job() if not runtime.joins else runtime.lane(group).start(job, True)
-    handle = started if isinstance(started, Handle) else Handle([], None, started)
+    handle = _on_lane(runtime, group, job, True)
     handle.what = None  # a joined rank waits for the others' data: no report, no bound
     return synchronize(handle)
 
 
-def now(start: Callable[[], Handle]) -> Any:
+def now(start: Callable[[], Handle], what: Optional[str] = None) -> Any:
     """A blocking form: ``start()`` starts a call (an ``*_async`` function's) and this thread
-    waits for it; where the lane is idle, what the call waits for before its data moves runs
-    here, with no hop to the lane's thread (:func:`hvdsync.torch.c10d.calls.waiting`)."""
+    waits for it (``what``: for the watchdog, if not the handle's own); where the lane is
+    idle, what the call waits for before its data moves runs here, with no hop to the lane's
+    thread (:func:`hvdsync.torch.c10d.calls.waiting`)."""
     with waiting():
         handle = start()
+    if what is not None:
+        handle.what = what
     return synchronize(handle)
 
 
@@ -208,10 +208,17 @@ def _start(kind: str, name: Optional[str], process_set: Any, tensors: list,
                 joining.differ(desc, everyone, lambda d: checks.gather_json(d, process_set),
                                _set_ranks(process_set))
         return start()
-    if not runtime.joins:  # simulated ranks: on the rank's own thread
-        return _track(name, job())
-    handle = runtime.lane(group).start(job, desc is not None or (uneven and n > 1))
-    return _track(name, handle if isinstance(handle, Handle) else Handle([], None, handle))
+    return _track(name, _on_lane(runtime, group, job, desc is not None or (uneven and n > 1)))
+
+
+def _on_lane(runtime: Any, group: Any, job: Callable[[], Handle], waits: bool) -> Handle:
+    """``job()`` started in this rank's order of calls on ``group`` (``waits``: whether it
+    waits for the peers before its data moves), its handle; simulated ranks start it on their
+    own thread."""
+    if not runtime.joins:
+        return job()
+    started = runtime.lane(group).start(job, waits)
+    return started if isinstance(started, Handle) else Handle([], None, started)
 
 
 def _track(name: Optional[str], handle: Handle) -> Handle:

@@ -34,11 +34,11 @@ _here = threading.local()  # .waiting: this thread starts a call it waits for at
 def waiting() -> Iterator[None]:
     """Within the block, a call started is waited for at once (a blocking form): where its
     lane is idle, this thread runs what it waits for before its data moves, no hop."""
-    _here.waiting = True
+    outer, _here.waiting = getattr(_here, "waiting", False), True
     try:
         yield
     finally:
-        _here.waiting = False
+        _here.waiting = outer
 
 
 class Queued:
