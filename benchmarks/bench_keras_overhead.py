@@ -49,6 +49,8 @@ METHODS: dict[str, Any] = {
     "horovod (tape) + packed layer statistics": ("tape", "packed"),
     "horovod (tape) + shared layer statistics": ("tape", "layers, shared"),
     "hvdsync (plain path)": {},
+    # the compiled step's entry tag left out (hvdsync.keras.comm.KerasCommunicator.step_tag)
+    "hvdsync (plain path), no entry tag": dict(_entry_tag=False),
     "clip (never clips)": dict(clip=dict(max_norm=1e9)),
     "clip global (never clips)": dict(clip=dict(max_norm=1e9, mode="global")),
     "threshold=0": dict(threshold=0.0),
@@ -116,6 +118,7 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
 
     import hvdsync.keras as hvd
     from benchmarks.keras_peers import horovod_tape_model
+    from hvdsync.keras.comm import KerasCommunicator
     import horovod.tensorflow as htf
     hvd.init()
     os.sched_setaffinity(0, {hvd.rank() % os.cpu_count()})
@@ -132,6 +135,7 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
         x = rng.standard_normal((steps * batch, features)).astype("float32")
         y = np.argmax(x @ teacher, axis=1)
     models, compile_s = {}, {}
+    step_tag, tagged = KerasCommunicator.step_tag, True
     for name in methods:
         keras.utils.set_random_seed(0)
         model = mlp(width, depth) if not vocab else keras.Sequential(
@@ -143,14 +147,19 @@ def overhead_body(methods: list[str], rounds: int, steps: int, width: int, depth
         elif METHODS[name] != "alone":
             # read when the optimizer is built (by the callback in the first fit)
             os.environ["HVDSYNC_KERAS_PIPELINE"] = "1" if "eager pipeline" in name else "0"
-            opt = hvd.DistributedOptimizer(opt, **METHODS[name])
+            options = dict(METHODS[name])
+            tagged = options.pop("_entry_tag", True)
+            opt = hvd.DistributedOptimizer(opt, **options)
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True))
         htf.allreduce(tf.zeros([1]), name=f"go.compile.{name}")
         start = time.perf_counter()
+        if not tagged:  # traced without the step's tag (the first fit traces)
+            KerasCommunicator.step_tag = lambda self, step: tf.constant(True)
         # the first fit traces the train function (once: the callback builds the optimizer)
         model.fit(x[:2 * batch], y[:2 * batch], batch_size=batch, verbose=0,
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        KerasCommunicator.step_tag, tagged = step_tag, True
         os.environ.pop("HVDSYNC_KERAS_PIPELINE", None)
         compile_s[name] = float(htf.allreduce(
             tf.constant([time.perf_counter() - start], tf.float64), op=htf.Max,

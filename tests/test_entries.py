@@ -143,10 +143,11 @@ def test_the_stall_report_comes_within_75_s_by_default():
     assert watchdog.stall_s() == 60 and watchdog.period_s() <= 5
 
 
-# -- Keras: the eager step pipeline (delay=) -------------------------------------------------
+# -- Keras: the compiled step and the eager step pipeline (delay=) ---------------------------
 def keras_flush_on_rank_0() -> dict:
     """``model.fit`` with ``delay=``; a callback on rank 0 only calls ``flush()`` after the
-    third batch (a rank-0-only evaluation's habit)."""
+    third batch (a rank-0-only evaluation's habit). What each rank raised, and how long after
+    that batch."""
     import keras
 
     import hvdsync.keras as hvd
@@ -159,24 +160,32 @@ def keras_flush_on_rank_0() -> dict:
                                    delay=dict(staleness=1, average_every=4))
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True))
+    started = []
 
     class FlushOnRank0(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if batch == 2 and hvd.rank() == 0:
-                self.model.optimizer.flush()
+            if batch == 2:
+                started.append(time.monotonic())
+                if hvd.rank() == 0:
+                    self.model.optimizer.flush()
     try:
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), FlushOnRank0()])
     except Exception as e:  # noqa: BLE001 - inside fit, TensorFlow wraps what a step raised
-        return dict(error=str(e), type=type(e).__name__)
+        return dict(error=str(e), type=type(e).__name__,
+                    seconds=time.monotonic() - started[0], graph=opt._hv.graph_path)
     return dict(error=None)
 
 
-def test_keras_a_flush_on_rank_0_only_is_refused_on_every_rank():
-    """Through Keras' eager step pipeline; its compiled steps run Horovod's graph ops and send
-    no tags, so there the stall report and the bound name it (docs/failures.md)."""
-    out = run_ranks(keras_flush_on_rank_0, np=2, timeout=180,
-                    env={"HVDSYNC_KERAS_PIPELINE": "1"})
+@pytest.mark.parametrize("path", ["compiled", "pipeline"])
+def test_keras_a_flush_on_rank_0_only_is_refused_on_every_rank(path):
+    """In the compiled step (its entry tag is a graph op the step's data waits for) and
+    through Keras' eager step pipeline: every rank raises within seconds, naming both
+    entries."""
+    env = {"HVDSYNC_KERAS_PIPELINE": "1"} if path == "pipeline" else {}
+    out = run_ranks(keras_flush_on_rank_0, np=2, timeout=180, env=env)
     assert all(r["error"] and "the ranks called different collectives -- rank 0: flush()"
                in r["error"] and "rank 1: a training step" in r["error"] for r in out), out
     assert out[0]["type"] == "RanksDisagree", out  # (rank 1's comes through TensorFlow)
+    assert all(r["graph"] == (path == "compiled") for r in out), out
+    assert all(r["seconds"] < 30 for r in out), out

@@ -29,7 +29,8 @@ from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import FP16Compressor
 from horovod.tensorflow.mpi_ops import Average, ProcessSet, Sum
 
-from hvdsync.safety.entries import Entries
+from hvdsync.safety.agreement import RanksDisagree
+from hvdsync.safety.entries import CODE, Entries, describe
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.wire import Pending
 from hvdsync.safety.watchdog import guard
@@ -114,13 +115,48 @@ class KerasCommunicator:
         #: what this rank is doing, compared before each entry's first collective
         #: (hvdsync.safety.entries); eager Horovod ops block, so each tag is checked at once
         self.entries = Entries(process_set, self._tag_round)
+        self._tag_functions: dict[str, Callable] = {}
 
     def _tag_round(self, values: list[float], name: str, what: str) -> Pending:
         self.stats.count("entry_tags", 1)
         with guard(what):  # eager: blocks here
-            out = mpi_ops._allreduce(tf.constant(values, tf.float64), name=name, op=Average,
-                                     process_set=self.process_set).numpy().tolist()
+            out = self._tag_function()(tf.constant(values, tf.float64)).numpy().tolist()
         return Pending.resolved(out)
+
+    def _tag_op(self, values: tf.Tensor) -> tf.Tensor:
+        """The entry tags' allreduce, under one name wherever it is built: a rank in a compiled
+        step pairs with one in ``flush()`` (Horovod pairs by name; an eager op's name is its
+        type's, so eager tags run through :meth:`_tag_function`). One name is enough: an eager
+        tag is checked before anything else starts, a compiled step's before its data."""
+        return mpi_ops._allreduce(values, name=self.entries.names()[0], op=Average,
+                                  ignore_name_scope=True, process_set=self.process_set)
+
+    def _tag_function(self) -> Callable:
+        name = self.entries.names()[0]  # (set when the layers are known: name_after)
+        if name not in self._tag_functions:
+            self._tag_functions[name] = tf.function(self._tag_op, autograph=False)
+        return self._tag_functions[name]
+
+    def step_tag(self, step: tf.Tensor) -> tf.Tensor:
+        """The compiled step's entry tag (graph ops): this rank is in a training step
+        (``step``: its number), compared with every rank's; what the step's collectives wait
+        for. Ranks that entered differently -- one in ``flush()`` or a save -- all raise
+        :class:`~hvdsync.safety.agreement.RanksDisagree` (here through TensorFlow), naming
+        what each called, before any of the step's data is sent. Its inputs are ready when
+        the step starts, so its round trip overlaps forward and backward."""
+        rank, size = self.process_set.rank(), self.size
+        if size == 1:
+            return tf.constant(True)
+        mine = tf.stack([tf.constant(float(CODE["step"]), tf.float64), tf.cast(step, tf.float64)])
+        shared = self._tag_op(tf.concat([tf.zeros([2 * rank], tf.float64), mine,
+                                         tf.zeros([2 * (size - rank - 1)], tf.float64)], 0))
+        kinds = tf.round(shared[0::2] * size)
+
+        def refuse(shared: tf.Tensor) -> tf.Tensor:
+            rows = [round(v * size) for v in shared.numpy().tolist()]
+            raise RanksDisagree(describe(rows[0::2], rows[1::2]))
+        return tf.cond(tf.reduce_all(tf.equal(kinds, kinds[0])), lambda: tf.constant(True),
+                       lambda: tf.py_function(refuse, [shared], tf.bool))
 
     @property
     def size(self) -> int:

@@ -36,7 +36,7 @@ def graph_runs(techniques: list[Technique]) -> bool:
 def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                layers: list[tuple[int, list[int]]], grads: list, variables: list,
                apply: Callable[[list, list], None], restored: tf.Variable,
-               flags: HostFlags, traffic: Traffic,
+               flags: HostFlags, traffic: Traffic, step: tf.Tensor,
                kept: Optional[KeptLayers] = None) -> None:
     """Build one step of the graph path: per layer (fixed order) clip (local), reduce, clip
     (global); then ``apply(grads, variables)`` and record the step's statistics. With a
@@ -48,8 +48,13 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     ``restored``: set when a checkpoint was restored; the step then first runs the
     pipeline's after-restore agreement check (on the host) and clears it -- before the step
     reads any memory or plan: where the check drops per-rank memory, a step that had read it
-    already would go on with it on some ranks only. ``flags``: the techniques' host flags."""
+    already would go on with it on some ranks only. ``flags``: the techniques' host flags.
+    ``step``: the step's number, for its entry tag (:meth:`KerasCommunicator.step_tag`), which
+    the step's collectives wait for: a rank in ``flush()`` or a save meanwhile is refused on
+    every rank before anything is paired wrongly."""
     with tf.control_dependencies([_when_restored(restored, pipeline)]):
+        entered = comm.step_tag(step)  # (after the restore check's own tags: one name)
+    with tf.control_dependencies([entered]):
         TracedStep(comm, pipeline, layers, grads, variables, apply, flags, traffic, kept).build()
 
 

@@ -193,7 +193,7 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         if hv.graph_path:
             graph_step(hv.comm, hv.pipeline, hv.grads.layer_positions(variables), grads,
                        variables, self._apply_update, hv.restored, hv.flags, hv.traffic,
-                       hv.kept)
+                       self._iterations + 1, hv.kept)
             return
         if hv.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
