@@ -120,14 +120,14 @@ class KerasCommunicator:
     def _tag_round(self, values: list[float], name: str, what: str) -> Pending:
         self.stats.count("entry_tags", 1)
         with guard(what):  # eager: blocks here
-            out = self._tag_function()(tf.constant(values, tf.float64)).numpy().tolist()
+            out = self._tag_function()(tf.constant(values, tf.float32)).numpy().tolist()
         return Pending.resolved(out)
 
     def _tag_op(self, values: tf.Tensor) -> tf.Tensor:
         """The entry tags' allreduce, under one name wherever it is built: a rank in a compiled
         step pairs with one in ``flush()`` (Horovod pairs by name; an eager op's name is its
         type's, so eager tags run through :meth:`_tag_function`). One name is enough: an eager
-        tag is checked before anything else starts, a compiled step's before its data."""
+        tag is checked before anything else starts, a compiled step's before its update."""
         return mpi_ops._allreduce(values, name=self.entries.names()[0], op=Average,
                                   ignore_name_scope=True, process_set=self.process_set)
 
@@ -139,17 +139,19 @@ class KerasCommunicator:
 
     def step_tag(self, step: tf.Tensor) -> tf.Tensor:
         """The compiled step's entry tag (graph ops): this rank is in a training step
-        (``step``: its number), compared with every rank's; what the step's collectives wait
+        (``step``: its number), compared with every rank's; what the step's update waits
         for. Ranks that entered differently -- one in ``flush()`` or a save -- all raise
         :class:`~hvdsync.safety.agreement.RanksDisagree` (here through TensorFlow), naming
-        what each called, before any of the step's data is sent. Its inputs are ready when
-        the step starts, so its round trip overlaps forward and backward."""
+        what each called; the update waits for it, the step's data does not (a round trip
+        before the first send cost 9 % of a 9 ms step: benchmarks/results/
+        keras_overhead_np2_entry_tag.md)."""
         rank, size = self.process_set.rank(), self.size
         if size == 1:
             return tf.constant(True)
-        mine = tf.stack([tf.constant(float(CODE["step"]), tf.float64), tf.cast(step, tf.float64)])
-        shared = self._tag_op(tf.concat([tf.zeros([2 * rank], tf.float64), mine,
-                                         tf.zeros([2 * (size - rank - 1)], tf.float64)], 0))
+        # float32, as the gradients mostly are: Horovod can fuse it with the first of them
+        mine = tf.stack([tf.constant(float(CODE["step"])), tf.cast(step, tf.float32)])
+        shared = self._tag_op(tf.concat([tf.zeros([2 * rank]), mine,
+                                         tf.zeros([2 * (size - rank - 1)])], 0))
         kinds = tf.round(shared[0::2] * size)
 
         def refuse(shared: tf.Tensor) -> tf.Tensor:

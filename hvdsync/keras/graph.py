@@ -49,13 +49,19 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     pipeline's after-restore agreement check (on the host) and clears it -- before the step
     reads any memory or plan: where the check drops per-rank memory, a step that had read it
     already would go on with it on some ranks only. ``flags``: the techniques' host flags.
-    ``step``: the step's number, for its entry tag (:meth:`KerasCommunicator.step_tag`), which
-    the step's collectives wait for: a rank in ``flush()`` or a save meanwhile is refused on
-    every rank before anything is paired wrongly."""
-    with tf.control_dependencies([_when_restored(restored, pipeline)]):
+    ``step``: the step's number, for its entry tag (:meth:`KerasCommunicator.step_tag`),
+    sent beside the step's data and checked before the update: a rank in ``flush()`` or a
+    save meanwhile makes every rank raise, and no update is made with what was paired."""
+    checked = _when_restored(restored, pipeline)
+    with tf.control_dependencies([checked]):
         entered = comm.step_tag(step)  # (after the restore check's own tags: one name)
-    with tf.control_dependencies([entered]):
-        TracedStep(comm, pipeline, layers, grads, variables, apply, flags, traffic, kept).build()
+
+    def apply_entered(grads: list, variables: list) -> None:
+        with tf.control_dependencies([entered]):  # no update unless every rank is stepping
+            apply(grads, variables)
+    with tf.control_dependencies([checked]):
+        TracedStep(comm, pipeline, layers, grads, variables, apply_entered, flags, traffic,
+                   kept).build()
 
 
 def _when_restored(restored: tf.Variable, pipeline: StepPipeline) -> tf.Tensor:
