@@ -179,9 +179,9 @@ def keras_flush_on_rank_0() -> dict:
 
 @pytest.mark.parametrize("path", ["compiled", "pipeline"])
 def test_keras_a_flush_on_rank_0_only_is_refused_on_every_rank(path):
-    """In the compiled step (its entry tag is a graph op the step's data waits for) and
-    through Keras' eager step pipeline: every rank raises within seconds, naming both
-    entries."""
+    """In the compiled step (its entry tag a graph op beside the data, checked before the
+    update) and through Keras' eager step pipeline: every rank raises within seconds, naming
+    both entries."""
     env = {"HVDSYNC_KERAS_PIPELINE": "1"} if path == "pipeline" else {}
     out = run_ranks(keras_flush_on_rank_0, np=2, timeout=180, env=env)
     assert all(r["error"] and "the ranks called different collectives -- rank 0: flush()"

@@ -490,9 +490,10 @@ def checks_in_training() -> dict:
 
 def step_while_a_rank_joined() -> Any:
     """Rank 1 runs out of data and calls ``hvd.join()`` while rank 0 steps hvdsync's
-    optimizer; rank 0 must get a clear error, then joins too. Per rank: what the step raised,
-    and what ``join`` raised (on torchrun the joined rank raises too: the step's collectives
-    were started, and the job cannot go on)."""
+    optimizer with ``delay=`` (which cannot go on beside a joined rank: its parameter
+    averaging would count the joined rank's); rank 0 must get a clear error, then joins too.
+    Per rank: what the step raised, and what ``join`` raised (on torchrun the joined rank
+    raises too: the step's collectives were started, and the job cannot go on)."""
     import torch
 
     import hvdsync.torch as hvd
@@ -501,7 +502,8 @@ def step_while_a_rank_joined() -> Any:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   delay=dict(staleness=1, average_every=2))
     said = None
     try:
         for _ in range(3 if hvd.rank() == 0 else 1):
@@ -515,3 +517,58 @@ def step_while_a_rank_joined() -> Any:
         return said, None
     except hvd.HorovodInternalError as e:  # torchrun: the joined rank's, and then the job's
         return said, str(e)
+
+
+#: hvdsync's optimizer beside hvd.join() (the techniques that can go on beside a joined rank;
+#: sparse= on torch.distributed only: Horovod answers no allgather while a rank has joined)
+JOIN_TECHNIQUES = {
+    "plain": {}, "clip": dict(clip=dict(max_norm=0.5)),
+    "threshold": dict(threshold=dict(threshold=0.3, max_skip=3)),
+    "select": dict(select=dict(k=1, max_wait=2)),
+    "lowrank": dict(lowrank=dict(rank=1, warmup_steps=1, min_compression=0)),
+}
+
+
+def join_with_optimizer() -> dict:
+    """Uneven data under hvdsync's optimizer (momentum, a learning rate stepped per batch):
+    rank r has 2 + 2 r batches, then calls ``hvd.join()`` (rank 0 first), then ``flush()``. Per technique and rank: the parameters
+    after the join, after the flush, and join's answer; on Horovod also Horovod's own
+    ``DistributedOptimizer`` on the same data (the reference)."""
+    import torch
+    from torch import nn
+
+    import hvdsync.torch as hvd
+    from tests.models import MLP, teacher_batches
+    hvd.init()
+    torch.set_num_threads(1)
+    r = hvd.rank()
+    batches = teacher_batches(r, 2 + 2 * r)
+    cases = dict(JOIN_TECHNIQUES)
+    if hvd.backend_name() == "torch":
+        cases["sparse"] = dict(sparse=True)
+    else:
+        import horovod.torch as horovod
+        cases["horovod"] = None
+    out: dict = {}
+    for name, options in cases.items():
+        torch.manual_seed(0)
+        model = MLP()
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = (horovod.DistributedOptimizer(base, named_parameters=model.named_parameters())
+               if options is None else
+               hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                        **options))
+        schedule = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.8)
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            schedule.step()  # per batch: a joined rank's rate stays behind
+        last = hvd.join()
+        joined = [p.detach().clone() for p in model.parameters()]
+        if options is not None:
+            opt.flush()
+            opt.close()
+        out[name] = dict(last=last, joined=[p.tolist() for p in joined],
+                         flushed=[p.detach().tolist() for p in model.parameters()])
+    return out

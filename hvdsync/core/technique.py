@@ -121,6 +121,11 @@ class Technique:
     #: whether its result depends on the gradients' scale (it reads their values, or keeps
     #: them across steps): under loss scaling it must see them unscaled (``scaler=``)
     scale_sensitive: bool = True
+    #: why its steps cannot go on while a rank waits in ``hvd.join()`` (which takes part in
+    #: them with zero gradients, docs/backends.md), or ``None`` where they can
+    beside_join: Optional[str] = None
+    #: whether its step gathers (an allgather: Horovod answers none while a rank is joined)
+    gathers: bool = False
     #: whether a tracing adapter builds it into the traced step itself (Keras' compiled train
     #: function, :mod:`hvdsync.keras.graph`; else the step pipeline runs eagerly inside it)
     traceable: bool = False

@@ -30,9 +30,7 @@ KINDS = {0: "hvd.join() (Horovod's joined rank sends zeros), or gone (a rank who
 CODE = {"step": 1, "flush": 2, "save": 3, "start": 4, "script": 5}
 #: the fix the error names, the first that applies in this order
 FIX = {0: "if that rank's process ended, its own output says why; if it waits in hvd.join(), "
-       "hvdsync's optimizer cannot step meanwhile: its steps keep "
-       "counters that every rank shares; give every rank as many batches (a "
-       "DistributedSampler with drop_last=True)",
+       "call flush() and saves after hvd.join() has returned, on every rank",
        2: "call flush() on every rank", 3: "call save_checkpoint / save_model on every rank "
        "(rank 0 writes the file)"}
 #: tags in flight at most: local steps (delay=) let ranks run apart between synchronizations,
@@ -52,6 +50,10 @@ class Entries:
         self._tagged = False  # this entry's tag is in flight (or was checked)
         self._seq = 0
         self._out: deque[tuple[int, Any]] = deque()  # (seq, pending) not yet checked
+        #: why a step cannot go on beside a rank in ``hvd.join()`` (a joined rank takes part
+        #: in it with zero gradients: hvdsync.torch.joined), or ``None`` where it can
+        self.beside_join: Optional[str] = "this adapter's steps do not take part in hvd.join()"
+        self._joined_round = False  # the next step's tag was paired by hvd.join()'s loop
         self.name_after([])
 
     def name_after(self, layer_names: list[str]) -> None:
@@ -74,7 +76,18 @@ class Entries:
     def begin(self, kind: str, step: int) -> None:
         """An entry point begins on this rank (``kind``: a key of :data:`CODE`)."""
         self.kind, self.step, self._tagged = CODE[kind], step, False
+        if self._joined_round and kind == "step":  # its tag was the join loop's round
+            self._seq, self._tagged, self._joined_round = self._seq + 1, True, False
         watchdog.entered(KINDS[self.kind], step)
+
+    def joined_round(self) -> None:
+        """This rank is in ``hvd.join()``, whose loop just paired with the others' step tags:
+        it takes that step with them (zero gradients), and sends no tag of its own."""
+        self._joined_round = True
+
+    def identity(self) -> int:
+        """This optimizer's tags, as one number (from :meth:`name_after`)."""
+        return int(self._names[0].split(".")[2], 16)
 
     def before(self, what: str = "a collective") -> int:
         """Called by the communicator before it starts a collective (``what``: for the
@@ -116,16 +129,25 @@ class Entries:
         shared = [round(v * self.process_set.size()) for v in pending.wait_idle()]
         kinds, steps = shared[0::2], shared[1::2]
         if len(set(kinds)) > 1:
-            raise RanksDisagree(describe(kinds, steps))
+            if set(kinds) == {0, CODE["step"]} and self.beside_join is None:
+                return  # a rank in hvd.join() takes part with zero gradients
+            raise RanksDisagree(describe(kinds, steps, self.beside_join))
 
 
-def describe(kinds: list[int], steps: list[int]) -> str:
+def describe(kinds: list[int], steps: list[int], beside_join: Optional[str] = None) -> str:
     """The error for ranks that entered differently (per rank: a :data:`KINDS` code and its
-    step)."""
+    step; ``beside_join``: why a step cannot go on beside a joined rank, if known)."""
     sides = {k: [r for r, x in enumerate(kinds) if x == k] for k in kinds}
     said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
                      f"{KINDS.get(k, k)} (step {steps[rs[0]]})" for k, rs in sides.items())
-    fix = next((FIX[k] for k in FIX if k in sides), "make every rank take the same steps")
+    fixes = dict(FIX)
+    if beside_join is not None:
+        fixes[0] = (f"if that rank's process ended, its own output says why; if it waits in "
+                    f"hvd.join(), hvdsync's optimizer cannot step beside it here: "
+                    f"{beside_join}; give every rank as many batches (a DistributedSampler "
+                    "with drop_last=True)")
+    fix = next((fixes[k] for k in fixes if k in sides), "make every rank take the same steps")
     return (f"hvdsync: the ranks called different collectives -- {said}. Each would wait for "
             f"the others forever (or, on torch.distributed, pair the wrong tensors): {fix}. "
             "See docs/failures.md.")
+

@@ -4,7 +4,8 @@ without it, on ``torch.distributed`` (``torchrun``).
 Every name of Horovod's ``horovod.torch`` (0.28.1) is here and behaves as Horovod's on whichever
 engine :mod:`hvdsync.torch.engine` chose (``hvd.init(backend=...)``, ``HVDSYNC_BACKEND``, or
 the launcher); ``hvd.backend_name()`` says which. On Horovod they are Horovod's own; on the
-torch engine :mod:`hvdsync.torch.c10d`'s (only ``join`` is refused there, with the reason).
+torch engine :mod:`hvdsync.torch.c10d`'s; ``join`` knows hvdsync's optimizer on both
+(:mod:`hvdsync.torch.joined`).
 hvdsync's own: ``DistributedOptimizer`` (same arguments, same results with no technique
 enabled, plus hvdsync's options and ``stats``), ``SyncBatchNorm`` (also on CPU tensors),
 ``elastic`` (Horovod's Elastic knowing hvdsync's optimizer, docs/elastic.md). The table of
@@ -28,7 +29,7 @@ _LAZY = ("ProcessSet", "global_process_set", "HorovodInternalError")
 _OWN = ("elastic", "SyncBatchNorm", "sync_batch_norm", "functions", "compression")
 _DISPATCHED = (
     "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank",
-    "cross_rank", "barrier", "join", "poll", "synchronize", "allreduce", "allreduce_",
+    "cross_rank", "barrier", "poll", "synchronize", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "sparse_allreduce_async",
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
@@ -93,6 +94,7 @@ from hvdsync.core.stats import SyncStats  # noqa: E402
 from hvdsync.techniques.threshold import ThresholdConfig
 from hvdsync.torch.optimizer import DistributedOptimizer  # noqa: E402,F811
 from hvdsync.torch.optimizer import _DistributedOptimizer  # noqa: E402
+from hvdsync.torch.joined import join  # noqa: E402 - Horovod's, knowing hvdsync's optimizer
 from hvdsync.torch.nodes import node_process_sets  # noqa: E402 - between="nodes" on Horovod
 from hvdsync.torch.saving import (UntrustedCheckpoint, broadcast_technique_state,  # noqa: E402
                                   load_checkpoint,

@@ -205,7 +205,7 @@ class TorchCommunicator:
         :class:`~hvdsync.safety.entries.Entries` expects."""
         ops, me = self.ops, self.process_set.rank()
         handle = ops.entry_tag_async(int(values[2 * me]), int(values[2 * me + 1]), name,
-                                     self.process_set)
+                                     self.process_set, self.entries.identity())
 
         def shared() -> list[float]:
             kinds, steps = ops.joining.entry_kinds(ops.synchronize(handle))

@@ -35,7 +35,7 @@ from hvdsync.core.pipeline import StepPipeline
 from hvdsync.core.rules import build_techniques
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import Parts
-from hvdsync.torch import engine, nodes
+from hvdsync.torch import engine, joined, nodes
 from hvdsync.torch.backend import TorchGradients
 from hvdsync.torch.ops import TorchOps
 from hvdsync.torch.comm import TorchCommunicator
@@ -106,6 +106,10 @@ class _DistributedOptimizer(SyncAPI):
                                               comm.matches_by_name)
         self._pipeline = StepPipeline(layer_names, self._techniques, self._grads, TorchOps(),
                                       self.stats, comm, *group_bytes)
+        comm.entries.beside_join = joined.refusal(self._techniques, process_set,
+                                                  levels.node is not None, comm.matches_by_name)
+        self._steps_joined = 0  # steps taken in hvd.join() with zero gradients
+        joined.register(self)
         self._param_signatures = [checkpoint.signature(p.shape, p.dtype)
                                   for lp in layer_params for _, p in lp]
         layers_seen = [(name, [checkpoint.signature(p.shape, p.dtype) for _, p in lp])
@@ -220,6 +224,19 @@ class _DistributedOptimizer(SyncAPI):
         if self.process_set.included():
             self._pipeline.after_optimizer_step()
         return result
+
+    def _step_joined(self, step: int) -> None:
+        """``hvd.join()`` on the torch engine: the other ranks take step ``step``; this one, out
+        of data, takes it with them with zero gradients -- the same collectives, decisions
+        and update, so its replica and state stay theirs (hvdsync.torch.joined). Its entry
+        tag was the join loop's round."""
+        for p in self._hooked:
+            p.grad = None  # (the step gives a layer without a gradient zeros, as Horovod)
+        self._comm.entries.joined_round()
+        self._steps_joined += 1
+        self.step()
+        for p in self._hooked:
+            p.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pipeline.busy:

@@ -15,6 +15,9 @@ class Averaging(Technique):
     """Plain K-step averaging of the parameters (and, with ``optimizer_state="average"``, of
     the optimizer state shaped like them) after the update of every K-th step."""
 
+    beside_join = ("the parameter averaging averages every rank's parameters, and a rank in "
+                   "hvd.join() would enter the average as if it had trained")
+
     name = "outer"
     keyword = "delay"
     role = SYNC

@@ -213,6 +213,7 @@ class SparseTransport(Transport):
     memory in checkpoints); each moves its framework's tensors."""
 
     name = "sparse"
+    gathers = True  # every rank's rows
     scale_sensitive = False  # rows summed; the memory is of layouts and routes only
     protocol: SparseProtocol
 

@@ -134,32 +134,32 @@ def barrier(process_set: Any = global_process_set) -> None:
         [current().api.barrier(group=group, async_op=True)], lambda: None)), "hvd.barrier()")
 
 
-def join(device: int = -1) -> int:
+def join(device: int = -1, step_with: Optional[Callable[[int, int], bool]] = None) -> int:
     """Horovod's ``hvd.join()``: this rank is out of data; it answers the others' allreduces
     with zeros until every rank has joined (:mod:`hvdsync.torch.c10d.joining`), and returns
     the rank that joined last (the highest of those that joined in one round). Unbounded, as
     Horovod's: it waits for the slowest rank's data (within the process group's timeout,
-    about 1.5 x ``HVDSYNC_TIMEOUT_SECONDS``)."""
+    about 1.5 x ``HVDSYNC_TIMEOUT_SECONDS``). ``step_with(optimizer, step)``: take part in a
+    step of hvdsync's optimizer (hvdsync.torch.joined), on this thread."""
     group, runtime = _group(global_process_set), current()
     if runtime.api.get_world_size(group) == 1:
         return rank()
 
-    def gather(row: list[int]) -> list[list[int]]:  # (unbounded: see the docstring)
-        return _gather_ints(torch.tensor(row, dtype=torch.int64), group, None)
+    def gather(row: list[int]) -> list[list[int]]:  # in this rank's order of calls
+        with waiting():
+            handle = _on_lane(runtime, group, lambda: _gather_rows(
+                torch.tensor(row, dtype=torch.int64), group), False)
+        handle.what = None  # a joined rank waits for the others' data: no report, no bound
+        return synchronize(handle)
 
     def reduce_zeros(call: dict) -> None:
         zeros = [torch.zeros(shape, dtype=getattr(torch, dtype))
                  for dtype, shape in zip(call["dtypes"], call["shapes"])]
         synchronize(_allreduce(zeros, call["op"], *call["scale_factors"], group))
-
-    def job() -> Handle:
-        last = joining.answer_until_all_joined(
-            runtime.api.get_rank(group), gather,
-            lambda d: checks.gather_json(d, global_process_set), reduce_zeros)
-        return Handle([], lambda: last)
-    handle = _on_lane(runtime, group, job, True)
-    handle.what = None  # a joined rank waits for the others' data: no report, no bound
-    return synchronize(handle)
+    return joining.answer_until_all_joined(
+        runtime.api.get_rank(group), gather,
+        lambda d: checks.gather_json(d, global_process_set), reduce_zeros,
+        step_with or (lambda optimizer, step: False))
 
 
 def now(start: Callable[[], Handle], what: Optional[str] = None) -> Any:

@@ -98,11 +98,11 @@ def message(descs: list[dict[str, Any]], ranks: list[int]) -> str:
             "sent:\n" + "\n".join(lines))
 
 
-def entry_row(kind: int, step: int) -> list[int]:
-    """hvdsync's entry tag (``kind``, ``step``: hvdsync.safety.entries) as a descriptor, so
-    that a rank in ``hvd.join()`` or in a script's own call pairs with it
-    (:mod:`hvdsync.torch.c10d.joining`)."""
-    return [KINDS.index("entry"), int(kind), int(step)] + [0] * (LENGTH - 3)
+def entry_row(kind: int, step: int, optimizer: int) -> list[int]:
+    """hvdsync's entry tag (``kind``, ``step``: hvdsync.safety.entries; ``optimizer``: whose,
+    :meth:`~hvdsync.safety.entries.Entries.identity`) as a descriptor, so that a rank in
+    ``hvd.join()`` or in a script's own call pairs with it (:mod:`hvdsync.torch.c10d.joining`)."""
+    return [KINDS.index("entry"), int(kind), int(step), int(optimizer)] + [0] * (LENGTH - 4)
 
 
 def in_flight(kind: str, name: str) -> str:

@@ -98,14 +98,16 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Any,
     return result
 
 
-def entry_tag_async(kind: int, step: int, name: str, process_set: Any = None) -> Any:
+def entry_tag_async(kind: int, step: int, name: str, process_set: Any = None,
+                    optimizer: int = 0) -> Any:
     """hvdsync's entry tag (:mod:`hvdsync.safety.entries`) on this engine: this rank's entry
-    ``kind`` and ``step`` gathered from every rank in the shape of a script call's check, so
-    that a rank in ``hvd.join()`` or in a call of the script's own pairs with it and every side
-    raises (:mod:`hvdsync.torch.c10d.joining`). The handle gives every rank's row."""
+    ``kind`` and ``step`` (of ``optimizer``: its tags' identity) gathered from every rank in
+    the shape of a script call's check, so that a rank in ``hvd.join()`` takes part in the
+    step, and one in a call of the script's own pairs with it and every side raises
+    (:mod:`hvdsync.torch.c10d.joining`). The handle gives every rank's row."""
     ops, ps = engine.ops(), process_set or _gps()
     group = ops._group(ps)
-    row = torch.tensor(ops.checks.entry_row(kind, step), dtype=torch.int64)
+    row = torch.tensor(ops.checks.entry_row(kind, step, optimizer), dtype=torch.int64)
     return ops._start("entry", name, ps, [], lambda: ops._gather_rows(row, group))
 
 

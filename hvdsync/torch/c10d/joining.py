@@ -1,17 +1,16 @@
 """Horovod's ``hvd.join()`` on the torch engine: a rank out of data answers the others'
-allreduces with zeros until every rank has joined, then each learns the rank that joined last.
+collectives until every rank has joined, then each learns the rank that joined last.
 
-c10d pairs collectives by order, so the joined rank must take part in exactly what the others
-start. Every collective a script starts begins with its check, a descriptor gathered from every
-rank (:mod:`hvdsync.torch.c10d.checks`); hvdsync's entry tags (a step, ``flush()``, a save)
-are gathered in the same shape. The joined rank loops on that gather with a descriptor of its
-own ("join"). Where the others' call is an allreduce, alike on all of them, the ranks exchange
-the readable forms, and the joined rank reduces zeros of the call's dtypes and shapes in the
-same data allreduce (``Average`` divides by every rank: Horovod's result). Any other collective
-is refused on the calling ranks with Horovod's class, as Horovod answers only allreduce while a
-rank has joined; an entry of hvdsync's optimizer is refused on every rank (``RanksDisagree``
-there, naming ``hvd.join()``): its step cannot take part with zeros (docs/backends.md). The
-checks must be on (``HVDSYNC_CHECK_COLLECTIVES``): unchecked calls have nothing to pair with.
+c10d pairs collectives by order, so the joined rank takes part in exactly what the others
+start. A script's collective begins with its check, a descriptor gathered from every rank
+(:mod:`hvdsync.torch.c10d.checks`); hvdsync's entry tags are gathered in the same shape. The
+joined rank loops on that gather with a descriptor of its own ("join"). An allreduce alike on
+the others: it reduces zeros of the call's dtypes and shapes in the same data allreduce
+(``Average`` divides by every rank: Horovod's result). A step of hvdsync's optimizer: the
+optimizer (``step_with``) takes it with zero gradients, its tag being this round
+(hvdsync.torch.joined). Anything else is refused, as Horovod answers only allreduce while a
+rank has joined: a script's call on the calling ranks, ``flush()`` or a save on every rank.
+The checks must be on (``HVDSYNC_CHECK_COLLECTIVES``): unchecked calls pair with nothing.
 """
 
 from __future__ import annotations
@@ -29,11 +28,13 @@ JOIN, ENTRY = checks.KINDS.index("join"), checks.KINDS.index("entry")
 
 def answer_until_all_joined(me: int, gather: Callable[[list[int]], list[list[int]]],
                             exchange: Callable[[dict], list[dict]],
-                            reduce_zeros: Callable[[dict], None]) -> int:
+                            reduce_zeros: Callable[[dict], None],
+                            step_with: Callable[[int, int], bool]) -> int:
     """A joined rank's loop (``me``: its rank in the set): ``gather(descriptor)`` pairs with
-    the others' checks, ``exchange(readable)`` with their readable forms, and
-    ``reduce_zeros(call)`` takes part in an allreduce ``call`` (its readable form) with zeros.
-    Returns the rank that joined last, once every rank has joined."""
+    the others' checks, ``exchange(readable)`` with their readable forms,
+    ``reduce_zeros(call)`` takes part in an allreduce ``call`` (its readable form) with zeros,
+    and ``step_with(optimizer, step)`` in a step of hvdsync's optimizer (``False``: none
+    here can). Returns the rank that joined last, once every rank has joined."""
     first = True
     while True:
         # root_rank: this rank, in its first round only (the round that finds every rank
@@ -44,7 +45,12 @@ def answer_until_all_joined(me: int, gather: Callable[[list[int]], list[list[int
         if all(e[0] == JOIN for e in everyone):
             return max(e[2] for e in everyone)
         if any(e[0] == ENTRY for e in everyone):
-            raise HorovodInternalError(entered_message(everyone))
+            steps = {tuple(e[1:4]) for e in everyone if e[0] != JOIN}
+            kind, step, optimizer = next(iter(steps))
+            if (len(steps) > 1 or any(e[0] != ENTRY for e in everyone if e[0] != JOIN)
+                    or kind != entries.CODE["step"] or not step_with(optimizer, step)):
+                raise HorovodInternalError(entered_message(everyone))
+            continue
         call = answered(exchange(desc))
         if call is not None:
             reduce_zeros(call)
