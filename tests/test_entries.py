@@ -184,8 +184,9 @@ def test_keras_a_flush_on_rank_0_only_is_refused_on_every_rank(path):
     both entries."""
     env = {"HVDSYNC_KERAS_PIPELINE": "1"} if path == "pipeline" else {}
     out = run_ranks(keras_flush_on_rank_0, np=2, timeout=180, env=env)
+    said = "\n".join(f"rank {r}: {o}" for r, o in enumerate(out))
     assert all(r["error"] and "the ranks called different collectives -- rank 0: flush()"
-               in r["error"] and "rank 1: a training step" in r["error"] for r in out), out
+               in r["error"] and "rank 1: a training step" in r["error"] for r in out), said
     assert out[0]["type"] == "RanksDisagree", out  # (rank 1's comes through TensorFlow)
     assert all(r["graph"] == (path == "compiled") for r in out), out
     assert all(r["seconds"] < 30 for r in out), out

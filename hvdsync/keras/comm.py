@@ -114,7 +114,8 @@ class KerasCommunicator:
         self.matches_by_name = True  # Horovod
         #: what this rank is doing, compared before each entry's first collective
         #: (hvdsync.safety.entries); eager Horovod ops block, so each tag is checked at once
-        self.entries = Entries(process_set, self._tag_round)
+        # (a grace before raising: a compiled step checks its tag after its data started)
+        self.entries = Entries(process_set, self._tag_round, grace_s=2.0)
         self._tag_functions: dict[str, Callable] = {}
 
     def _tag_round(self, values: list[float], name: str, what: str) -> Pending:

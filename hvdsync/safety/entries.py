@@ -13,6 +13,7 @@ docs/failures.md, "A call made on some ranks only", has the costs measured.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -43,9 +44,14 @@ class Entries:
     ``size()``). ``start(values, name, what)`` starts a control round (the average of a
     vector over the ranks; ``what``: for the watchdog) and returns its pending."""
 
-    def __init__(self, process_set: Any, start: Callable[[list[float], str, str], Any]):
+    def __init__(self, process_set: Any, start: Callable[[list[float], str, str], Any],
+                 grace_s: float = 0.0):
         self.process_set = process_set
         self._start = start
+        #: how long a rank that found the ranks apart waits before it raises, so that ranks
+        #: that check later (Keras' compiled step: on TensorFlow's executor) raise the same
+        #: error before this one's exit shuts Horovod down under them
+        self.grace_s = grace_s
         self.kind, self.step = CODE["start"], 0
         self._tagged = False  # this entry's tag is in flight (or was checked)
         self._seq = 0
@@ -131,6 +137,8 @@ class Entries:
         if len(set(kinds)) > 1:
             if set(kinds) == {0, CODE["step"]} and self.beside_join is None:
                 return  # a rank in hvd.join() takes part with zero gradients
+            if self.grace_s:
+                time.sleep(self.grace_s)
             raise RanksDisagree(describe(kinds, steps, self.beside_join))
 
 
