@@ -59,6 +59,8 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     def apply_entered(grads: list, variables: list) -> None:
         with tf.control_dependencies([entered]):  # no update unless every rank is stepping
             apply(grads, variables)
+    # whose update it is (traced_step.apply_if takes a skipped step's count back there)
+    apply_entered.__self__ = getattr(apply, "__self__", None)  # type: ignore[attr-defined]
     with tf.control_dependencies([checked]):
         TracedStep(comm, pipeline, layers, grads, variables, apply_entered, flags, traffic,
                    kept).build()

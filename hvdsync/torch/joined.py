@@ -55,8 +55,13 @@ def refusal(techniques: list, process_set: Any, two_levels: bool, by_name: bool
 
 
 def join(device: int = -1) -> int:
-    """Horovod's ``hvd.join()``, knowing hvdsync's optimizers (see the module doc); returns the
-    rank that joined last."""
+    """Horovod's ``hvd.join()``: this rank is out of data; it takes part in the others'
+    collectives until every rank has joined, and returns the rank that joined last. With
+    hvdsync's ``DistributedOptimizer``, the others' steps go on (this rank takes part with
+    zero gradients), and when it returns after uneven data every rank holds the last-joined
+    rank's parameters, optimizer state and shared technique state (docs/backends.md,
+    ``join``; ``delay=`` and ``between="nodes"`` refuse, and ``sparse=`` on Horovod).
+    ``device``: Horovod's, unused on CPU."""
     ops = engine.ops()
     torch_engine = engine.active_name() == "torch"
     last = ops.join(device, step_with=_step_with) if torch_engine else ops.join(device)
