@@ -121,11 +121,6 @@ class Technique:
     #: whether its result depends on the gradients' scale (it reads their values, or keeps
     #: them across steps): under loss scaling it must see them unscaled (``scaler=``)
     scale_sensitive: bool = True
-    #: why its steps cannot go on while a rank waits in ``hvd.join()`` (which takes part in
-    #: them with zero gradients, docs/backends.md), or ``None`` where they can
-    beside_join: Optional[str] = None
-    #: whether its step gathers (an allgather: Horovod answers none while a rank is joined)
-    gathers: bool = False
     #: whether a tracing adapter builds it into the traced step itself (Keras' compiled train
     #: function, :mod:`hvdsync.keras.graph`; else the step pipeline runs eagerly inside it)
     traceable: bool = False
@@ -212,6 +207,13 @@ class Technique:
     def status(self) -> dict:
         """What it did last, for logs and tests (plain data)."""
         return {}
+
+    def beside_join(self, by_name: bool) -> Optional[str]:
+        """Why its steps cannot go on while a rank waits in ``hvd.join()`` (which takes part
+        in them with zero gradients, docs/backends.md), or ``None`` where they can
+        (``by_name``: on Horovod, whose joined rank answers allreduces only)."""
+        return None
+
 
 
 class Transform(Technique):

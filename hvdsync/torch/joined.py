@@ -45,13 +45,7 @@ def refusal(techniques: list, process_set: Any, two_levels: bool, by_name: bool
         return "between='nodes' reduces inside each node first, which hvd.join() does not answer"
     if process_set.size() != engine.ops().size():
         return "hvd.join() joins every rank, this optimizer synchronizes a process set"
-    for t in techniques:
-        if t.beside_join is not None:
-            return t.beside_join
-        if by_name and t.gathers:
-            return (f"{t.name}= gathers every rank's rows, and Horovod answers nothing but "
-                    "allreduce while a rank is in hvd.join()")
-    return None
+    return next((why for why in (t.beside_join(by_name) for t in techniques) if why), None)
 
 
 def join(device: int = -1) -> int:

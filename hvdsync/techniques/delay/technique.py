@@ -121,10 +121,9 @@ class Delay(Transport):
     every K steps) are the same on every rank.
     """
 
-    #: a joined rank has no gradient of its own to apply locally, and its parameters would
-    #: enter the average as if it had trained
-    beside_join = ("delay= averages the ranks' parameters, and a rank in hvd.join() would "
-                   "enter the average as if it had trained")
+    def beside_join(self, by_name: bool) -> Optional[str]:
+        return ("delay= averages the ranks' parameters, and a rank in hvd.join() would enter "
+                "the average as if it had trained")
 
     # its step updates locally (hvdsync.core.rules.UPDATES_LOCALLY), and so it checks its own
     # gradients: a non-finite one becomes zeros on its rank (start, flush)

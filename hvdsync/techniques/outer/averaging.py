@@ -4,7 +4,7 @@ and what both synchronizations save of a rank's own replica (:func:`rank_values`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 from hvdsync.core.ports import Communicator, Gradients, TensorOps
 from hvdsync.core.stats import SyncStats
@@ -15,8 +15,9 @@ class Averaging(Technique):
     """Plain K-step averaging of the parameters (and, with ``optimizer_state="average"``, of
     the optimizer state shaped like them) after the update of every K-th step."""
 
-    beside_join = ("the parameter averaging averages every rank's parameters, and a rank in "
-                   "hvd.join() would enter the average as if it had trained")
+    def beside_join(self, by_name: bool) -> Optional[str]:
+        return ("the parameter averaging averages every rank's parameters, and a rank in "
+                "hvd.join() would enter the average as if it had trained")
 
     name = "outer"
     keyword = "delay"

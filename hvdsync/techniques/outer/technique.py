@@ -190,8 +190,9 @@ class OuterSync(Technique):
     a checkpoint stores once they arrive, so a resumed run merges them at the same step.
     ``finished_steps()``: the ``delay=`` transport's count of finished steps."""
 
-    beside_join = ("the outer synchronization averages every rank's parameters, and a rank "
-                   "in hvd.join() would enter the average as if it had trained")
+    def beside_join(self, by_name: bool) -> Optional[str]:
+        return ("the outer synchronization averages every rank's parameters, and a rank in "
+                "hvd.join() would enter the average as if it had trained")
 
     name = "outer"
     keyword = "delay"

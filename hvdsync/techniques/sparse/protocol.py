@@ -18,6 +18,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from hvdsync.core.stats import SyncStats
 from hvdsync.core.technique import Transport
@@ -213,8 +214,11 @@ class SparseTransport(Transport):
     memory in checkpoints); each moves its framework's tensors."""
 
     name = "sparse"
-    gathers = True  # every rank's rows
     scale_sensitive = False  # rows summed; the memory is of layouts and routes only
+
+    def beside_join(self, by_name: bool) -> Optional[str]:
+        return ("sparse= gathers every rank's rows, and Horovod answers nothing but allreduce "
+                "while a rank is in hvd.join()") if by_name else None
     protocol: SparseProtocol
 
     def state_dict(self) -> dict:
