@@ -215,7 +215,6 @@ class Technique:
         return None
 
 
-
 class Transform(Technique):
     """Changes a layer's gradients before its send or once its average arrived (clip=); its
     moments are :meth:`Technique.group_ready` and :meth:`Technique.after_wait`."""

@@ -158,4 +158,3 @@ def describe(kinds: list[int], steps: list[int], beside_join: Optional[str] = No
     return (f"hvdsync: the ranks called different collectives -- {said}. Each would wait for "
             f"the others forever (or, on torch.distributed, pair the wrong tensors): {fix}. "
             "See docs/failures.md.")
-

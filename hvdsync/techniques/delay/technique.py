@@ -121,13 +121,13 @@ class Delay(Transport):
     every K steps) are the same on every rank.
     """
 
-    def beside_join(self, by_name: bool) -> Optional[str]:
-        return ("delay= averages the ranks' parameters, and a rank in hvd.join() would enter "
-                "the average as if it had trained")
-
     # its step updates locally (hvdsync.core.rules.UPDATES_LOCALLY), and so it checks its own
     # gradients: a non-finite one becomes zeros on its rank (start, flush)
     name = "delay"
+
+    def beside_join(self, by_name: bool) -> Optional[str]:
+        return ("delay= averages the ranks' parameters, and a rank in hvd.join() would enter "
+                "the average as if it had trained")
 
     def __init__(self, config: DelayConfig, grads: Gradients, ops: TensorOps,
                  comm: Communicator, layer_names: list[str], stats: SyncStats,

@@ -15,15 +15,15 @@ class Averaging(Technique):
     """Plain K-step averaging of the parameters (and, with ``optimizer_state="average"``, of
     the optimizer state shaped like them) after the update of every K-th step."""
 
-    def beside_join(self, by_name: bool) -> Optional[str]:
-        return ("the parameter averaging averages every rank's parameters, and a rank in "
-                "hvd.join() would enter the average as if it had trained")
-
     name = "outer"
     keyword = "delay"
     role = SYNC
     traceable = True
     scale_sensitive = False  # it reads parameters, never gradients
+
+    def beside_join(self, by_name: bool) -> Optional[str]:
+        return ("the parameter averaging averages every rank's parameters, and a rank in "
+                "hvd.join() would enter the average as if it had trained")
 
     def __init__(self, config: Any, grads: Gradients, ops: TensorOps, comm: Communicator,
                  layer_names: list[str], stats: SyncStats, finished_steps: Callable[[], int]):

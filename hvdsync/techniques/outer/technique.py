@@ -190,10 +190,6 @@ class OuterSync(Technique):
     a checkpoint stores once they arrive, so a resumed run merges them at the same step.
     ``finished_steps()``: the ``delay=`` transport's count of finished steps."""
 
-    def beside_join(self, by_name: bool) -> Optional[str]:
-        return ("the outer synchronization averages every rank's parameters, and a rank in "
-                "hvd.join() would enter the average as if it had trained")
-
     name = "outer"
     keyword = "delay"
     role = SYNC
@@ -202,6 +198,10 @@ class OuterSync(Technique):
     #: this rank's residuals, and its parameters and optimizer state (they differ between
     #: ranks between synchronizations)
     per_rank = ("outer_residual", "outer_local")
+
+    def beside_join(self, by_name: bool) -> Optional[str]:
+        return ("the outer synchronization averages every rank's parameters, and a rank in "
+                "hvd.join() would enter the average as if it had trained")
 
     def __init__(self, config: Any, grads: Gradients, ops: TensorOps, comm: Communicator,
                  layer_names: list[str], stats: SyncStats, finished_steps: Callable[[], int]):

@@ -215,11 +215,11 @@ class SparseTransport(Transport):
 
     name = "sparse"
     scale_sensitive = False  # rows summed; the memory is of layouts and routes only
+    protocol: SparseProtocol
 
     def beside_join(self, by_name: bool) -> Optional[str]:
         return ("sparse= gathers every rank's rows, and Horovod answers nothing but allreduce "
                 "while a rank is in hvd.join()") if by_name else None
-    protocol: SparseProtocol
 
     def state_dict(self) -> dict:
         return {"protocol": self.protocol.state_dict()}
