@@ -65,8 +65,8 @@ class Entries:
     def name_after(self, layer_names: list[str]) -> None:
         """Tell this optimizer's tags apart from another's (Horovod pairs collectives by
         name): by its layers, which every rank has alike (hvdsync.safety.agreement)."""
-        name = f"hvdsync.entry.{zlib.crc32('|'.join(layer_names).encode()):08x}"
-        self._names = [f"{name}.{i}" for i in range(IN_FLIGHT + 1)]
+        self._identity = zlib.crc32("|".join(layer_names).encode())
+        self._names = [f"hvdsync.entry.{self._identity:08x}.{i}" for i in range(IN_FLIGHT + 1)]
 
     def names(self) -> list[str]:
         """Every name a tag of this optimizer can have (one per slot in flight)."""
@@ -93,7 +93,7 @@ class Entries:
 
     def identity(self) -> int:
         """This optimizer's tags, as one number (from :meth:`name_after`)."""
-        return int(self._names[0].split(".")[2], 16)
+        return self._identity
 
     def before(self, what: str = "a collective") -> int:
         """Called by the communicator before it starts a collective (``what``: for the

@@ -93,10 +93,10 @@ from hvdsync.techniques.sparse import SparseConfig
 from hvdsync.core.stats import SyncStats  # noqa: E402
 from hvdsync.techniques.threshold import ThresholdConfig
 from hvdsync.torch.optimizer import DistributedOptimizer  # noqa: E402,F811
-from hvdsync.torch.optimizer import _DistributedOptimizer  # noqa: E402
 from hvdsync.torch.joined import join  # noqa: E402 - Horovod's, knowing hvdsync's optimizer
 from hvdsync.torch.nodes import node_process_sets  # noqa: E402 - between="nodes" on Horovod
 from hvdsync.torch.saving import (UntrustedCheckpoint, broadcast_technique_state,  # noqa: E402
+                                  broadcast_optimizer_state,
                                   load_checkpoint,
                                   save_checkpoint)
 from hvdsync.torch import elastic  # noqa: E402 - Horovod's, knowing hvdsync's optimizer
@@ -105,20 +105,3 @@ from hvdsync.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402,F401
 
 elastic.install()
 
-
-def broadcast_optimizer_state(optimizer, root_rank, model=None, **kwargs):  # noqa: F811
-    """Horovod's ``broadcast_optimizer_state``, also for hvdsync's optimizer, and for its
-    techniques' state: every rank gets ``root_rank``'s shared technique state (a checkpoint
-    loaded on ``root_rank`` only reaches every rank); per-rank memory is not broadcast, so
-    none is kept (docs/checkpoints.md).
-
-    Horovod initialises an empty optimizer state by calling ``step()`` on zero gradients; on
-    hvdsync's optimizer that step must stay local (no collectives, no stats, no technique
-    state), as Horovod arranges for its own optimizer.
-    """
-    ops = _engine.ops()
-    if not isinstance(optimizer, _DistributedOptimizer):
-        return ops.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
-    with optimizer.skip_synchronize():
-        ops.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
-    broadcast_technique_state(optimizer, root_rank)

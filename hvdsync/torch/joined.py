@@ -22,8 +22,7 @@ from typing import Any, Optional
 import torch
 
 from hvdsync.torch import engine
-from hvdsync.torch.functions import broadcast_optimizer_state
-from hvdsync.torch.saving import broadcast_technique_state
+from hvdsync.torch.saving import broadcast_optimizer_state
 
 #: hvdsync's optimizers in this process, in the order they were made (alike on every rank)
 _OPTIMIZERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -98,7 +97,5 @@ def _catch_up(optimizer: Any, last: int, torch_engine: bool) -> None:
         return  # every rank took every step with data of its own
     ops.broadcast_parameters(sorted(((n, p) for p, n in optimizer._parameter_names.items()),
                                     key=lambda named: named[0]), root_rank=last)
-    with optimizer.skip_synchronize():
-        broadcast_optimizer_state(optimizer, last)
-    broadcast_technique_state(optimizer, last)
+    broadcast_optimizer_state(optimizer, last)  # with the shared technique state
     optimizer.stats.total.step = most

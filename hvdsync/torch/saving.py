@@ -79,6 +79,25 @@ def _to_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def broadcast_optimizer_state(optimizer: Any, root_rank: int, model: Any = None,
+                              **kwargs: Any) -> None:
+    """Horovod's ``broadcast_optimizer_state``, also for hvdsync's optimizer, and for its
+    techniques' state: every rank gets ``root_rank``'s shared technique state (a checkpoint
+    loaded on ``root_rank`` only reaches every rank); per-rank memory is not broadcast, so
+    none is kept (docs/checkpoints.md).
+
+    Horovod initialises an empty optimizer state by calling ``step()`` on zero gradients; on
+    hvdsync's optimizer that step must stay local (no collectives, no stats, no technique
+    state), as Horovod arranges for its own optimizer.
+    """
+    ops = engine.ops()
+    if not isinstance(optimizer, SyncAPI):
+        return ops.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
+    with optimizer.skip_synchronize():
+        ops.broadcast_optimizer_state(optimizer, root_rank, model, **kwargs)
+    broadcast_technique_state(optimizer, root_rank)
+
+
 def broadcast_technique_state(optimizer, root_rank: int) -> None:
     """Every rank takes ``root_rank``'s shared technique state (``broadcast_optimizer_state``
     of hvdsync.torch calls it): a checkpoint loaded on ``root_rank`` only reaches every rank,
