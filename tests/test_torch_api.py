@@ -16,6 +16,7 @@ import pytest
 from hvdsync.testing import HIDE_ENV, run_ranks
 from tests.torch_api_cases import (DTYPES, REDUCE_OPS, WIDE, async_forms,
                                    async_without_waiting, autograd_walk, join_uneven,
+                                   join_with_own_call_in_flight,
                                    checks_in_training, dtype_matrix, mistakes, rank_leaves,
                                    reducescatter_wire, refusals,
                                    run_script, step_while_a_rank_joined, sync_batch_norm,
@@ -33,6 +34,7 @@ def torch_job_cases(np_: int, directory: str) -> dict[str, tuple]:
     return {"autograd": (autograd_walk,), "sync_batch_norm": (sync_batch_norm,),
             "async_forms": (async_forms,), "refusals": (refusals,),
             "async_without_waiting": (async_without_waiting,), "join": (join_uneven,),
+            "join_in_flight": (join_with_own_call_in_flight,),
             "join_optimizer": (join_with_optimizer,)}
 
 
@@ -237,6 +239,18 @@ def test_join_answers_the_others_allreduces_as_horovods(request, torch_job, torc
     assert horovod[0]["last"] == np_ - 1  # rank r had r + 1 batches
     if np_ == 2:  # (with more ranks joining in one round, Horovod names any of them)
         assert ours[0]["last_again"] == horovod[0]["last_again"] == 1
+
+
+@NP
+def test_a_rank_that_joins_with_its_own_call_in_flight_gets_every_ranks_sum(
+        request, torch_job, torchrun_job, np_):
+    """A rank's ``allreduce_async`` still in flight when it calls ``hvd.join()`` (its peers
+    start theirs later) completes with every rank's values on both engines; join waits for
+    it (on Horovod alone the peers crash)."""
+    for engine_job in (torch_job, torchrun_job):
+        ranks = engine_job(request.module, np_)["join_in_flight"]
+        assert [r["sum"] for r in ranks] == [np_ * (np_ + 1) / 2] * np_, ranks
+        assert len({r["last"] for r in ranks}) == 1, ranks  # (who joins last is a race here)
 
 
 @NP

@@ -450,6 +450,30 @@ def join_uneven() -> dict:
     return out
 
 
+def join_with_own_call_in_flight() -> dict:
+    """The last rank starts an ``allreduce_async`` and calls ``hvd.join()`` before its peers
+    have started theirs (they come 0.5 s later): the call completes with every rank's values
+    (Horovod 0.28 would crash the peers: it counts the call ready once the ranks not joined
+    have started it), then join returns. Per rank: the sum, and join's answer."""
+    import time
+
+    import torch
+
+    import hvdsync.torch as hvd
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    mine = torch.tensor([float(r + 1)])
+    if r == n - 1:
+        handle = hvd.allreduce_async(mine, name="in_flight", op=hvd.Sum)
+        last = hvd.join()
+        total = hvd.synchronize(handle).item()
+    else:
+        time.sleep(0.5)
+        total = hvd.allreduce(mine, name="in_flight", op=hvd.Sum).item()
+        last = hvd.join()
+    return {"sum": total, "last": last}
+
+
 def checks_in_training() -> dict:
     """How many descriptor checks (one small blocking round each) hvdsync's own training steps
     and flush cost on the torch engine (none: the pipeline's order is the same on every rank

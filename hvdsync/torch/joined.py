@@ -16,11 +16,13 @@ warned).
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, Optional
 
 import torch
 
+from hvdsync.safety.watchdog import guard
 from hvdsync.torch import engine
 from hvdsync.torch.saving import broadcast_optimizer_state
 
@@ -57,11 +59,31 @@ def join(device: int = -1) -> int:
     ``device``: Horovod's, unused on CPU."""
     ops = engine.ops()
     torch_engine = engine.active_name() == "torch"
-    last = ops.join(device, step_with=_step_with) if torch_engine else ops.join(device)
+    if torch_engine:
+        last = ops.join(device, step_with=_step_with)
+    else:
+        _wait_for_started(ops)
+        last = ops.join(device)
     for _, optimizer in sorted(_OPTIMIZERS.items()):
         if optimizer._closed is None:
             _catch_up(optimizer, last, torch_engine)
     return last
+
+
+def _wait_for_started(ops: Any) -> None:
+    """Horovod: wait until every collective this process started has completed. Horovod
+    counts a collective ready once every rank not joined has started it, so one this rank
+    started and then joined with would reach a rank that has not started it yet, and Horovod
+    0.28 crashes there (a segmentation fault: a response for a name it does not hold). Such a
+    collective is a later step's on the others (``delay=``'s global gradient in flight, a
+    script's own ``_async`` call); it completes once they start it. Polled, not synchronized:
+    its owner still reads its result."""
+    from horovod.torch import mpi_ops
+    started = list(mpi_ops._handle_map)  # (Horovod's handles not yet synchronized)
+    with guard("hvd.join(): this rank's collectives in flight"):
+        for handle in started:
+            while not ops.poll(handle):
+                time.sleep(0.001)
 
 
 def _step_with(identity: int, step: int) -> bool:
