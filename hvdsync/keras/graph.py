@@ -37,7 +37,7 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
                layers: list[tuple[int, list[int]]], grads: list, variables: list,
                apply: Callable[[list, list], None], restored: tf.Variable,
                flags: HostFlags, traffic: Traffic, step: tf.Tensor,
-               kept: Optional[KeptLayers] = None) -> None:
+               kept: Optional[KeptLayers] = None) -> tf.Tensor:
     """Build one step of the graph path: per layer (fixed order) clip (local), reduce, clip
     (global); then ``apply(grads, variables)`` and record the step's statistics. With a
     decider (``kept``, its traced form), each layer's reduce runs only where the step's plan
@@ -51,7 +51,8 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     already would go on with it on some ranks only. ``flags``: the techniques' host flags.
     ``step``: the step's number, for its entry tag (:meth:`KerasCommunicator.step_tag`),
     sent beside the step's data and checked before the update: a rank in ``flush()`` or a
-    save meanwhile makes every rank raise, and no update is made with what was paired."""
+    save meanwhile makes every rank raise, and no update is made with what was paired.
+    Returns whether the update was applied (the same on every rank)."""
     checked = _when_restored(restored, pipeline)
     with tf.control_dependencies([checked]):
         entered = comm.step_tag(step)  # (after the restore check's own tags: one name)
@@ -59,11 +60,9 @@ def graph_step(comm: KerasCommunicator, pipeline: StepPipeline,
     def apply_entered(grads: list, variables: list) -> None:
         with tf.control_dependencies([entered]):  # no update unless every rank is stepping
             apply(grads, variables)
-    # whose update it is (traced_step.apply_if takes a skipped step's count back there)
-    apply_entered.__self__ = getattr(apply, "__self__", None)  # type: ignore[attr-defined]
     with tf.control_dependencies([checked]):
-        TracedStep(comm, pipeline, layers, grads, variables, apply_entered, flags, traffic,
-                   kept).build()
+        return TracedStep(comm, pipeline, layers, grads, variables, apply_entered, flags,
+                          traffic, kept).build()
 
 
 def _when_restored(restored: tf.Variable, pipeline: StepPipeline) -> tf.Tensor:
@@ -78,11 +77,12 @@ def _when_restored(restored: tf.Variable, pipeline: StepPipeline) -> tf.Tensor:
 
 def eager_step(run: Callable[[list, list], tuple[list, bool]], finish: Callable[[], None],
                grads: list, variables: list, apply: Callable[[list, list], None],
-               values: bool) -> None:
+               values: bool) -> tf.Tensor:
     """Build one step of the pipeline path: ``run(grads, values)`` eagerly (gradients in;
     gradients to apply and whether to apply them out -- a step non-finite on some rank is
     skipped on every rank; ``values``: the variables' values read before the update, or
-    ``[]``), ``apply`` them, then ``finish()`` eagerly after the update."""
+    ``[]``), ``apply`` them, then ``finish()`` eagerly after the update. Returns whether the
+    update was applied."""
     shapes = [v.shape for v in variables]
     flat, spec = _flatten(grads, shapes)
     reads = [tf.convert_to_tensor(v.value) for v in variables] if values else []
@@ -106,6 +106,7 @@ def eager_step(run: Callable[[list, list], tuple[list, bool]], finish: Callable[
         finish()
         return tf.zeros([], tf.int32)
     tf.py_function(close, after, tf.int32)
+    return ok
 
 
 def in_xla_context() -> bool:

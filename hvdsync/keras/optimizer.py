@@ -191,9 +191,10 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             self._apply_update(grads, variables)
             return
         if hv.graph_path:
-            graph_step(hv.comm, hv.pipeline, hv.grads.layer_positions(variables), grads,
-                       variables, self._apply_update, hv.restored, hv.flags, hv.traffic,
-                       self._iterations + 1, hv.kept)
+            self._uncount_skipped(graph_step(
+                hv.comm, hv.pipeline, hv.grads.layer_positions(variables), grads, variables,
+                self._apply_update, hv.restored, hv.flags, hv.traffic, self._iterations + 1,
+                hv.kept))
             return
         if hv.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
@@ -205,8 +206,16 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
             hv.grads.begin_step(variables, step_grads, values)
             hv.pipeline.finish_backward()  # every layer is ready at once in Keras
             return hv.grads.grads, hv.pipeline.step_ok
-        eager_step(run, hv.pipeline.after_optimizer_step, grads, variables,
-                   self._apply_update, any(t.reads_values for t in hv.techniques))
+        self._uncount_skipped(eager_step(run, hv.pipeline.after_optimizer_step, grads,
+                                         variables, self._apply_update,
+                                         any(t.reads_values for t in hv.techniques)))
+
+    def _uncount_skipped(self, applied: tf.Tensor) -> None:
+        """A step skipped on every rank (non-finite somewhere) does not count: Keras adds one
+        to ``iterations`` after every apply, so take it back (as Keras' own
+        LossScaleOptimizer leaves a skipped step uncounted)."""
+        if tf.get_static_value(applied) is not True and not self.gradient_accumulation_steps:
+            self._iterations.assign_add(tf.cast(applied, self._iterations.dtype) - 1)
 
     # -- Horovod Elastic (hvdsync.keras.elastic, docs/elastic.md) ----------------------------
     def _agree(self) -> None:

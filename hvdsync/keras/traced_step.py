@@ -63,13 +63,15 @@ class TracedStep:
         self.decided: dict[int, Technique] = {}
         self.exchangers: list[Technique] = []
 
-    def build(self) -> None:
-        """The whole step, moment by moment."""
+    def build(self) -> tf.Tensor:
+        """The whole step, moment by moment; whether the update was applied (the same on
+        every rank)."""
         self.begin()
         for li, positions in self.layers:
             self.layer_ready(li, positions)
         self.exchange_groups()
         self.end(*self.commit())
+        return self.ok
 
     def begin(self) -> None:
         """The step's gradients as the techniques see them, the transports' groups, the
@@ -412,17 +414,9 @@ def _bytes(comm: KerasCommunicator, g, wire: bool) -> tf.Tensor:
 
 def apply_if(ok, apply: Callable[[list, list], None], grads: list, variables: list) -> None:
     """``apply(grads, variables)`` only where ``ok`` (a step non-finite on some rank is
-    skipped on every rank: ``ok`` is the same everywhere). A skipped step does not count:
-    Keras adds one to the optimizer's ``iterations`` after every apply, so take it back
-    (as Keras' own LossScaleOptimizer leaves a skipped step uncounted)."""
-    optimizer = getattr(apply, "__self__", None)
-
+    skipped on every rank: ``ok`` is the same everywhere; the optimizer takes a skipped
+    step's count back: ``hvdsync.keras.optimizer``'s ``_uncount_skipped``)."""
     def update():
         apply(grads, variables)
         return tf.constant(True)
-
-    def skip():
-        if optimizer is not None and not optimizer.gradient_accumulation_steps:
-            optimizer._iterations.assign_add(-1)
-        return tf.constant(False)
-    tf.cond(ok, update, skip)
+    tf.cond(ok, update, lambda: tf.constant(False))
