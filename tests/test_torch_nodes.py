@@ -145,16 +145,18 @@ def trained(keywords: dict, between: str | None, nan_rank: int = -1) -> dict:
                 inside=total.get("bytes_intra_node", 0) / steps)
 
 
-def nodes_body(cases: dict[str, dict], flat_too: bool) -> dict:
-    """Every case in turn on this rank: two-level, and flat where ``flat_too``."""
+def nodes_body(cases: dict[str, dict], flat: tuple[str, ...], nan: tuple[str, ...] = ()
+               ) -> dict:
+    """Every case in turn on this rank: two-level; flat too for those in ``flat``; again with
+    a NaN on rank 1 for those in ``nan``."""
     import hvdsync.torch as hvd
     hvd.init(process_sets=hvd.node_process_sets())
     out = {}
     for name, keywords in cases.items():
         out[name] = trained(keywords, "nodes")
-        if flat_too:
+        if name in flat:
             out[f"{name}, flat"] = trained(keywords, None)
-    for name in [c for c in NAN_CASES if c in cases] if flat_too else ():
+    for name in [c for c in nan if c in cases]:
         out[f"{name}, NaN"] = trained(cases[name], "nodes", nan_rank=1)
     try:  # a choice from this rank's own timing would differ between a node's ranks
         trained(dict(delay=dict(staleness=1, fold="arrived")), "nodes")
@@ -165,6 +167,9 @@ def nodes_body(cases: dict[str, dict], flat_too: bool) -> dict:
 
 #: the cases run again with a NaN gradient on rank 1 (node 0) at one step
 NAN_CASES = ("nothing on", "threshold", "delay", "streaming")
+#: the cases run flat as well: the bytes a node sends between nodes against a flat rank's,
+#: and nothing on's average against Horovod's
+FLAT_CASES = ("nothing on", "lowrank", "fp16") + SPARSE_CASES
 
 
 def identical(runs: list[dict], case: str) -> bool:
@@ -177,7 +182,7 @@ def test_two_nodes_of_two_ranks(launcher):
                                                                            "threshold",
                                                                            "delay",
                                                                            "streaming")}
-    runs = run_job(nodes_body, 4, (cases, True), timeout=600, env={OVERRIDE: "2"},
+    runs = run_job(nodes_body, 4, (cases, FLAT_CASES, NAN_CASES), timeout=600, env={OVERRIDE: "2"},
                    launcher=launcher)
     for case in cases:
         assert identical(runs, case), case  # every rank of every node, after flush()
@@ -221,7 +226,8 @@ def test_two_nodes_of_two_ranks(launcher):
 def edge_body() -> dict:
     """One job's layout (the override the launcher gave): nothing on and a technique, each
     two-level and flat."""
-    return nodes_body({"nothing on": {}, "threshold": CASES["threshold"]}, True)
+    return nodes_body({"nothing on": {}, "threshold": CASES["threshold"]},
+                      ("nothing on", "threshold"))
 
 
 @pytest.mark.parametrize("per_node, what", [("1", "flat"), ("2", "one node")])
