@@ -182,8 +182,8 @@ def test_two_nodes_of_two_ranks(launcher):
                                                                            "threshold",
                                                                            "delay",
                                                                            "streaming")}
-    runs = run_job(nodes_body, 4, (cases, FLAT_CASES, NAN_CASES), timeout=600, env={OVERRIDE: "2"},
-                   launcher=launcher)
+    runs = run_job(nodes_body, 4, (cases, FLAT_CASES, NAN_CASES), timeout=600,
+                   env={OVERRIDE: "2"}, launcher=launcher)
     for case in cases:
         assert identical(runs, case), case  # every rank of every node, after flush()
         # one replica per node: a node's ranks alike even before flush() (0, 1 and 2, 3)

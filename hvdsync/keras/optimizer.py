@@ -214,7 +214,8 @@ class _DistributedOptimizer(KerasCheckpointing, SyncAPI):
         """A step skipped on every rank (non-finite somewhere) does not count: Keras adds one
         to ``iterations`` after every apply, so take it back (as Keras' own
         LossScaleOptimizer leaves a skipped step uncounted)."""
-        if tf.get_static_value(applied) is not True and not self.gradient_accumulation_steps:
+        always = tf.get_static_value(applied)  # (a local step applies every time)
+        if not (always is not None and bool(always)) and not self.gradient_accumulation_steps:
             self._iterations.assign_add(tf.cast(applied, self._iterations.dtype) - 1)
 
     # -- Horovod Elastic (hvdsync.keras.elastic, docs/elastic.md) ----------------------------
